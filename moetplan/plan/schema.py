@@ -1,0 +1,347 @@
+"""The one contract: pydantic models serialised as plan.json / hw.json / run.json.
+
+Every stage (probe, plan, run, bench, diff) reads and writes these and nothing else. Knob names in
+`Placement` are the names users pin with `--set name=value`; do not rename them without bumping
+SCHEMA_VERSION.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = "1.0"
+
+ExpertTier = Literal["resident", "host", "nvme"]
+Objective = Literal["decode", "context", "balanced"]
+ValueSource = Literal["measured", "datasheet", "derived", "user", "default"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+# --------------------------------------------------------------------------- hardware
+
+
+class GPUInfo(_Model):
+    index: int = 0
+    name: str = Field(description="Name as reported by the driver, or the hwdb display name")
+    hwdb_id: str | None = Field(None, description="Matched hwdb/gpus.yaml id; None when unmatched")
+    uuid: str | None = None
+    vram_gib: float
+    free_gib: float | None = None
+    mem_bw_gbps: float = Field(description="Device memory bandwidth, GB/s")
+    compute_capability: str = Field(description='e.g. "12.0"')
+    fp8: bool = False
+    fp4: bool = False
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    pcie_gen_max: int | None = None
+    pcie_width_max: int | None = None
+    power_limit_w: float | None = None
+    h2d_pinned_gbps: float | None = Field(None, description="Pinned host->device GB/s at expert-sized copies")
+    h2d_pageable_gbps: float | None = None
+    h2d_batched_gbps: float | None = Field(None, description="Many expert-sized copies in one go")
+    d2d_gbps: float | None = Field(None, description="Device memory copy GB/s (read+write counted)")
+    nvlink_peers: list[int] = Field(default_factory=list)
+    sources: dict[str, ValueSource] = Field(
+        default_factory=dict, description="Where each numeric field came from: measured vs datasheet"
+    )
+
+
+class HostInfo(_Model):
+    ram_gib: float
+    ram_available_gib: float | None = None
+    cpu_model: str | None = None
+    cores: int | None = None
+    numa_nodes: int | None = None
+    hugepages_total: int | None = None
+    hugepage_size_kib: int | None = None
+    memlock_bytes: int | None = Field(None, description="RLIMIT_MEMLOCK soft limit; None = unlimited")
+    pinned_alloc_ok: bool | None = Field(None, description="Pinned allocation of a test size worked")
+    dram_gbps: float | None = None
+    sources: dict[str, ValueSource] = Field(default_factory=dict)
+
+
+class StorageInfo(_Model):
+    path: str | None = None
+    fs_type: str | None = None
+    free_gib: float | None = None
+    seq_read_gbps: float | None = None
+    rand_read_gbps: float | None = Field(None, description="Expert-sized (4-16 MiB) random reads, O_DIRECT")
+    o_direct: bool | None = None
+    warnings: list[str] = Field(default_factory=list)
+    sources: dict[str, ValueSource] = Field(default_factory=dict)
+
+
+class HardwareProfile(_Model):
+    schema_version: str = SCHEMA_VERSION
+    source: str = Field("inline", description='"probe", "box:<id>", "inline", "file:<path>" or "default"')
+    box_id: str | None = None
+    description: str | None = None
+    gpus: list[GPUInfo] = Field(default_factory=list)
+    host: HostInfo
+    storage: StorageInfo = Field(default_factory=StorageInfo)
+    p2p: bool = Field(False, description="GPU peer-to-peer usable for tensor parallel traffic")
+    measured_at: str | None = None
+    warnings: list[str] = Field(default_factory=list)
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpus)
+
+
+# --------------------------------------------------------------------------- goals & placement
+
+
+class Goals(_Model):
+    context: int | None = Field(None, description="Wanted max context (tokens); None = as much as fits")
+    concurrency: int = 1
+    objective: Objective = "balanced"
+    pinned: dict[str, Any] = Field(default_factory=dict, description="Knobs fixed with --set name=value")
+    pack_dir: str | None = None
+
+
+class Gate(_Model):
+    enabled: bool = False
+    tau: float = 0.5
+    max_promotions_per_step: int | None = None
+    degraded: bool = False
+
+
+class Placement(_Model):
+    tp: int = 1
+    pp: int = 1
+    expert_tier: ExpertTier = "resident"
+    gpu_expert_cache_gib: float = Field(0.0, description="Per GPU rank; 0 when experts are resident")
+    gpu_expert_cache_slots: int = Field(0, description="Expert rows (per layer-expert) the cache holds per rank")
+    fp4_reserve_gib: float = Field(0.0, description="Per GPU rank")
+    fp4_reserve_slots: int = 0
+    host_arena_gib: float = Field(0.0, description="Pinned RAM arena over NVMe packs (tier nvme)")
+    kv_dtype: str = "fp8"
+    kv_cache_gib: float = Field(0.0, description="Per GPU rank")
+    context: int = Field(4096, description="max_model_len")
+    mtp: int = Field(0, description="Speculative tokens per step (MTP depth)")
+    mtp_acceptance: float = Field(1.0, description="Mean tokens emitted per decode step")
+    max_num_seqs: int = 1
+    concurrency: int = 1
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.92
+    pack_dir: str | None = None
+    gate: Gate = Field(default_factory=Gate)
+
+
+# Knob names accepted by --set (the issue fixes these names).
+PINNABLE_KNOBS: tuple[str, ...] = (
+    "tp", "pp", "expert_tier", "gpu_expert_cache_gib", "fp4_reserve_gib", "host_arena_gib", "kv_dtype",
+    "context", "mtp", "mtp_acceptance", "max_num_seqs", "concurrency", "gpu_memory_utilization",
+)
+
+
+# --------------------------------------------------------------------------- memory ledger
+
+
+class LedgerItem(_Model):
+    name: str
+    gib: float
+    note: str | None = None
+
+
+class GPURankMemory(_Model):
+    rank: int
+    gpu: str
+    total_gib: float
+    budget_gib: float = Field(description="total x gpu_memory_utilization")
+    used_gib: float
+    items: list[LedgerItem] = Field(default_factory=list)
+
+    @property
+    def free_gib(self) -> float:
+        return self.budget_gib - self.used_gib
+
+
+class MemoryLedger(_Model):
+    gpus: list[GPURankMemory] = Field(default_factory=list)
+    host_gib: float = Field(0.0, description="Host RAM the plan uses (pinned store or arena, dense staging)")
+    host_total_gib: float = 0.0
+    host_items: list[LedgerItem] = Field(default_factory=list)
+    disk_gib: float = Field(0.0, description="Pack files on disk")
+    disk_free_gib: float | None = None
+    disk_items: list[LedgerItem] = Field(default_factory=list)
+    guards: list[str] = Field(default_factory=list, description="Guards checked and how they came out")
+
+
+# --------------------------------------------------------------------------- prediction
+
+
+class Term(_Model):
+    name: str
+    ms: float
+    share: float = 0.0
+    note: str | None = None
+
+
+class Prediction(_Model):
+    decode_tok_s: float
+    aggregate_tok_s: float = 0.0
+    prefill_tok_s: float = 0.0
+    ttft_ms: float | None = None
+    bottleneck: str = ""
+    step_ms: float = 0.0
+    tokens_per_step: float = 1.0
+    terms: list[Term] = Field(default_factory=list)
+    token_hit_rate: float | None = None
+    zero_miss_step_share: float | None = None
+    misses_per_step: float | None = None
+    gate_fire_share: float | None = None
+    notes: list[str] = Field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- plan
+
+
+class Reason(_Model):
+    knob: str
+    text: str
+
+
+class Alternative(_Model):
+    label: str
+    placement: dict[str, Any]
+    context: int
+    decode_tok_s: float
+    aggregate_tok_s: float = 0.0
+    bottleneck: str = ""
+    pareto: bool = False
+
+
+class Launch(_Model):
+    argv: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    model_path: str | None = None
+    served_model_name: str | None = None
+
+
+class Plan(_Model):
+    schema_version: str = SCHEMA_VERSION
+    kind: Literal["plan"] = "plan"
+    created_at: str = Field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    moetplan_version: str = ""
+    model: "ModelSpec"
+    hardware: HardwareProfile
+    goals: Goals = Field(default_factory=Goals)
+    placement: Placement
+    memory: MemoryLedger
+    prediction: Prediction
+    reasons: list[Reason] = Field(default_factory=list)
+    alternatives: list[Alternative] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+    launch: Launch = Field(default_factory=Launch)
+
+
+class RunRecord(_Model):
+    """What a served run measured, in the Plan's vocabulary (written by the runtime and by `moetplan bench`)."""
+
+    schema_version: str = SCHEMA_VERSION
+    kind: Literal["run"] = "run"
+    created_at: str = Field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    model_id: str | None = None
+    plan_path: str | None = None
+    placement: dict[str, Any] = Field(default_factory=dict, description="The plan's placement, when known")
+    measured: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Metrics named as in Prediction: decode_tok_s, prefill_tok_s, aggregate_tok_s, ttft_ms, ...",
+    )
+    runtime: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Runtime KPIs: token_hit_rate, zero_miss_step_share, misses_per_step, moe_calls, ...",
+    )
+    probes: dict[str, Any] = Field(default_factory=dict, description="Quality probes: PASS/FAIL per probe")
+    machine: dict[str, Any] = Field(default_factory=dict)
+    server: dict[str, Any] = Field(default_factory=dict)
+    errors: list[str] = Field(default_factory=list)
+
+
+from moetplan.models.spec import ModelSpec  # noqa: E402  (ModelSpec imports nothing from here)
+
+Plan.model_rebuild()
+
+# --------------------------------------------------------------------------- atomic JSON I/O
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write via temp file + rename so a crash never leaves a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def save_json(model: BaseModel, path: str | os.PathLike[str]) -> None:
+    atomic_write_text(path, model.model_dump_json(indent=2) + "\n")
+
+
+class SchemaError(ValueError):
+    """A JSON file does not match the schema; message names the file and the field."""
+
+
+def load_json(cls: type[M], path: str | os.PathLike[str]) -> M:
+    from pydantic import ValidationError
+
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise SchemaError(f"{p}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise SchemaError(f"{p}: not valid JSON ({e.msg} at line {e.lineno}); regenerate it") from None
+    ver = data.get("schema_version") if isinstance(data, dict) else None
+    if ver is not None and str(ver).split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+        raise SchemaError(
+            f"{p}: schema_version {ver} is not supported by this moetplan (expects {SCHEMA_VERSION}); "
+            "regenerate the file with this version"
+        )
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise SchemaError(f"{p}: field '{loc}': {first['msg']} ({len(e.errors())} error(s) in all)") from None
+
+
+def load_any(path: str | os.PathLike[str]) -> Plan | RunRecord | HardwareProfile:
+    """Load a plan.json, run.json or hw.json by its `kind`."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise SchemaError(f"{p}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise SchemaError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if kind == "run":
+        return load_json(RunRecord, p)
+    if kind == "plan":
+        return load_json(Plan, p)
+    if isinstance(data, dict) and "gpus" in data and "host" in data:
+        return load_json(HardwareProfile, p)
+    raise SchemaError(f"{p}: not a moetplan plan, run record or hardware profile (no 'kind' field)")
