@@ -17,7 +17,220 @@ app = typer.Typer(
 
 # --- command registrations (one line per command; implementations live in their area) ---
 # (filled in per area)
+from moetplan.hw.command import probe_command; app.command("probe")(probe_command)  # noqa: E402,E702
+from moetplan.launch.bench import bench_command; app.command("bench")(bench_command)  # noqa: E402,E702
+from moetplan.runtime.quantize_ckpt import quantize_command; app.command("quantize")(quantize_command)  # noqa: E402,E702
 # --- end registrations ---
+
+
+# =========================================================================== plan, diff, schema, lists (lead)
+
+import json as _json
+from pathlib import Path as _Path
+from typing import List, Optional
+
+from rich.console import Console as _Console
+
+_out = _Console()
+_err = _Console(stderr=True)
+
+
+def _fail(e: MoetplanError, as_json: bool = False) -> None:
+    from moetplan.errors import InfeasibleError
+
+    if as_json:
+        doc = {"error": str(e), "exit_code": e.exit_code}
+        if isinstance(e, InfeasibleError):
+            doc.update(shortfalls=e.shortfalls, suggestions=e.suggestions)
+        print(_json.dumps(doc, indent=2))
+    elif isinstance(e, InfeasibleError):
+        from moetplan.report.plan_view import render_infeasible
+
+        render_infeasible(e, _err)
+    else:
+        _err.print(f"[bold red]error:[/] {e}")
+    raise typer.Exit(e.exit_code)
+
+
+@app.command("plan")
+def plan_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="hwdb id/alias (glm-5.2, ds4-flash, ...) or a local "
+                              "config.json / checkpoint folder"),
+    hw: Optional[str] = typer.Option(None, "--hw", help="HardwareProfile JSON from `moetplan probe`"),
+    box: Optional[str] = typer.Option(None, "--box", help="reference box id (`moetplan boxes`)"),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="inline GPUs, e.g. 2xrtx-5090"),
+    host_ram_gib: Optional[float] = typer.Option(None, "--host-ram-gib"),
+    nvme_gbps: Optional[float] = typer.Option(None, "--nvme-gbps", help="pack dir read GB/s"),
+    pack_dir_free_gib: Optional[float] = typer.Option(None, "--pack-dir-free-gib"),
+    pack_dir: Optional[str] = typer.Option(None, "--pack-dir"),
+    context: Optional[str] = typer.Option(None, "--context", help="wanted context, e.g. 32768 or 128k"),
+    concurrency: int = typer.Option(1, "--concurrency"),
+    objective: str = typer.Option("balanced", "--objective", help="decode | context | balanced"),
+    set_: List[str] = typer.Option([], "--set", help="pin a knob: name=value (repeatable)"),
+    explain: bool = typer.Option(False, "--explain", help="per-term step time and what would move the bottleneck"),
+    plot: Optional[str] = typer.Option(None, "--plot", help="write the context vs decode Pareto plot (PNG)"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="write plan.json"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+) -> None:
+    """Solve the placement, predict tok/s and name the bottleneck."""
+    from moetplan.errors import UsageError
+    from moetplan.models import resolve_model
+    from moetplan.plan.hardware import resolve_hardware
+    from moetplan.plan.schema import Goals, save_json
+    from moetplan.plan.solver import _parse_tokens, parse_set, solve
+
+    try:
+        if objective not in ("decode", "context", "balanced"):
+            raise UsageError(f"--objective {objective}: must be decode, context or balanced")
+        try:
+            ctx = _parse_tokens(context) if context else None
+        except ValueError:
+            raise UsageError(f"--context {context}: not a token count (e.g. 32768 or 128k)") from None
+        spec = resolve_model(model)
+        profile, notes = resolve_hardware(hw, box, gpus, host_ram_gib, nvme_gbps, pack_dir_free_gib, pack_dir,
+                                          probe_progress=not as_json)
+        goals = Goals(context=ctx, concurrency=concurrency, objective=objective, pinned=parse_set(set_),
+                      pack_dir=pack_dir)
+        plan = solve(spec, profile, goals)
+        plan.warnings = notes + plan.warnings
+    except MoetplanError as e:
+        _fail(e, as_json)
+        return
+    if out:
+        save_json(plan, out)
+    if as_json:
+        print(plan.model_dump_json(indent=2))
+    else:
+        from moetplan.report.plan_view import render_plan
+
+        whatifs = None
+        if explain:
+            from moetplan.cost_model import whatifs as _whatifs
+
+            whatifs = _whatifs(plan.model, plan.hardware, plan.placement)
+        for n in notes:
+            _out.print(f"[cyan]note:[/] {n}")
+        render_plan(plan, _out, explain=explain, whatifs=whatifs)
+        if out:
+            _out.print(f"wrote {out}")
+    if plot:
+        from moetplan.report.plot import pareto_plot
+
+        pareto_plot(spec, profile, goals, plot)
+        if not as_json:
+            _out.print(f"wrote {plot}")
+
+
+@app.command("diff")
+def diff_cmd(
+    a: str = typer.Argument(..., help="plan.json"),
+    b: str = typer.Argument(..., help="plan.json or run.json"),
+    markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
+    all_rows: bool = typer.Option(False, "--all", help="also rows that did not change"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """What changed between two plans and what it costs; or a plan vs a measured run."""
+    from moetplan.errors import UsageError
+    from moetplan.plan.schema import Plan, RunRecord, load_any
+    from moetplan.report.diff import diff_markdown, diff_plan_run, diff_plans, diff_table
+
+    try:
+        da, db = load_any(a), load_any(b)
+        if isinstance(da, RunRecord) and isinstance(db, Plan):
+            da, db, a, b = db, da, b, a
+        if not isinstance(da, Plan):
+            raise UsageError(f"{a}: diff needs a plan.json first (got a {type(da).__name__})")
+        if isinstance(db, Plan):
+            rows, title = diff_plans(da, db), "plan vs plan"
+        elif isinstance(db, RunRecord):
+            rows, title = diff_plan_run(da, db), "plan vs measured run"
+        else:
+            raise UsageError(f"{b}: diff needs a plan.json or run.json (got a hardware profile)")
+    except MoetplanError as e:
+        _fail(e, as_json)
+        return
+    labels = (_Path(a).name, _Path(b).name)
+    if as_json:
+        print(_json.dumps([r.__dict__ for r in rows], indent=2, default=str))
+    elif markdown:
+        print(diff_markdown(rows, labels, all_rows), end="")
+    else:
+        _out.print(diff_table(rows, title, labels, all_rows))
+
+
+@app.command("schema")
+def schema_cmd(which: str = typer.Argument("plan", help="plan | hw | run")) -> None:
+    """Print the JSON Schema of plan.json, hw.json or run.json."""
+    from moetplan.plan.schema import HardwareProfile, Plan, RunRecord
+
+    cls = {"plan": Plan, "hw": HardwareProfile, "hardware": HardwareProfile, "run": RunRecord}.get(which)
+    if cls is None:
+        _fail(__import__("moetplan.errors", fromlist=["UsageError"]).UsageError(
+            f"schema '{which}': choose plan, hw or run"))
+        return
+    print(_json.dumps(cls.model_json_schema(), indent=2))
+
+
+@app.command("models")
+def models_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the models in hwdb."""
+    from rich.table import Table
+
+    from moetplan import hwdb
+
+    specs = [hwdb.model_spec(i) for i in hwdb.model_ids()]
+    if as_json:
+        print(_json.dumps([{"id": s.id, "name": s.name, "aliases": s.aliases, "params_total_b": s.params_total_b,
+                            "routed_2bit_gib": round(s.routed_gib("2bit"), 2),
+                            "dense_gib": round(s.dense_bytes() / 2**30, 2)} for s in specs], indent=2))
+        return
+    t = Table(title="Models (hwdb/models)", header_style="bold")
+    for c in ("id", "name", "layers/MoE", "experts (top-k)", "2-bit experts GiB", "dense GiB", "aliases"):
+        t.add_column(c, overflow="fold")
+    for s in specs:
+        t.add_row(s.id, s.name, f"{s.num_layers}/{s.moe_layers}", f"{s.n_routed_experts} ({s.top_k})",
+                  f"{s.routed_gib('2bit'):.1f}", f"{s.dense_bytes() / 2**30:.1f}", ", ".join(s.aliases))
+    _out.print(t)
+
+
+@app.command("gpus")
+def gpus_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the GPUs in hwdb."""
+    from rich.table import Table
+
+    from moetplan import hwdb
+
+    infos = [hwdb.gpu_info(i) for i in hwdb.gpu_ids()]
+    if as_json:
+        print(_json.dumps([g.model_dump(exclude_none=True) for g in infos], indent=2))
+        return
+    t = Table(title="GPUs (hwdb/gpus.yaml)", header_style="bold")
+    for c in ("id", "name", "VRAM GiB", "GB/s", "cc", "fp8", "fp4", "PCIe"):
+        t.add_column(c)
+    for g in infos:
+        t.add_row(g.hwdb_id or "", g.name, f"{g.vram_gib:.0f}", f"{g.mem_bw_gbps:.0f}", g.compute_capability,
+                  "yes" if g.fp8 else "", "yes" if g.fp4 else "", f"{g.pcie_gen or '?'} x{g.pcie_width or '?'}")
+    _out.print(t)
+
+
+@app.command("boxes")
+def boxes_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the reference boxes in hwdb."""
+    from rich.table import Table
+
+    from moetplan import hwdb
+    from moetplan.report.plan_view import hardware_line
+
+    profs = [hwdb.box_profile(i) for i in hwdb.box_ids()]
+    if as_json:
+        print(_json.dumps([p.model_dump(exclude_none=True) for p in profs], indent=2))
+        return
+    t = Table(title="Reference boxes (hwdb/boxes)", header_style="bold")
+    t.add_column("id")
+    t.add_column("machine", overflow="fold")
+    for p in profs:
+        t.add_row(p.box_id or "", hardware_line(p))
+    _out.print(t)
 
 
 def main() -> None:

@@ -1,0 +1,542 @@
+// Fused routed-expert MoE for the moetplan expert rows (docs/FORMAT.md): 2-bit sign-symmetric codes and FP4
+// (e2m1) reserve rows, both with UE8M0 block-32 scales, read straight out of the expert-slot pool through the
+// layer's residency table. One source for sm_80 .. sm_120 (mma.sync m16n8k16 bf16, no arch-specific paths).
+//
+// Design (docs/KERNELS.md):
+//   route      one block: (token, k) pairs -> segments of pairs per (format, expert); order within a segment is
+//              free because every pair is one independent column of the MMA (its arithmetic does not depend on
+//              which column or tile it lands in), so the results stay bit-identical run to run.
+//   w13 stage  per warp 16 gate rows + the matching 16 up rows; the codes are decoded in registers straight
+//              into the MMA A fragments (prmt table lookup, scale folded into the bf16 exponent); SiLU(gate)*up
+//              (with the optional SwiGLU clamp) is applied to the fp32 accumulators and written as bf16 (plus a
+//              bf16 residual "lo" part on the precise path) in the permuted K order the next stage reads.
+//   w2 stage   per warp 32 rows of W2 over the intermediate; writes one fp32 row per pair (no atomics).
+//   combine    out[t] = sum_j w[t, j] * partial[t*k + j], j in order: deterministic.
+//   K is split over the warps of a block (decode) and summed through shared memory in a fixed order.
+//
+// K permutation: inside every group of 8 consecutive weights the B operand (x or the intermediate) is stored in
+// the order [0,4,1,5,2,6,3,7]. That is the order in which the register decode naturally produces pairs of
+// weights (weights j and j+4 share one bf16x2 register), so A and B fragments line up without shuffles.
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace moet {
+
+constexpr int FMT_2BIT = 0;
+constexpr int FMT_FP4 = 1;
+
+// Weights per 32-bit word of packed codes.
+template <int FMT> struct Fmt;
+template <> struct Fmt<FMT_2BIT> { static constexpr int WPW = 16; static constexpr int WEIGHTS_PER_BYTE = 4; };
+template <> struct Fmt<FMT_FP4> { static constexpr int WPW = 8; static constexpr int WEIGHTS_PER_BYTE = 2; };
+
+struct StageArgs {
+  const uint8_t* pool;      // [S, stride] expert rows of this format
+  int64_t stride;
+  const int32_t* slot_of;   // [E] expert -> slot in `pool`
+  int64_t q_off, s_off;     // byte offsets of this stage's codes / scales inside a row
+  int N;                    // rows of the matrix (w13: 2*Ir, w2: H)
+  int K;                    // contraction length (w13: H, w2: Ir)
+  const int32_t* seg_expert;
+  const int32_t* seg_off;
+  const int32_t* seg_cnt;
+  const int32_t* nseg;      // device scalar
+  const int32_t* order;     // [P] pair ids sorted by segment
+  int topk;
+  const __nv_bfloat16* b_hi;  // [rows, K] permuted B operand (x by token, or the intermediate by pair)
+  const __nv_bfloat16* b_lo;  // residual part (precise path) or nullptr
+  int b_by_token;
+  __nv_bfloat16* act_hi;    // w13 stage output [P, Ir] (permuted)
+  __nv_bfloat16* act_lo;
+  float* partial;           // w2 stage output [P, H]
+  float limit;              // SwiGLU clamp (only when has_limit)
+  int has_limit;
+  int* error_flag;          // set to expert+1 when a routed expert has no slot
+};
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  // Codes are read exactly once per step: keep them out of L1.
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint4 ld_b(const void* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 2-bit: 16 codes of one word -> 8 bf16x2 registers; register r holds weights (lo(r), lo(r)+4) with
+// lo = [0,1,2,3,8,9,10,11]. Value(c) * 2^(b-127) in bf16 has high byte sign<<7 | ((b>>1) + four) and low byte
+// (b&1)<<7: a 4-entry byte table indexed by the code, looked up with one prmt per register.
+__device__ __forceinline__ void decode_2bit(uint32_t w, uint32_t b, uint32_t (&r)[8]) {
+  const uint32_t h = b >> 1;
+  const uint32_t table = h * 0x01010101u + 0x81800100u;  // bytes: h, h+1, 0x80|h, 0x80|(h+1)
+  const uint32_t low = (b & 1u) << 7;                      // byte 4 of the prmt source
+  r[0] = __byte_perm(table, low, ((w << 4) & 0x3030u) | 0x0404u);
+  r[1] = __byte_perm(table, low, ((w << 2) & 0x3030u) | 0x0404u);
+  r[2] = __byte_perm(table, low, (w & 0x3030u) | 0x0404u);
+  r[3] = __byte_perm(table, low, ((w >> 2) & 0x3030u) | 0x0404u);
+  r[4] = __byte_perm(table, low, ((w >> 12) & 0x3030u) | 0x0404u);
+  r[5] = __byte_perm(table, low, ((w >> 14) & 0x3030u) | 0x0404u);
+  r[6] = __byte_perm(table, low, ((w >> 16) & 0x3030u) | 0x0404u);
+  r[7] = __byte_perm(table, low, ((w >> 18) & 0x3030u) | 0x0404u);
+}
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t s) {
+  __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&s));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// FP4: 8 nibbles -> 4 bf16x2 registers, register j holds weights (j, j+4). The nibble's 3 magnitude bits placed
+// at bf16 bits 6..8 read as e2m1 * 2^-126 (exact, the e=0 case lands on the subnormal 2^-127); one bf16
+// multiply by 2^(b-1) then applies 2^126 and the block scale 2^(b-127) together.
+__device__ __forceinline__ void decode_fp4(uint32_t w, uint32_t b, uint32_t (&r)[4]) {
+  const int e = int(b) - 1;  // exponent of the combined multiplier
+  uint32_t m1, m2 = 0;
+  bool two = e > 127;        // 2^e beyond bf16 range: split into 2^126 * 2^(b-127)
+  if (!two) {
+    m1 = uint32_t(e + 127) << 7;
+  } else {
+    m1 = uint32_t(126 + 127) << 7;
+    m2 = uint32_t(int(b)) << 7;
+    m2 |= m2 << 16;
+  }
+  m1 |= m1 << 16;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t n = w >> (4 * j);
+    uint32_t v = ((n << 6) & 0x01C001C0u) | ((n << 12) & 0x80008000u);
+    v = bf16x2_mul(v, m1);
+    if (two) v = bf16x2_mul(v, m2);
+    r[j] = v;
+  }
+}
+
+__device__ __forceinline__ float silu_mul(float g, float u, int has_limit, float limit) {
+  if (has_limit) {
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+  }
+  return g / (1.0f + expf(-g)) * u;
+}
+
+// Index inside a permuted group of 8: position of logical weight j.
+__device__ __forceinline__ int perm_pos(int i) { return (i & ~7) + 2 * (i & 3) + ((i >> 2) & 1); }
+
+// One warp: MT=2 A tiles of 16 rows (w13: gate tile and up tile; w2: two consecutive tiles) x NT*8 pair columns,
+// over chunks [c0, c1) of K. Chunk = 4 threads x 4 words x WPW weights.
+template <int FMT, bool W13, bool SPLIT, int WK, int NT>
+__global__ void __launch_bounds__(32 * WK) moe_stage_kernel(StageArgs a) {
+  constexpr int WPW = Fmt<FMT>::WPW;
+  constexpr int WPB = Fmt<FMT>::WEIGHTS_PER_BYTE;
+  constexpr int CHUNK = 16 * WPW;      // weights per chunk per row
+  constexpr int REGS = WPW / 2;        // bf16x2 registers per word
+  constexpr int STEPS = WPW / 4;       // k16 steps per word
+  const int seg = blockIdx.y;
+  if (seg >= *a.nseg) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int e = a.seg_expert[seg];
+  const int off = a.seg_off[seg], cnt = a.seg_cnt[seg];
+  const int slot = a.slot_of[e];
+  const int tile = blockIdx.x;  // w13: 16 gate rows; w2: 32 rows
+  const int ir = W13 ? a.N / 2 : a.K;
+  if (slot < 0) {
+    if (threadIdx.x == 0 && tile == 0) atomicExch(a.error_flag, e + 1);
+    // Leave defined zeros behind so a captured graph cannot propagate garbage.
+    if (!W13) {
+      for (int c = 0; c < cnt; ++c) {
+        const int p = a.order[off + c];
+        for (int r = threadIdx.x; r < 32; r += blockDim.x) a.partial[int64_t(p) * a.N + tile * 32 + r] = 0.f;
+      }
+    }
+    return;
+  }
+  const uint8_t* row_base = a.pool + int64_t(slot) * a.stride;
+  const uint8_t* q = row_base + a.q_off;
+  const uint8_t* s = row_base + a.s_off;
+  const int64_t qrow = a.K / WPB, srow = a.K / 32;
+  // The four A rows this thread decodes: tile 0 rows g, g+8; tile 1 rows g, g+8.
+  int rows[2][2];
+  if (W13) {
+    rows[0][0] = tile * 16 + g; rows[0][1] = rows[0][0] + 8;
+    rows[1][0] = ir + tile * 16 + g; rows[1][1] = rows[1][0] + 8;
+  } else {
+    rows[0][0] = tile * 32 + g; rows[0][1] = rows[0][0] + 8;
+    rows[1][0] = tile * 32 + 16 + g; rows[1][1] = rows[1][0] + 8;
+  }
+  const int nchunks = (a.K + CHUNK - 1) / CHUNK;
+  const int per = (nchunks + WK - 1) / WK;
+  const int c0 = warp * per, c1 = min(nchunks, c0 + per);
+
+  __shared__ float red[WK > 1 ? WK - 1 : 1][32][2 * NT * 4];
+
+  for (int tt = 0; tt < cnt; tt += 8 * NT) {
+    float acc[2][NT][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
+    // This thread's B column (pair) per token tile.
+    const __nv_bfloat16* bh[NT];
+    const __nv_bfloat16* bl[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int col = tt + n * 8 + g;
+      bh[n] = nullptr; bl[n] = nullptr;
+      if (col < cnt) {
+        const int p = a.order[off + col];
+        const int64_t brow = a.b_by_token ? p / a.topk : p;
+        bh[n] = a.b_hi + brow * a.K;
+        if (SPLIT) bl[n] = a.b_lo + brow * a.K;
+      }
+    }
+    for (int c = c0; c < c1; ++c) {
+      const int kbase = c * CHUNK + t * 4 * WPW;  // this thread's first weight in the chunk
+      // K is a multiple of 32 but not always of CHUNK: a thread's words past K decode zero codes and meet a zero
+      // B operand, and nothing is read past the matrix.
+      const int nwords = kbase >= a.K ? 0 : min(4, (a.K - kbase) / WPW);
+      uint4 code[2][2];
+      uint32_t sc[2][2];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint8_t* qp = q + rows[m][h] * qrow + kbase / WPB;
+          const uint8_t* sp = s + rows[m][h] * srow + kbase / 32;
+          if (nwords == 4) {
+            code[m][h] = ld_stream(qp);
+            // 2-bit: the thread's 64 weights span two scale blocks; fp4: 32 weights, one block.
+            sc[m][h] = (FMT == FMT_2BIT) ? (uint32_t(sp[0]) | (uint32_t(sp[1]) << 8)) : uint32_t(sp[0]);
+          } else {
+            const uint32_t* qw = reinterpret_cast<const uint32_t*>(qp);
+            code[m][h] = make_uint4(nwords > 0 ? qw[0] : 0u, nwords > 1 ? qw[1] : 0u, nwords > 2 ? qw[2] : 0u, 0u);
+            sc[m][h] = 127u | (127u << 8);
+            if (nwords > 0) sc[m][h] = (sc[m][h] & ~0xFFu) | sp[0];
+            if (FMT == FMT_2BIT && nwords > 2) sc[m][h] = (sc[m][h] & 0xFFu) | (uint32_t(sp[1]) << 8);
+          }
+        }
+#pragma unroll
+      for (int wq = 0; wq < 4; ++wq) {
+        uint32_t ra[2][2][REGS];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t word = wq == 0 ? code[m][h].x : wq == 1 ? code[m][h].y : wq == 2 ? code[m][h].z
+                                                                                             : code[m][h].w;
+            if constexpr (FMT == FMT_2BIT) {
+              const uint32_t b = (sc[m][h] >> (8 * (wq >> 1))) & 0xFFu;
+              decode_2bit(word, b, *reinterpret_cast<uint32_t(*)[8]>(&ra[m][h][0]));
+            } else {
+              decode_fp4(word, sc[m][h], *reinterpret_cast<uint32_t(*)[4]>(&ra[m][h][0]));
+            }
+          }
+        const int kw = kbase + wq * WPW;  // first (permuted) B element of this word
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          uint32_t bv[REGS], bw[REGS];
+          if (bh[n] != nullptr && wq < nwords) {
+#pragma unroll
+            for (int v = 0; v < REGS / 4; ++v) {
+              const uint4 x = ld_b(bh[n] + kw + 8 * v);
+              bv[4 * v] = x.x; bv[4 * v + 1] = x.y; bv[4 * v + 2] = x.z; bv[4 * v + 3] = x.w;
+              if (SPLIT) {
+                const uint4 y = ld_b(bl[n] + kw + 8 * v);
+                bw[4 * v] = y.x; bw[4 * v + 1] = y.y; bw[4 * v + 2] = y.z; bw[4 * v + 3] = y.w;
+              }
+            }
+          } else {
+#pragma unroll
+            for (int v = 0; v < REGS; ++v) { bv[v] = 0; bw[v] = 0; }
+          }
+#pragma unroll
+          for (int st = 0; st < STEPS; ++st) {
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+              mma_bf16(acc[m][n], ra[m][0][2 * st], ra[m][1][2 * st], ra[m][0][2 * st + 1], ra[m][1][2 * st + 1],
+                       bv[2 * st], bv[2 * st + 1]);
+              if (SPLIT)
+                mma_bf16(acc[m][n], ra[m][0][2 * st], ra[m][1][2 * st], ra[m][0][2 * st + 1],
+                         ra[m][1][2 * st + 1], bw[2 * st], bw[2 * st + 1]);
+            }
+          }
+        }
+      }
+    }
+    // Split-K: warps 1.. hand their partial sums to warp 0, which adds them in warp order (deterministic).
+    if (WK > 1) {
+      if (warp > 0) {
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[warp - 1][lane][(m * NT + n) * 4 + i] = acc[m][n][i];
+      }
+      __syncthreads();
+      if (warp == 0) {
+#pragma unroll
+        for (int w = 1; w < WK; ++w)
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) acc[m][n][i] += red[w - 1][lane][(m * NT + n) * 4 + i];
+      }
+      __syncthreads();
+    }
+    if (warp == 0) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = tt + n * 8 + 2 * t + (i & 1);
+          if (col >= cnt) continue;
+          const int p = a.order[off + col];
+          const int r = g + 8 * (i >> 1);
+          if (W13) {
+            const int j = tile * 16 + r;  // intermediate index
+            const float v = silu_mul(acc[0][n][i], acc[1][n][i], a.has_limit, a.limit);
+            const __nv_bfloat16 hi = __float2bfloat16_rn(v);
+            const int64_t o = int64_t(p) * ir + perm_pos(j);
+            a.act_hi[o] = hi;
+            if (SPLIT) a.act_lo[o] = __float2bfloat16_rn(v - __bfloat162float(hi));
+          } else {
+            float* dst = a.partial + int64_t(p) * a.N + tile * 32 + r;
+            dst[0] = acc[0][n][i];
+            dst[16] = acc[1][n][i];
+          }
+        }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------- route
+// One block. Pairs p = t*k + j; key = expert (+E when the FP4 copy is resident). Outputs per format f (0: 2-bit,
+// 1: FP4): compact segment lists of length M = min(P, E) and their count nseg[f].
+__global__ void route_kernel(const int64_t* topk_ids, int P, int E, const int32_t* slot_of,
+                             const int32_t* fp4_slot_of, int32_t* order, int32_t* seg_expert, int32_t* seg_off,
+                             int32_t* seg_cnt, int32_t* nseg, int M, int* error_flag) {
+  extern __shared__ int sm[];
+  int* cnt = sm;           // [2E]
+  int* cur = sm + 2 * E;   // [2E]
+  for (int i = threadIdx.x; i < 2 * E; i += blockDim.x) cnt[i] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    const int64_t e64 = topk_ids[p];
+    const int e = (e64 < 0 || e64 >= E) ? -1 : int(e64);
+    if (e < 0) { atomicExch(error_flag, -1); continue; }
+    const bool f4 = fp4_slot_of != nullptr && fp4_slot_of[e] >= 0;
+    if (!f4 && slot_of[e] < 0) atomicExch(error_flag, e + 1);
+    atomicAdd(&cnt[e + (f4 ? E : 0)], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    // Warp 0: exclusive scan over 2E keys (lane-contiguous ranges) and the compact segment lists.
+    const int lane = threadIdx.x;
+    const int per = (2 * E + 31) / 32;
+    const int k0 = min(2 * E, lane * per), k1 = min(2 * E, k0 + per);
+    int sum = 0, used0 = 0, used1 = 0;
+    for (int k = k0; k < k1; ++k) {
+      sum += cnt[k];
+      if (cnt[k]) { if (k < E) ++used0; else ++used1; }
+    }
+    int incl = sum, u0 = used0, u1 = used1;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int a = __shfl_up_sync(0xffffffffu, incl, d);
+      const int b = __shfl_up_sync(0xffffffffu, u0, d);
+      const int c = __shfl_up_sync(0xffffffffu, u1, d);
+      if (lane >= d) { incl += a; u0 += b; u1 += c; }
+    }
+    int run = incl - sum, s0 = u0 - used0, s1 = u1 - used1;
+    for (int k = k0; k < k1; ++k) {
+      const int c = cnt[k];
+      cur[k] = run;
+      if (c) {
+        const int f = k < E ? 0 : 1;
+        const int idx = f == 0 ? s0++ : s1++;
+        seg_expert[f * M + idx] = k - f * E;
+        seg_off[f * M + idx] = run;
+        seg_cnt[f * M + idx] = c;
+      }
+      run += c;
+    }
+    if (lane == 31) { nseg[0] = u0; nseg[1] = u1; }
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    const int64_t e64 = topk_ids[p];
+    if (e64 < 0 || e64 >= E) continue;
+    const int e = int(e64);
+    const bool f4 = fp4_slot_of != nullptr && fp4_slot_of[e] >= 0;
+    const int pos = atomicAdd(&cur[e + (f4 ? E : 0)], 1);
+    order[pos] = p;
+  }
+}
+
+// out[t, h] = sum_j w[t, j] * partial[t*k + j, h], j ascending.
+template <typename T>
+__global__ void combine_kernel(const float* partial, const float* w, T* out, int Tn, int k, int H) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(Tn) * H) return;
+  const int t = int(idx / H), h = int(idx % H);
+  float acc = 0.f;
+  for (int j = 0; j < k; ++j) acc += w[t * k + j] * partial[(int64_t(t) * k + j) * H + h];
+  out[idx] = static_cast<T>(acc);
+}
+
+// ---------------------------------------------------------------------------------------------------------- host
+#define CHECK_CUDA_T(x, what) TORCH_CHECK((x).is_cuda(), what " must be a CUDA tensor")
+
+template <int FMT, bool W13, bool SPLIT, int WK, int NT>
+void launch_stage(const StageArgs& a, int tiles, int maxseg, cudaStream_t stream) {
+  dim3 grid(tiles, maxseg);
+  moe_stage_kernel<FMT, W13, SPLIT, WK, NT><<<grid, 32 * WK, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int FMT, bool W13>
+void dispatch_stage(const StageArgs& a, int tiles, int maxseg, bool prefill, cudaStream_t stream) {
+  if (prefill) {
+    launch_stage<FMT, W13, false, 1, 4>(a, tiles, maxseg, stream);
+    return;
+  }
+  // Split K over up to 4 warps while every warp keeps >= 2 chunks (enough loads in flight per warp).
+  const int chunks = (a.K + 16 * Fmt<FMT>::WPW - 1) / (16 * Fmt<FMT>::WPW);
+  if (chunks >= 8) launch_stage<FMT, W13, true, 4, 1>(a, tiles, maxseg, stream);
+  else if (chunks >= 4) launch_stage<FMT, W13, true, 2, 1>(a, tiles, maxseg, stream);
+  else launch_stage<FMT, W13, true, 1, 1>(a, tiles, maxseg, stream);
+}
+
+// Route + both stages + combine for one format's segments is driven from here; the Python op layer owns the
+// buffers so that the whole call can be captured in a CUDA graph.
+void route(torch::Tensor topk_ids, torch::Tensor slot_of, c10::optional<torch::Tensor> fp4_slot_of,
+           torch::Tensor order, torch::Tensor seg_expert, torch::Tensor seg_off, torch::Tensor seg_cnt,
+           torch::Tensor nseg, torch::Tensor error_flag) {
+  CHECK_CUDA_T(topk_ids, "topk_ids");
+  TORCH_CHECK(topk_ids.scalar_type() == torch::kInt64 && topk_ids.is_contiguous(), "topk_ids: contiguous int64");
+  const int P = int(topk_ids.numel());
+  const int E = int(slot_of.numel());
+  const int M = int(seg_expert.numel() / 2);
+  const at::cuda::CUDAGuard guard(topk_ids.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const size_t smem = size_t(4) * 2 * 2 * E;
+  if (smem > 48 * 1024) {
+    TORCH_CHECK(cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) ==
+                    cudaSuccess, "route: too many experts for shared memory");
+  }
+  route_kernel<<<1, 1024, smem, stream>>>(
+      topk_ids.data_ptr<int64_t>(), P, E, slot_of.data_ptr<int32_t>(),
+      fp4_slot_of.has_value() ? fp4_slot_of->data_ptr<int32_t>() : nullptr, order.data_ptr<int32_t>(),
+      seg_expert.data_ptr<int32_t>(), seg_off.data_ptr<int32_t>(), seg_cnt.data_ptr<int32_t>(),
+      nseg.data_ptr<int32_t>(), M, error_flag.data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// One stage for one format. fmt: 0 = 2-bit, 1 = fp4. seg_* are this format's slices (length M, nseg scalar).
+void stage(int64_t fmt, bool w13, bool prefill, torch::Tensor pool, torch::Tensor slot_of, int64_t q_off,
+           int64_t s_off, int64_t N, int64_t K, torch::Tensor seg_expert, torch::Tensor seg_off,
+           torch::Tensor seg_cnt, torch::Tensor nseg, torch::Tensor order, int64_t topk, torch::Tensor b_hi,
+           c10::optional<torch::Tensor> b_lo, bool b_by_token, c10::optional<torch::Tensor> act_hi,
+           c10::optional<torch::Tensor> act_lo, c10::optional<torch::Tensor> partial, double limit,
+           bool has_limit, torch::Tensor error_flag) {
+  CHECK_CUDA_T(pool, "pool");
+  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1,
+              "pool must be uint8 [S, stride] with contiguous rows");
+  TORCH_CHECK(pool.stride(0) % 16 == 0, "pool row stride must be a multiple of 16 bytes");
+  TORCH_CHECK(K % 32 == 0 && N % 32 == 0, "K and N must be multiples of 32");
+  TORCH_CHECK(b_hi.scalar_type() == torch::kBFloat16 && b_hi.is_contiguous(), "B operand: contiguous bf16");
+  const at::cuda::CUDAGuard guard(pool.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  StageArgs a{};
+  a.pool = pool.data_ptr<uint8_t>();
+  a.stride = pool.stride(0);
+  a.slot_of = slot_of.data_ptr<int32_t>();
+  a.q_off = q_off; a.s_off = s_off; a.N = int(N); a.K = int(K);
+  a.seg_expert = seg_expert.data_ptr<int32_t>();
+  a.seg_off = seg_off.data_ptr<int32_t>();
+  a.seg_cnt = seg_cnt.data_ptr<int32_t>();
+  a.nseg = nseg.data_ptr<int32_t>();
+  a.order = order.data_ptr<int32_t>();
+  a.topk = int(topk);
+  a.b_hi = reinterpret_cast<const __nv_bfloat16*>(b_hi.data_ptr<at::BFloat16>());
+  a.b_lo = b_lo.has_value() ? reinterpret_cast<const __nv_bfloat16*>(b_lo->data_ptr<at::BFloat16>()) : nullptr;
+  a.b_by_token = b_by_token ? 1 : 0;
+  a.act_hi = act_hi.has_value() ? reinterpret_cast<__nv_bfloat16*>(act_hi->data_ptr<at::BFloat16>()) : nullptr;
+  a.act_lo = act_lo.has_value() ? reinterpret_cast<__nv_bfloat16*>(act_lo->data_ptr<at::BFloat16>()) : nullptr;
+  a.partial = partial.has_value() ? partial->data_ptr<float>() : nullptr;
+  a.limit = float(limit);
+  a.has_limit = has_limit ? 1 : 0;
+  a.error_flag = error_flag.data_ptr<int>();
+  TORCH_CHECK(prefill || a.b_lo != nullptr, "the decode path needs the residual (lo) B operand");
+  TORCH_CHECK(!w13 || (a.act_hi != nullptr && (prefill || a.act_lo != nullptr)), "w13 stage needs act outputs");
+  TORCH_CHECK(w13 || a.partial != nullptr, "w2 stage needs the partial output");
+  const int tiles = w13 ? int(N / 32) : int(N / 32);  // w13: 16 gate + 16 up rows; w2: 32 rows
+  const int maxseg = int(seg_expert.numel());
+  if (maxseg == 0) return;
+  if (fmt == FMT_2BIT) {
+    if (w13) dispatch_stage<FMT_2BIT, true>(a, tiles, maxseg, prefill, stream);
+    else dispatch_stage<FMT_2BIT, false>(a, tiles, maxseg, prefill, stream);
+  } else {
+    if (w13) dispatch_stage<FMT_FP4, true>(a, tiles, maxseg, prefill, stream);
+    else dispatch_stage<FMT_FP4, false>(a, tiles, maxseg, prefill, stream);
+  }
+}
+
+void combine(torch::Tensor partial, torch::Tensor weights, torch::Tensor out, int64_t topk) {
+  const int Tn = int(out.size(0)), H = int(out.size(1));
+  const at::cuda::CUDAGuard guard(out.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t n = int64_t(Tn) * H;
+  const int threads = 256;
+  const int blocks = int((n + threads - 1) / threads);
+  if (n == 0) return;
+  TORCH_CHECK(weights.scalar_type() == torch::kFloat32 && weights.is_contiguous(), "weights: contiguous float32");
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  switch (out.scalar_type()) {
+    case torch::kFloat32:
+      combine_kernel<float><<<blocks, threads, 0, stream>>>(partial.data_ptr<float>(), weights.data_ptr<float>(),
+                                                            out.data_ptr<float>(), Tn, int(topk), H);
+      break;
+    case torch::kBFloat16:
+      combine_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(
+          partial.data_ptr<float>(), weights.data_ptr<float>(),
+          reinterpret_cast<__nv_bfloat16*>(out.data_ptr<at::BFloat16>()), Tn, int(topk), H);
+      break;
+    case torch::kFloat16:
+      combine_kernel<__half><<<blocks, threads, 0, stream>>>(
+          partial.data_ptr<float>(), weights.data_ptr<float>(),
+          reinterpret_cast<__half*>(out.data_ptr<at::Half>()), Tn, int(topk), H);
+      break;
+    default:
+      TORCH_CHECK(false, "out dtype must be float32, bfloat16 or float16");
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace moet
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("route", &moet::route, "pairs -> per-format expert segments");
+  m.def("stage", &moet::stage, "one MoE stage (w13 fused SiLU*up, or w2) for one format");
+  m.def("combine", &moet::combine, "weighted per-token sum of the w2 partials");
+  m.attr("ABI_VERSION") = 1;
+}

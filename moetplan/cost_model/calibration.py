@@ -1,0 +1,351 @@
+"""Efficiency factors of the cost model: what they are, where they live, how they are loaded and refitted.
+
+The physics (bytes, counts, links) is in terms.py / prefill.py; what it cannot know — how close real kernels get to
+the datasheet, and what each launch, sync or fetch costs — is a small set of factors per GPU family and per tier
+link. Checked-in values: hwdb/calibration/cost_model.yaml (fitted by bench/calibrate.py on vLLM-Moet's published
+measurements); priors for the fit: hwdb/calibration/priors.yaml. `moetplan calibrate` writes this machine's refit to
+the user config dir, which load_calibration() layers on top.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from moetplan.errors import ConfigError
+from moetplan.plan.schema import HardwareProfile, atomic_write_text
+
+CALIBRATION_FILE = "cost_model.yaml"
+PRIORS_FILE = "priors.yaml"
+USER_FILE = "calibration.yaml"
+DEFAULT_FAMILY = "default"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FamilyFactors(_Model):
+    """Per GPU family (compute capability): kernel efficiency and fixed costs."""
+
+    dense_bw_eff: float = Field(0.75, description="Share of datasheet memory BW reached reading dense weights / KV")
+    expert_bw_eff: float = Field(0.55, description="Share of memory BW reached by the 2-bit/FP4 expert GEMV")
+    compute_eff: float = Field(0.5, description="Share of dense BF16 tensor TFLOPs reached in prefill GEMMs")
+    layer_overhead_us: float = Field(15.0, description="Per decoder-layer forward: launches / graph replay")
+    step_overhead_ms: float = Field(1.5, description="Per decode step: scheduler, sampler, host round trip")
+    draft_overhead_ms: float = Field(1.0, description="Per speculative (MTP) token: proposer bookkeeping")
+    allreduce_latency_us: float = Field(25.0, description="One small TP all-reduce over PCIe (latency part)")
+    allreduce_bw_eff: float = Field(0.6, description="Share of the PCIe link reached by large all-reduces")
+    prefill_chunk_overhead_ms: float = Field(20.0, description="Per prefill chunk: scheduling, metadata, sampler")
+    eager_layer_us: float = Field(500.0, description="Per layer of a step that misses and leaves the CUDA graph")
+
+
+class LinkFactors(_Model):
+    """Per tier link: how fast expert misses and streamed experts arrive."""
+
+    h2d_eff: float = Field(0.9, description="Share of the pinned host->device rate reached by batched fetches")
+    fetch_latency_us: float = Field(200.0, description="Per layer that misses: device sync, lookup, copy launch")
+    pageable_eff: float = Field(0.35, description="Page-cache (pageable) copies as a share of the pinned rate")
+    nvme_read_eff: float = Field(0.7, description="Share of the drive's expert-sized random read rate reached")
+    nvme_latency_us: float = Field(300.0, description="Per layer that reads the NVMe pack: queue + NAND latency")
+
+
+class CoverageDefault(_Model):
+    hot_mass: float = 0.85
+    steepness: float = 10.0
+    tail_steepness: float = 2.0
+
+
+class RoutingFactors(_Model):
+    """Routing locality and workload assumptions (documented in docs/COST_MODEL.md)."""
+
+    miss_correlation: float = Field(0.01, description="Beta-binomial intra-step correlation of routing misses")
+    token_overlap: float = Field(0.3, description="Share of a speculative token's experts already routed by its "
+                                                  "predecessor in the same sequence")
+    stream_overlap: float = Field(0.5, description="How far other streams' routing follows this stream's hot set "
+                                                   "(1 = same hot experts, 0 = uniform)")
+    default_coverage: CoverageDefault = Field(default_factory=CoverageDefault)
+    coverage_prior_steepness: float = Field(20.0, description="Hot-part steepness used when points cannot pin it")
+    coverage_prior_tail: float = Field(3.0, description="Tail steepness used when points cannot pin it")
+    kv_fill: float = Field(0.5, description="Decode is predicted at this share of the planned context filled")
+    page_cache_share: float = Field(0.5, description="Share of host RAM the page cache lends an arena-less pack")
+    miss_policy: Literal["fetch", "replay"] = "fetch"
+    sparse_index_share: float = Field(0.1, description="Sparse attention: indexer bytes per context token as a "
+                                                       "share of a full KV entry")
+    default_index_topk: int = 2048
+    prefill_prompt_tokens: int = Field(8192, description="Prompt length prefill_tok_s and ttft_ms refer to")
+
+
+class Calibration(_Model):
+    schema_version: int = 1
+    source: str = "defaults (priors)"
+    fitted_at: str | None = None
+    fitted_on: list[str] = Field(default_factory=list)
+    held_out: list[str] = Field(default_factory=list)
+    summary: dict[str, Any] = Field(default_factory=dict)
+    families: dict[str, FamilyFactors] = Field(default_factory=lambda: {DEFAULT_FAMILY: FamilyFactors()})
+    links: LinkFactors = Field(default_factory=LinkFactors)
+    routing: RoutingFactors = Field(default_factory=RoutingFactors)
+    overrides_from: str | None = Field(None, description="User calibration file layered on top, if any")
+
+    def family(self, hw: HardwareProfile | None) -> FamilyFactors:
+        key = family_key(hw)
+        return self.families.get(key) or self.families.get(DEFAULT_FAMILY) or FamilyFactors()
+
+    def value(self, param: str, hw: HardwareProfile | None) -> float:
+        """Current value of a registered parameter ('family.x' or 'link.x') for this hardware."""
+        scope, name = param.split(".", 1)
+        src: BaseModel = self.family(hw) if scope == "family" else self.links
+        return float(getattr(src, name))
+
+
+def family_key(hw: HardwareProfile | None) -> str:
+    """GPU family = compute capability: kernels and launch costs are shared by one SM generation."""
+    if hw is None or not hw.gpus:
+        return DEFAULT_FAMILY
+    cc = hw.gpus[0].compute_capability.replace(".", "")
+    return f"sm{cc}"
+
+
+# --------------------------------------------------------------------------- parameters the fit can move
+
+
+@dataclass(frozen=True)
+class Param:
+    key: str  # "family.dense_bw_eff" | "link.h2d_eff"
+    inverse: bool  # step time is linear in 1/value (efficiencies) rather than in value (overheads)
+    unit_ms: float  # ms per unit of the linear variable (1e-3 for microseconds)
+
+
+PARAMS: dict[str, Param] = {
+    p.key: p
+    for p in [
+        Param("family.dense_bw_eff", True, 1.0),
+        Param("family.expert_bw_eff", True, 1.0),
+        Param("family.compute_eff", True, 1.0),
+        Param("family.layer_overhead_us", False, 1e-3),
+        Param("family.step_overhead_ms", False, 1.0),
+        Param("family.draft_overhead_ms", False, 1.0),
+        Param("family.allreduce_latency_us", False, 1e-3),
+        Param("family.allreduce_bw_eff", True, 1.0),
+        Param("family.prefill_chunk_overhead_ms", False, 1.0),
+        Param("family.eager_layer_us", False, 1e-3),
+        Param("link.h2d_eff", True, 1.0),
+        Param("link.fetch_latency_us", False, 1e-3),
+        Param("link.pageable_eff", True, 1.0),
+        Param("link.nvme_read_eff", True, 1.0),
+        Param("link.nvme_latency_us", False, 1e-3),
+    ]
+}
+
+
+def linear_value(param: str, value: float) -> float:
+    """The variable step time is linear in: 1/eff for efficiencies, value x unit for overheads."""
+    p = PARAMS[param]
+    return (1.0 / value if p.inverse else value * p.unit_ms)
+
+
+def from_linear(param: str, u: float) -> float:
+    p = PARAMS[param]
+    return (1.0 / u if p.inverse else u / p.unit_ms)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _calibration_dir() -> Path:
+    try:
+        from moetplan import hwdb
+
+        return Path(hwdb.calibration_dir())
+    except (ImportError, AttributeError):
+        # The hwdb loader is the single reader of hwdb/; this fallback only serves checkouts without it.
+        return Path(__file__).resolve().parents[2] / "hwdb" / "calibration"
+
+
+def calibration_dir() -> Path:
+    return _calibration_dir()
+
+
+def user_config_dir() -> Path:
+    env = os.environ.get("MOETPLAN_CONFIG_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("moetplan"))
+
+
+def user_calibration_path() -> Path:
+    return user_config_dir() / USER_FILE
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing; reinstall moetplan or run bench/calibrate.py to regenerate it") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e}); fix or delete the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def _validate(data: dict[str, Any], path: Path) -> Calibration:
+    try:
+        return Calibration.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise ConfigError(f"{path}: field '{loc}': {first['msg']}; fix it or delete the file to use defaults") from None
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_calibration(hw: HardwareProfile | None = None, *, user: bool = True) -> Calibration:
+    """Checked-in factors (hwdb/calibration/cost_model.yaml), with this machine's refit layered on top.
+
+    The user file (written by `moetplan calibrate`) only overrides the families and links it names, so a refit on a
+    5090 box never changes predictions for other GPU families. `hw` is accepted for symmetry with predict(); the
+    family is picked per call by Calibration.family(hw).
+    """
+    base_path = calibration_dir() / CALIBRATION_FILE
+    data = _read_yaml(base_path) if base_path.exists() else {}
+    calib = _validate(data, base_path)
+    if user:
+        up = user_calibration_path()
+        if up.exists():
+            top = _read_yaml(up)
+            top_fields = {k: v for k, v in top.items() if k in ("families", "links", "routing")}
+            merged = _merge(calib.model_dump(), top_fields)
+            merged["overrides_from"] = str(up)
+            calib = _validate(merged, up)
+    return calib
+
+
+def save_calibration(calib: Calibration, path: Path) -> None:
+    data = calib.model_dump(exclude={"overrides_from"})
+    atomic_write_text(path, _yaml_header(path) + yaml.safe_dump(data, sort_keys=False, width=110))
+
+
+def _yaml_header(path: Path) -> str:
+    return (
+        f"# {path.name} — cost-model efficiency factors (data, not code). Written by bench/calibrate.py or\n"
+        "# `moetplan calibrate`; see docs/COST_MODEL.md for what each factor means and how it was fitted.\n"
+    )
+
+
+# --------------------------------------------------------------------------- priors and the fit
+
+
+@dataclass(frozen=True)
+class Prior:
+    value: float
+    sigma: float  # relative width: the fit pays (delta / (sigma x value))^2 to move away
+    why: str
+
+
+def load_priors() -> dict[str, Prior]:
+    path = calibration_dir() / PRIORS_FILE
+    data = _read_yaml(path)
+    out: dict[str, Prior] = {}
+    for key, entry in (data.get("priors") or {}).items():
+        if key not in PARAMS:
+            raise ConfigError(f"{path}: unknown parameter '{key}' (known: {', '.join(PARAMS)})")
+        try:
+            out[key] = Prior(float(entry["value"]), float(entry["sigma"]), str(entry.get("why", "")))
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{path}: prior '{key}' needs numeric 'value' and 'sigma'") from None
+    return out
+
+
+@dataclass
+class FitRow:
+    """One measurement as a linear equation: time_ms = const_ms + sum(coef[param] x linear(param))."""
+
+    label: str
+    coefs: dict[str, float]
+    const_ms: float
+    measured_ms: float
+
+
+def measurement_sigma() -> float:
+    """Relative scatter assumed for one measurement (weights the rows against the priors)."""
+    data = _read_yaml(calibration_dir() / PRIORS_FILE)
+    return float(data.get("measurement_sigma", 0.1))
+
+
+def fit_linear(rows: list[FitRow], priors: dict[str, Prior], free: list[str],
+               meas_sigma: float = 0.1) -> dict[str, float]:
+    """MAP fit of the free parameters: relative squared error on every row plus a Gaussian prior on each factor.
+
+    Step time is linear in 1/efficiency and in the overheads, so the fit is one regularised least-squares solve (no
+    optimiser, no local minima). Parameters not in `free` stay at their prior. Values are clipped to stay physical.
+    """
+    idx = {p: i for i, p in enumerate(free)}
+    a_rows: list[np.ndarray] = []
+    b_rows: list[float] = []
+    for r in rows:
+        a = np.zeros(len(free))
+        const = r.const_ms
+        for p, c in r.coefs.items():
+            if p in idx:
+                a[idx[p]] += c
+            else:
+                const += c * linear_value(p, priors[p].value)
+        a_rows.append(a / r.measured_ms / meas_sigma)
+        b_rows.append((1.0 - const / r.measured_ms) / meas_sigma)
+    for p in free:
+        pr = priors[p]
+        u0 = linear_value(p, pr.value)
+        # Width in linear space: an efficiency of v +- sigma*v is 1/v -+ ~sigma/v.
+        w = 1.0 / (pr.sigma * u0)
+        a = np.zeros(len(free))
+        a[idx[p]] = w
+        a_rows.append(a)
+        b_rows.append(w * u0)
+    sol, *_ = np.linalg.lstsq(np.vstack(a_rows), np.asarray(b_rows), rcond=None)
+    out: dict[str, float] = {}
+    for p in free:
+        u = float(sol[idx[p]])
+        u0 = linear_value(p, priors[p].value)
+        u = min(max(u, 0.05 * u0), 20.0 * u0)  # keep it physical even if the rows disagree wildly
+        v = from_linear(p, u)
+        if PARAMS[p].inverse:
+            v = min(v, 1.0)  # nothing beats the datasheet
+        out[p] = v
+    return out
+
+
+def apply_values(calib: Calibration, values: dict[str, float], family: str) -> Calibration:
+    """A copy of `calib` with fitted values written into `family` and the links."""
+    data = calib.model_dump()
+    fam = dict(data["families"].get(family) or data["families"].get(DEFAULT_FAMILY) or FamilyFactors().model_dump())
+    for p, v in values.items():
+        scope, name = p.split(".", 1)
+        if scope == "family":
+            fam[name] = round(v, 5)
+        else:
+            data["links"][name] = round(v, 5)
+    data["families"][family] = fam
+    return Calibration.model_validate(data)
+
+
+def priors_calibration(priors: dict[str, Prior], base: Calibration | None = None) -> Calibration:
+    """Calibration whose factors are the priors (the starting point of every fit)."""
+    calib = base or Calibration()
+    return apply_values(calib, {p: pr.value for p, pr in priors.items()}, DEFAULT_FAMILY)

@@ -1,0 +1,164 @@
+"""Measurements the cost model is judged and fitted on: vLLM-Moet's published table and moetplan run records."""
+from __future__ import annotations
+
+import csv
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moetplan.cost_model.calibration import calibration_dir
+from moetplan.errors import ConfigError, UsageError
+from moetplan.models.spec import ModelSpec
+from moetplan.plan.schema import HardwareProfile, Placement, RunRecord
+
+REFERENCE_CSV = "vllm_moet_measurements.csv"
+# vLLM-Moet's decode medians come from its bench client with short prompts; `context` in the table is the window
+# (max_model_len), not what was filled. Assumed filled context while decoding (status: estimated).
+REFERENCE_FILLED_TOKENS = 2048
+
+
+@dataclass
+class Measurement:
+    row_id: str
+    model: ModelSpec
+    hw: HardwareProfile
+    placement: Placement
+    concurrency: int  # streams the decode figure was measured at (1 = single stream)
+    decode_tok_s: float | None  # single-stream tok/s, or aggregate tok/s when concurrency > 1
+    prefill_tok_s: float | None = None
+    prompt_tokens: int | None = None
+    note: str = ""
+    source: str = ""
+    extra: dict[str, float] = field(default_factory=dict)  # runtime KPIs (hit rate, zero-miss share) when known
+    kv_tokens: float | None = None  # context each stream had filled while decode was measured, when known
+
+    @property
+    def label(self) -> str:
+        p = self.placement
+        gpus = f"{p.tp * p.pp}x{self.hw.gpus[0].hwdb_id or self.hw.gpus[0].name}" if self.hw.gpus else "?"
+        tier = p.expert_tier
+        if tier != "resident":
+            tier += f" cache {p.gpu_expert_cache_gib:g}G"
+            if tier.startswith("nvme"):
+                tier += f" arena {p.host_arena_gib:g}G"
+        spec = f" mtp{p.mtp}" if p.mtp else ""
+        conc = f" x{self.concurrency} streams" if self.concurrency > 1 else ""
+        return f"{self.model.id} {gpus} tp{p.tp} {tier}{spec} ctx {p.context // 1024}K{conc}"
+
+
+def box_id_for(name: str) -> str:
+    """CSV box names are "<count>x<gpu>"; hwdb box ids are "<gpu>x<count>"."""
+    m = re.fullmatch(r"(\d+)x(.+)", name.strip())
+    return f"{m.group(2)}x{m.group(1)}" if m else name.strip()
+
+
+def _num(row: dict[str, str], key: str, default: float | None = None) -> float | None:
+    v = (row.get(key) or "").strip()
+    if not v:
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        raise ConfigError(f"{REFERENCE_CSV}: column '{key}' has '{v}', expected a number") from None
+
+
+def load_reference(path: str | Path | None = None) -> list[Measurement]:
+    """Rows of hwdb/calibration/vllm_moet_measurements.csv as model + hardware + placement + measured figures."""
+    from moetplan import hwdb
+
+    p = Path(path) if path else calibration_dir() / REFERENCE_CSV
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: missing; restore it from shared/calibration/{REFERENCE_CSV}") from None
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    out: list[Measurement] = []
+    for i, row in enumerate(csv.DictReader(io.StringIO("\n".join(lines))), start=1):
+        model = hwdb.model_spec(row["model"])
+        hw = hwdb.box_profile(box_id_for(row["gpus"]))
+        conc = int(_num(row, "concurrency", 1) or 1)
+        mtp = int(_num(row, "mtp", 0) or 0)
+        placement = Placement(
+            tp=int(_num(row, "tp", 1) or 1),
+            pp=int(_num(row, "pp", 1) or 1),
+            expert_tier=row["expert_tier"].strip(),  # type: ignore[arg-type]
+            gpu_expert_cache_gib=_num(row, "gpu_expert_cache_gib", 0.0) or 0.0,
+            fp4_reserve_gib=_num(row, "fp4_reserve_gib", 0.0) or 0.0,
+            host_arena_gib=_num(row, "host_arena_gib", 0.0) or 0.0,
+            kv_dtype=row["kv_dtype"].strip(),
+            context=int(_num(row, "context", 4096) or 4096),
+            mtp=mtp,
+            mtp_acceptance=_num(row, "mtp_accept", 1.0) or 1.0,
+            max_num_seqs=int(_num(row, "max_num_seqs", 1) or 1),
+            concurrency=conc,
+        )
+        out.append(Measurement(
+            row_id=f"r{i:02d}", model=model, hw=hw, placement=placement, concurrency=conc,
+            decode_tok_s=_num(row, "decode_tok_s"), prefill_tok_s=_num(row, "prefill_8k_tok_s"),
+            prompt_tokens=8192 if _num(row, "prefill_8k_tok_s") else None,
+            note=(row.get("note") or "").strip(), source=f"{p.name} row {i}",
+            kv_tokens=min(REFERENCE_FILLED_TOKENS, placement.context),
+        ))
+    return out
+
+
+def from_run_record(run: RunRecord, path: str, hw: HardwareProfile | None = None,
+                    model: ModelSpec | None = None) -> list[Measurement]:
+    """A moetplan RunRecord as measurements: single-stream decode, aggregate at its concurrency, prefill.
+
+    Model and hardware come from the plan the run names (plan_path), else from `model`/`hw` given by the caller.
+    """
+    from moetplan.plan.schema import Plan, SchemaError, load_json
+
+    plan: Plan | None = None
+    if run.plan_path:
+        plan_file = Path(run.plan_path)
+        if not plan_file.is_absolute():
+            plan_file = Path(path).parent / plan_file
+        if plan_file.exists():
+            try:
+                plan = load_json(Plan, plan_file)
+            except SchemaError as e:
+                raise UsageError(f"{path}: its plan {plan_file} does not load ({e})") from None
+    model = model or (plan.model if plan else None)
+    if model is None and run.model_id:
+        from moetplan import hwdb
+
+        model = hwdb.model_spec(run.model_id)
+    if model is None:
+        raise UsageError(f"{path}: no model known (no plan_path, no model_id); pass --model NAME")
+    hw = hw or (plan.hardware if plan else None)
+    if hw is None:
+        raise UsageError(f"{path}: no hardware known (its plan is missing); pass --box ID or --hw hw.json")
+    pl_data = dict(plan.placement.model_dump()) if plan else {}
+    pl_data.update(run.placement or {})
+    try:
+        placement = Placement.model_validate(pl_data)
+    except Exception as e:  # noqa: BLE001 - pydantic error: name the file
+        raise UsageError(f"{path}: placement does not validate ({e}); regenerate the run record") from None
+    m = run.measured or {}
+    rt = run.runtime or {}
+    extra = {k: float(rt[k]) for k in ("token_hit_rate", "zero_miss_step_share", "misses_per_step")
+             if isinstance(rt.get(k), (int, float))}
+    out: list[Measurement] = []
+    if isinstance(m.get("decode_tok_s"), (int, float)):
+        prompt = m.get("prefill_prompt_tokens")
+        out.append(Measurement(
+            row_id=f"{Path(path).name}:decode", model=model, hw=hw, placement=placement, concurrency=1,
+            decode_tok_s=float(m["decode_tok_s"]),
+            prefill_tok_s=float(m["prefill_tok_s"]) if isinstance(m.get("prefill_tok_s"), (int, float)) else None,
+            prompt_tokens=int(prompt) if isinstance(prompt, (int, float)) else None,
+            source=path, extra=extra,
+            kv_tokens=float(m["context_tokens"]) if isinstance(m.get("context_tokens"), (int, float)) else None,
+        ))
+    agg = m.get("aggregate_tok_s")
+    conc = m.get("aggregate_concurrency") or placement.concurrency
+    if isinstance(agg, (int, float)) and isinstance(conc, (int, float)) and int(conc) > 1:
+        out.append(Measurement(
+            row_id=f"{Path(path).name}:aggregate", model=model, hw=hw, placement=placement, concurrency=int(conc),
+            decode_tok_s=float(agg), source=path,
+        ))
+    if not out:
+        raise UsageError(f"{path}: measured has no decode_tok_s or aggregate_tok_s; run `moetplan bench` first")
+    return out

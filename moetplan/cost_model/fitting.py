@@ -1,0 +1,143 @@
+"""Fit the calibration factors on measurements and report predicted vs measured per row."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from moetplan.cost_model.calibration import (
+    Calibration,
+    FitRow,
+    PARAMS,
+    Prior,
+    apply_values,
+    family_key,
+    fit_linear,
+    load_priors,
+    measurement_sigma,
+    priors_calibration,
+)
+from moetplan.cost_model.dataset import Measurement
+from moetplan.cost_model.prefill import prefill_run
+from moetplan.cost_model.terms import DecodeStep, TermSpec, decode_step
+
+FIT_ITERATIONS = 4  # roofline / overlap choices depend on the factors: re-linearise a few times
+
+
+@dataclass
+class RowResult:
+    row_id: str
+    label: str
+    metric: str  # "decode_tok_s" | "aggregate_tok_s" | "prefill_tok_s"
+    measured: float
+    predicted: float
+    held_out: bool
+    bottleneck: str
+
+    @property
+    def error(self) -> float:
+        """Signed relative error of the prediction."""
+        return self.predicted / self.measured - 1.0
+
+
+def _fit_row(label: str, terms: list[TermSpec], measured_ms: float) -> FitRow:
+    coefs: dict[str, float] = {}
+    const = 0.0
+    for t in terms:
+        const += t.const_ms
+        for p, c in t.parts.items():
+            coefs[p] = coefs.get(p, 0.0) + c
+    return FitRow(label, coefs, const, measured_ms)
+
+
+def _decode(m: Measurement, calib: Calibration) -> DecodeStep:
+    return decode_step(m.model, m.hw, m.placement, calib, m.concurrency, kv_tokens=m.kv_tokens)
+
+
+def fit_rows(measurements: list[Measurement], calib: Calibration) -> list[FitRow]:
+    rows: list[FitRow] = []
+    for m in measurements:
+        if m.decode_tok_s:
+            step = _decode(m, calib)
+            measured_ms = m.concurrency * step.tokens_per_step / m.decode_tok_s * 1e3
+            rows.append(_fit_row(f"{m.row_id} decode", step.terms, measured_ms))
+        if m.prefill_tok_s:
+            run = prefill_run(m.model, m.hw, m.placement, calib, m.prompt_tokens)
+            rows.append(_fit_row(f"{m.row_id} prefill", run.terms, run.prompt_tokens / m.prefill_tok_s * 1e3))
+    return rows
+
+
+def evaluate(measurements: list[Measurement], calib: Calibration, held_out: set[str] | None = None) -> list[RowResult]:
+    held_out = held_out or set()
+    out: list[RowResult] = []
+    for m in measurements:
+        if m.decode_tok_s:
+            step = _decode(m, calib)
+            rows = step.term_ms(calib, m.hw)
+            ms = sum(x for _, x in rows)
+            pred = m.concurrency * step.tokens_per_step / ms * 1e3
+            metric = "aggregate_tok_s" if m.concurrency > 1 else "decode_tok_s"
+            out.append(RowResult(m.row_id, m.label, metric, m.decode_tok_s, pred, m.row_id in held_out,
+                                 max(rows, key=lambda r: r[1])[0].name))
+        if m.prefill_tok_s:
+            run = prefill_run(m.model, m.hw, m.placement, calib, m.prompt_tokens)
+            ms = run.ms(calib, m.hw)
+            main = max(run.terms, key=lambda t: t.ms(calib, m.hw)).name
+            out.append(RowResult(m.row_id, m.label, "prefill_tok_s", m.prefill_tok_s,
+                                 run.prompt_tokens / ms * 1e3, m.row_id in held_out, main))
+    return out
+
+
+def summarize(results: list[RowResult]) -> dict[str, float | int | None]:
+    def med(rs: list[RowResult]) -> float | None:
+        return statistics.median(abs(r.error) for r in rs) if rs else None
+
+    fit = [r for r in results if not r.held_out]
+    held = [r for r in results if r.held_out]
+    return {
+        "rows": len(results),
+        "median_abs_error": med(results),
+        "max_abs_error": max((abs(r.error) for r in results), default=None),
+        "median_abs_error_fitted_rows": med(fit),
+        "median_abs_error_held_out_rows": med(held),
+        "median_abs_error_decode": med([r for r in results if r.metric != "prefill_tok_s"]),
+        "median_abs_error_prefill": med([r for r in results if r.metric == "prefill_tok_s"]),
+    }
+
+
+def free_params(measurements: list[Measurement], calib: Calibration) -> list[str]:
+    """Parameters the measurements actually touch (the rest stay at their prior)."""
+    touched: set[str] = set()
+    for r in fit_rows(measurements, calib):
+        touched.update(p for p, c in r.coefs.items() if c > 0)
+    return [p for p in PARAMS if p in touched]
+
+
+def fit(measurements: list[Measurement], held_out: set[str] | None = None, base: Calibration | None = None,
+        priors: dict[str, Prior] | None = None, family: str | None = None, source: str = "") -> Calibration:
+    """Fit the factors of one GPU family (and the links) on the measurements not held out.
+
+    Starts from the priors (or `base` when refitting a machine), re-linearises FIT_ITERATIONS times.
+    """
+    held_out = held_out or set()
+    priors = priors or load_priors()
+    train = [m for m in measurements if m.row_id not in held_out]
+    if not train:
+        raise ValueError("no measurements left to fit on")
+    fam = family or family_key(train[0].hw)
+    calib = base.model_copy(deep=True) if base else priors_calibration(priors)
+    if base is not None:
+        # Refit around the current values: they become the prior centres, with the same widths.
+        priors = {p: Prior(calib.value(p, train[0].hw), pr.sigma, pr.why) for p, pr in priors.items()}
+    for _ in range(FIT_ITERATIONS):
+        rows = fit_rows(train, calib)
+        free = free_params(train, calib)
+        values = fit_linear(rows, priors, free, measurement_sigma())
+        calib = apply_values(calib, values, fam)
+    calib = calib.model_copy(update={
+        "fitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "fitted_on": sorted(m.row_id for m in train),
+        "held_out": sorted(held_out & {m.row_id for m in measurements}),
+        "source": source or calib.source,
+    })
+    return calib

@@ -1,0 +1,136 @@
+"""The rates the cost model divides by: memory bandwidth, host link, NVMe, PCIe for TP traffic, tensor TFLOPs.
+
+Each comes from the HardwareProfile first (measured beats datasheet); gaps are filled from documented tables in
+hwdb/calibration/ (read once), never from constants in code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import yaml
+
+from moetplan.cost_model.calibration import calibration_dir
+from moetplan.errors import UsageError
+from moetplan.plan.schema import GPUInfo, HardwareProfile, Placement
+
+GB = 1e9
+
+# Pinned host->device GB/s typical of a PCIe x16 link per generation (hwdb_facts.md §4: Gen3 12.15, Gen4 24-26.4,
+# Gen5 51.6 GiB/s-56.3 GB/s measured). Kept beside the other link tables in hwdb/calibration/links.yaml.
+
+
+@lru_cache(maxsize=1)
+def _tables() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("gpu_compute.yaml", "links.yaml"):
+        path = calibration_dir() / name
+        try:
+            out[name] = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            out[name] = {}
+    return out
+
+
+@dataclass(frozen=True)
+class Rates:
+    mem_bw_gbps: float
+    h2d_gbps: float
+    h2d_source: str
+    pcie_gbps: float  # per-direction GPU<->GPU traffic for TP (through the host when P2P is off)
+    nvme_gbps: float
+    nvme_source: str
+    tflops: float
+    tflops_source: str
+    host_ram_gib: float
+
+
+def rank_gpus(hw: HardwareProfile, placement: Placement) -> list[GPUInfo]:
+    ranks = placement.tp * placement.pp
+    if not hw.gpus:
+        raise UsageError(
+            "The hardware profile lists no GPU; the cost model predicts GPU serving. "
+            "Pass --box ID, --gpus 1xrtx-5090 or a probed hw.json"
+        )
+    if ranks > len(hw.gpus):
+        raise UsageError(
+            f"Placement needs tp x pp = {ranks} GPUs but the profile has {len(hw.gpus)}; lower tp/pp or add GPUs"
+        )
+    return hw.gpus[:ranks]
+
+
+def _pcie_x16_rate(gen: int | None) -> float | None:
+    table = _tables()["links.yaml"].get("pinned_h2d_gbps_x16", {})
+    if gen is None:
+        return None
+    return float(table[gen]) if gen in table else None
+
+
+def h2d_gbps(gpu: GPUInfo) -> tuple[float, str]:
+    """Pinned host->device GB/s: batched measurement, then single-copy measurement / datasheet, then PCIe table."""
+    if gpu.h2d_batched_gbps:
+        return gpu.h2d_batched_gbps, gpu.sources.get("h2d_batched_gbps", "measured")
+    if gpu.h2d_pinned_gbps:
+        return gpu.h2d_pinned_gbps, gpu.sources.get("h2d_pinned_gbps", "datasheet")
+    rate = _pcie_x16_rate(gpu.pcie_gen)
+    if rate is not None:
+        width = gpu.pcie_width or 16
+        return rate * width / 16, f"derived (PCIe gen{gpu.pcie_gen} x{width} table)"
+    default = float(_tables()["links.yaml"].get("default_h2d_gbps", 12.0))
+    return default, "default (no PCIe info: Gen3 x16 assumed)"
+
+
+def nvme_gbps(hw: HardwareProfile) -> tuple[float, str]:
+    st = hw.storage
+    if st.rand_read_gbps:
+        return st.rand_read_gbps, st.sources.get("rand_read_gbps", "measured")
+    if st.seq_read_gbps:
+        factor = float(_tables()["links.yaml"].get("rand_over_seq", 0.6))
+        return st.seq_read_gbps * factor, "derived (sequential x rand_over_seq)"
+    return float(_tables()["links.yaml"].get("default_nvme_gbps", 2.0)), "default (no storage measurement)"
+
+
+def bf16_tflops(gpu: GPUInfo) -> tuple[float, str]:
+    table = _tables()["gpu_compute.yaml"]
+    per_gpu = (table.get("gpus") or {}).get(gpu.hwdb_id or "", {})
+    cc = gpu.compute_capability
+    sms = None
+    if gpu.hwdb_id:
+        try:
+            from moetplan import hwdb
+
+            sms = hwdb.gpu_entry(gpu.hwdb_id).get("sms")
+        except Exception:  # noqa: BLE001 - unknown id or loader missing: fall back below
+            sms = None
+    rate = per_gpu.get("flops_per_clk_per_sm") or (table.get("flops_per_clk_per_sm") or {}).get(cc)
+    clock = per_gpu.get("boost_clock_ghz")
+    if sms and rate and clock:
+        return float(sms) * float(clock) * 1e9 * float(rate) / 1e12, "derived (SMs x clock x FLOPs/clk/SM)"
+    ratios = table.get("flops_per_byte_fallback") or {}
+    ratio = float(ratios.get(cc, ratios.get("default", 120)))
+    return gpu.mem_bw_gbps * ratio / 1e3, f"estimated (memory BW x {ratio:g} FLOPs/byte)"
+
+
+def rates(hw: HardwareProfile, placement: Placement) -> Rates:
+    gpus = rank_gpus(hw, placement)
+    # The slowest rank sets the pace of a synchronous TP/PP step.
+    slow_mem = min(gpus, key=lambda g: g.mem_bw_gbps)
+    h2d = [h2d_gbps(g) for g in gpus]
+    h2d_rate, h2d_src = min(h2d, key=lambda t: t[0])
+    tfl = [bf16_tflops(g) for g in gpus]
+    tflops, tfl_src = min(tfl, key=lambda t: t[0])
+    nv, nv_src = nvme_gbps(hw)
+    # Without P2P, TP traffic goes GPU->host->GPU: bounded by the same pinned link rate.
+    pcie = h2d_rate
+    return Rates(
+        mem_bw_gbps=slow_mem.mem_bw_gbps,
+        h2d_gbps=h2d_rate,
+        h2d_source=h2d_src,
+        pcie_gbps=pcie,
+        nvme_gbps=nv,
+        nvme_source=nv_src,
+        tflops=tflops,
+        tflops_source=tfl_src,
+        host_ram_gib=hw.host.ram_available_gib or hw.host.ram_gib,
+    )

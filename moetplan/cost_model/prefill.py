@@ -1,0 +1,131 @@
+"""Prefill time of one prompt on the slowest rank, as named terms (same representation as the decode terms).
+
+Per chunk of max_num_batched_tokens: GEMMs are compute-bound (FLOPs / (tensor TFLOPs x eff)) with a floor of
+reading every weight the chunk touches once; TP all-reduces carry chunk x hidden activations over PCIe; experts that
+are not on the GPU are streamed in (host link, and NVMe for the part the RAM arena does not hold), overlapped with
+compute, so a chunk takes the longer of the two.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moetplan.cost_model.calibration import Calibration, linear_value
+from moetplan.cost_model.coverage import CoverageCurve, curve_for, expected_union, miss_stats
+from moetplan.cost_model.hardware import GB, Rates, rates
+from moetplan.cost_model.terms import (
+    MS,
+    TermSpec,
+    bytes_per_param,
+    cached_shares,
+    dense_read_bytes,
+    kv_read_tokens,
+)
+from moetplan.models.spec import GIB, ModelSpec
+from moetplan.plan.schema import HardwareProfile, Placement
+
+COMPUTE = "prefill GEMM compute"
+WEIGHTS = "prefill weight reads (bandwidth floor)"
+AR = "prefill TP all-reduce over PCIe"
+STREAM = "prefill expert streaming (non-resident experts)"
+CHUNK = "prefill per-chunk overhead"
+
+
+@dataclass
+class PrefillRun:
+    prompt_tokens: int
+    chunks: int
+    terms: list[TermSpec]
+    rates: Rates
+
+    def ms(self, calib: Calibration, hw: HardwareProfile | None) -> float:
+        return sum(t.ms(calib, hw) for t in self.terms)
+
+
+def _val(calib: Calibration, hw: HardwareProfile, spec: TermSpec) -> float:
+    return spec.ms(calib, hw)
+
+
+def attention_flops_per_token(model: ModelSpec, context: float, calib: Calibration) -> float:
+    """QK^T and PV for one query token against `context` keys, all layers."""
+    att = model.attention
+    head_dim = att.head_dim or (192 if att.kind.startswith("mla") else model.hidden_size // max(att.num_heads, 1))
+    keys = kv_read_tokens(model, context, calib)
+    return 4.0 * att.num_heads * head_dim * keys * model.num_layers
+
+
+def prefill_run(model: ModelSpec, hw: HardwareProfile, placement: Placement, calib: Calibration,
+                prompt_tokens: int | None = None, curve: CoverageCurve | None = None) -> PrefillRun:
+    rt = rates(hw, placement)
+    r = calib.routing
+    curve = curve or curve_for(model, r)
+    P = int(prompt_tokens or r.prefill_prompt_tokens)
+    chunk = max(1, min(placement.max_num_batched_tokens, P))
+    n_chunks = math.ceil(P / chunk)
+    tp = placement.tp
+    L, NL, E, K = model.moe_layers, model.num_layers, model.n_routed_experts, model.top_k
+    bpp = bytes_per_param(model)
+
+    dense_b = dense_read_bytes(model) / tp
+    dense_flops = 2.0 * dense_b / bpp * P
+    expert_flops = 2.0 * P * K * model.expert_params * L / tp
+    attn_flops = sum(
+        attention_flops_per_token(model, (i + 0.5) * chunk / 2 + i * chunk / 2, calib) * min(chunk, P - i * chunk)
+        for i in range(n_chunks)
+    ) / tp
+    flops = dense_flops + expert_flops + attn_flops
+    compute = TermSpec(COMPUTE, note=f"{flops / 1e12:.1f} TFLOP/rank at {rt.tflops:.0f} TFLOPs ({rt.tflops_source})")
+    compute.add("family.compute_eff", flops / (rt.tflops * 1e12) * MS)
+
+    # Weights each chunk must read at least once.
+    union = expected_union(curve, E, K, chunk)
+    exp_b = L * union * model.expert_bytes("2bit", tp)
+    floor = TermSpec(WEIGHTS, note=f"{n_chunks} chunk(s) x {(dense_b + exp_b) / GB:.1f} GB/rank")
+    floor.add("family.dense_bw_eff", n_chunks * dense_b / (rt.mem_bw_gbps * GB) * MS)
+    floor.add("family.expert_bw_eff", n_chunks * exp_b / (rt.mem_bw_gbps * GB) * MS)
+
+    terms: list[TermSpec] = []
+    # Compute and the bandwidth floor overlap: the chunk costs the larger one.
+    terms.append(compute if compute.ms(calib, hw) >= floor.ms(calib, hw) else floor)
+
+    if tp > 1:
+        n_ar = 2 * NL * n_chunks
+        ring = 2.0 * (tp - 1) / tp * P * model.hidden_size * 2 * 2 * NL
+        t = TermSpec(AR, note=f"{ring / GB:.1f} GB of activations per rank over {rt.pcie_gbps:.0f} GB/s")
+        t.add("family.allreduce_latency_us", float(n_ar))
+        t.add("family.allreduce_bw_eff", ring / (rt.pcie_gbps * GB) * MS)
+        terms.append(t)
+
+    if placement.expert_tier != "resident":
+        _, x_cached = cached_shares(model, placement)
+        cold = miss_stats(curve, E, K, L, chunk, x_cached, 0.0)
+        rank_b = n_chunks * cold.misses_per_step * model.expert_bytes("2bit", tp)
+        full_b = n_chunks * cold.misses_per_step * model.expert_bytes("2bit", 1)
+        stream = TermSpec(STREAM, note=f"{rank_b / GB:.1f} GB/rank streamed over {rt.h2d_gbps:.0f} GB/s")
+        per_full = L * E * model.expert_bytes("2bit", 1)
+        if placement.expert_tier == "host":
+            stream.add("link.h2d_eff", rank_b / (rt.h2d_gbps * GB) * MS)
+        else:
+            if placement.host_arena_gib > 0:
+                x_a, link = placement.host_arena_gib * GIB / per_full, "link.h2d_eff"
+            else:
+                x_a, link = r.page_cache_share * rt.host_ram_gib * GIB / per_full, "link.pageable_eff"
+            stream.add(link, rank_b / (rt.h2d_gbps * GB) * MS)
+            beyond = max(0.0, 1.0 - min(1.0, x_cached + x_a)) / max(1e-12, 1.0 - x_cached)
+            if beyond > 0:
+                # Prefill touches nearly every expert, so the NVMe share is by expert count, not routing mass.
+                stream.add("link.nvme_read_eff", full_b * beyond / (rt.nvme_gbps * GB) * MS)
+                stream.note += f"; {full_b * beyond / GB:.1f} GB from NVMe at {rt.nvme_gbps:.1f} GB/s"
+        # Streaming overlaps the chunk's compute; only the excess over it adds time.
+        busy = terms[0]
+        if stream.ms(calib, hw) > busy.ms(calib, hw):
+            terms[0] = stream
+            stream.note += " (streaming-bound: compute hides under it)"
+    t = TermSpec(CHUNK, note=f"{n_chunks} chunk(s) of {chunk} tokens")
+    t.add("family.prefill_chunk_overhead_ms", float(n_chunks))
+    t.add("family.layer_overhead_us", float(NL * n_chunks))
+    terms.append(t)
+    return PrefillRun(P, n_chunks, terms, rt)
+
+
+__all__ = ["PrefillRun", "prefill_run", "attention_flops_per_token", "linear_value"]

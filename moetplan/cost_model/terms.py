@@ -1,0 +1,321 @@
+"""Decode step time on one GPU rank as a sum of named terms.
+
+Every term is physics (bytes, counts) times a calibration factor: `parts` maps a registered parameter
+(calibration.PARAMS) to the coefficient the step time is linear in — ideal milliseconds for an efficiency (time =
+coef / eff), an event count for an overhead (time = count x overhead). predict() evaluates the terms; the fit in
+calibration.py solves for the factors from the very same parts, so fitting and predicting can never disagree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moetplan.cost_model.calibration import PARAMS, Calibration, linear_value
+from moetplan.cost_model.coverage import (
+    CoverageCurve,
+    MissStats,
+    curve_for,
+    expected_union,
+    expected_union_hot,
+    miss_stats,
+)
+from moetplan.cost_model.hardware import GB, Rates, rates
+from moetplan.errors import UsageError
+from moetplan.models.spec import DENSE_BYTES_PER_PARAM, GIB, ModelSpec
+from moetplan.plan.schema import HardwareProfile, Placement
+
+MS = 1e3
+
+# Term names (shown to people; the bottleneck is one of these).
+DENSE = "dense weight reads"
+EXPERTS = "routed expert reads"
+KV = "KV cache reads"
+DRAFT = "speculative draft passes"
+ALLREDUCE = "TP all-reduce over PCIe"
+PIPELINE = "pipeline stage hand-off"
+LAYER_OVH = "per-layer launch overhead"
+STEP_OVH = "per-step overhead (scheduler, sampler)"
+MISS_HOST = "expert misses (host RAM -> GPU over PCIe)"
+MISS_NVME = "expert misses (NVMe pack -> RAM -> GPU)"
+REPLAY = "replayed steps after a miss"
+
+
+@dataclass
+class TermSpec:
+    name: str
+    parts: dict[str, float] = field(default_factory=dict)
+    const_ms: float = 0.0
+    note: str = ""
+
+    def ms(self, calib: Calibration, hw: HardwareProfile | None) -> float:
+        return self.const_ms + sum(c * linear_value(p, calib.value(p, hw)) for p, c in self.parts.items())
+
+    def add(self, param: str, coef: float) -> None:
+        assert param in PARAMS, param
+        if coef:
+            self.parts[param] = self.parts.get(param, 0.0) + coef
+
+
+@dataclass
+class DecodeStep:
+    concurrency: int
+    tokens_per_step: float  # emitted per stream per step (MTP acceptance)
+    tokens_per_layer: float  # tokens each MoE layer processes per step (all streams, incl. drafts verified)
+    union_per_layer: float  # expected distinct experts read per MoE layer
+    terms: list[TermSpec]
+    miss: MissStats | None
+    rates: Rates
+    notes: list[str] = field(default_factory=list)
+
+    def term_ms(self, calib: Calibration, hw: HardwareProfile | None) -> list[tuple[TermSpec, float]]:
+        return [(t, t.ms(calib, hw)) for t in self.terms]
+
+    def step_ms(self, calib: Calibration, hw: HardwareProfile | None) -> float:
+        return sum(ms for _, ms in self.term_ms(calib, hw))
+
+
+# --------------------------------------------------------------------------- model byte helpers
+
+
+def bytes_per_param(model: ModelSpec) -> float:
+    return DENSE_BYTES_PER_PARAM.get(model.dense_precision, 2.0)
+
+
+def embedding_bytes(model: ModelSpec) -> float:
+    return model.vocab_size * model.hidden_size * bytes_per_param(model)
+
+
+def dense_read_bytes(model: ModelSpec) -> float:
+    """Non-routed weights one forward pass reads (all ranks together): everything but the embedding table.
+
+    From the parameter count, not `dense_gib_published`: published stacks include the MTP layer (and its experts at
+    checkpoint precision) or a vision tower, neither of which the main decode pass reads. The input embedding is a
+    row lookup; the LM head is read in full.
+    """
+    if model.non_routed_params_b > 0:
+        total = model.non_routed_params_b * 1e9 * bytes_per_param(model)
+    else:
+        total = model.dense_bytes()
+    return max(total - embedding_bytes(model), 0.0)
+
+
+def acceptance(model: ModelSpec, placement: Placement) -> float:
+    """Tokens emitted per decode step: the placement's figure when it states one, else the model fact."""
+    if placement.mtp <= 0:
+        return 1.0
+    if placement.mtp_acceptance and placement.mtp_acceptance > 1.0:
+        return min(placement.mtp_acceptance, placement.mtp + 1.0)
+    return model.mtp_accept(placement.mtp)
+
+
+def reserve_slots(model: ModelSpec, placement: Placement) -> int:
+    if placement.fp4_reserve_slots:
+        return placement.fp4_reserve_slots
+    return int(placement.fp4_reserve_gib * GIB // model.expert_bytes("fp4", placement.tp))
+
+
+def cache_slots(model: ModelSpec, placement: Placement) -> int:
+    if placement.gpu_expert_cache_slots:
+        return placement.gpu_expert_cache_slots
+    return int(placement.gpu_expert_cache_gib * GIB // model.expert_bytes("2bit", placement.tp))
+
+
+def cached_shares(model: ModelSpec, placement: Placement) -> tuple[float, float]:
+    """(share of experts in the FP4 reserve, share cached on the GPU in any format) per rank."""
+    total = model.moe_layers * model.n_routed_experts
+    x_r = min(1.0, reserve_slots(model, placement) / total)
+    if placement.expert_tier == "resident":
+        return x_r, 1.0
+    return x_r, min(1.0, x_r + cache_slots(model, placement) / total)
+
+
+def kv_read_tokens(model: ModelSpec, context_tokens: float, calib: Calibration) -> float:
+    """Context tokens whose KV a decode step reads: all of them, or top-k plus the indexer for sparse attention."""
+    kind = model.attention.kind
+    if kind in ("mla_sparse", "csa"):
+        topk = getattr(model.attention, "index_topk", None) or calib.routing.default_index_topk
+        return min(context_tokens, float(topk)) + calib.routing.sparse_index_share * context_tokens
+    return context_tokens
+
+
+def kv_read_bytes(model: ModelSpec, placement: Placement, calib: Calibration, seqs: int,
+                  filled_tokens: float | None = None) -> float:
+    kv_dtype = placement.kv_dtype
+    if kv_dtype not in model.kv_bytes_per_token:
+        known = ", ".join(model.kv_bytes_per_token) or "none"
+        raise UsageError(f"{model.id} has no KV layout '{kv_dtype}' (known: {known}); set kv_dtype to one of them")
+    filled = calib.routing.kv_fill * placement.context if filled_tokens is None else filled_tokens
+    tokens = kv_read_tokens(model, filled, calib)
+    return model.kv_bytes(kv_dtype, int(tokens), placement.tp, seqs=1) * seqs
+
+
+def _ms(nbytes: float, gbps: float) -> float:
+    return nbytes / (gbps * GB) * MS
+
+
+# --------------------------------------------------------------------------- the decode step
+
+
+def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, calib: Calibration,
+                concurrency: int | None = None, curve: CoverageCurve | None = None,
+                kv_tokens: float | None = None) -> DecodeStep:
+    """Terms of one decode step on the slowest rank, with `concurrency` streams batched (default: 1).
+
+    kv_tokens: context tokens each stream has filled; default routing.kv_fill x the planned context.
+    """
+    rt = rates(hw, placement)
+    r = calib.routing
+    curve = curve or curve_for(model, r)
+    fam_hw = hw
+    c = max(1, int(concurrency or 1))
+    k_spec = max(0, placement.mtp)
+    tp, pp = placement.tp, placement.pp
+    L, NL, E, K = model.moe_layers, model.num_layers, model.n_routed_experts, model.top_k
+    acc = acceptance(model, placement)
+    tokens_layer = c * (1 + k_spec)
+    # Drafted tokens of one sequence route much like their predecessor (per-stream effective tokens); other
+    # streams follow the coverage curve only in part (stream_overlap).
+    tokens_eff = 1 + k_spec * (1.0 - r.token_overlap)
+    so = r.stream_overlap
+    bpp = bytes_per_param(model)
+    terms: list[TermSpec] = []
+    notes: list[str] = []
+
+    def roofline(term: TermSpec, mem_param: str, mem_ms: float, flops: float) -> None:
+        comp_ms = flops / (rt.tflops * 1e12) * MS
+        mem_t = mem_ms * linear_value(mem_param, calib.value(mem_param, fam_hw))
+        comp_t = comp_ms * linear_value("family.compute_eff", calib.value("family.compute_eff", fam_hw))
+        if comp_t > mem_t:
+            term.add("family.compute_eff", comp_ms)
+            term.note += " (compute-bound at this batch)"
+        else:
+            term.add(mem_param, mem_ms)
+
+    # Dense stack: read once per step whatever the batch; compute grows with the tokens.
+    dense_b = dense_read_bytes(model) / tp
+    t = TermSpec(DENSE, note=f"{dense_b / GB:.2f} GB/rank at {rt.mem_bw_gbps:.0f} GB/s")
+    roofline(t, "family.dense_bw_eff", _ms(dense_b, rt.mem_bw_gbps), 2.0 * dense_b / bpp * tokens_layer)
+    terms.append(t)
+
+    # Routed experts: the union of what all tokens of the step route to, at the format each is read in.
+    union = expected_union(curve, E, K, tokens_eff, c, so)
+    x_r, x_cached = cached_shares(model, placement)
+    union_fp4 = expected_union_hot(curve, E, K, tokens_eff, x_r, c, so) if x_r > 0 else 0.0
+    b2, b4 = model.expert_bytes("2bit", tp), model.expert_bytes("fp4", tp)
+    exp_b = L * (union_fp4 * b4 + (union - union_fp4) * b2)
+    t = TermSpec(EXPERTS, note=f"{union:.1f} of {E} experts/layer x {L} layers = {exp_b / GB:.2f} GB/rank"
+                 + (f", {union_fp4:.1f}/layer from the FP4 reserve" if union_fp4 > 0.05 else ""))
+    roofline(t, "family.expert_bw_eff", _ms(exp_b, rt.mem_bw_gbps),
+             2.0 * tokens_layer * K * model.expert_params * L / tp)
+    terms.append(t)
+
+    # KV cache at the planned context (kv_fill of it), one read per sequence per step.
+    kv_b = kv_read_bytes(model, placement, calib, c, kv_tokens)
+    filled = f"{kv_tokens:.0f} tokens" if kv_tokens is not None else f"{r.kv_fill:.0%} of {placement.context} tokens"
+    t = TermSpec(KV, note=f"{kv_b / GB:.3f} GB/rank at {filled} x {c} seq")
+    t.add("family.dense_bw_eff", _ms(kv_b, rt.mem_bw_gbps))
+    terms.append(t)
+
+    # Speculative drafts: each drafted token is one sequential pass of the MTP layer (or drafter) plus the LM head.
+    if k_spec > 0:
+        t = TermSpec(DRAFT, note=f"{k_spec} draft pass(es)/step, {acc:.2f} tokens emitted/step")
+        if model.mtp_layers > 0:
+            mtp_params = model.mtp_params_b * 1e9
+            experts_in = model.n_routed_experts * model.expert_params
+            if mtp_params > experts_in:
+                mtp_params -= experts_in  # published MTP sizes include the layer's routed experts
+            if mtp_params <= 0:
+                mtp_params = dense_read_bytes(model) / bpp / max(NL, 1)
+            d_b = (mtp_params * bpp + embedding_bytes(model)) / tp
+            draft_union = expected_union(curve, E, K, 1.0, c, so)
+            e_b = draft_union * b2
+            t.add("family.expert_bw_eff", k_spec * _ms(e_b, rt.mem_bw_gbps))
+        elif model.drafter_gib > 0:
+            d_b = model.drafter_gib * GIB / tp
+        else:
+            d_b = embedding_bytes(model) / tp
+            notes.append(f"{model.id} has no MTP head or drafter; draft passes costed as an LM-head read only")
+        t.add("family.dense_bw_eff", k_spec * _ms(d_b, rt.mem_bw_gbps))
+        t.add("family.layer_overhead_us", float(k_spec))
+        t.add("family.draft_overhead_ms", float(k_spec))
+        if tp > 1:
+            t.add("family.allreduce_latency_us", 2.0 * k_spec)
+        terms.append(t)
+
+    # Tensor parallel: two all-reduces per layer (attention out, MoE out), tiny and latency-bound at decode.
+    if tp > 1:
+        n_ar = 2 * NL
+        ring = 2.0 * (tp - 1) / tp * tokens_layer * model.hidden_size * 2
+        t = TermSpec(ALLREDUCE, note=f"{n_ar} all-reduces of {tokens_layer * model.hidden_size * 2 / 1024:.0f} KiB"
+                     + ("" if hw.p2p else " through host memory (no P2P)"))
+        t.add("family.allreduce_latency_us", float(n_ar))
+        t.add("family.allreduce_bw_eff", n_ar * _ms(ring, rt.pcie_gbps))
+        terms.append(t)
+    if pp > 1:
+        t = TermSpec(PIPELINE, note=f"{pp - 1} activation hand-off(s) per step")
+        t.add("family.allreduce_latency_us", float(pp - 1))
+        t.add("family.allreduce_bw_eff", (pp - 1) * _ms(tokens_layer * model.hidden_size * 2, rt.pcie_gbps))
+        terms.append(t)
+
+    t = TermSpec(LAYER_OVH, note=f"{NL} layers")
+    t.add("family.layer_overhead_us", float(NL))
+    terms.append(t)
+    t = TermSpec(STEP_OVH)
+    t.add("family.step_overhead_ms", 1.0)
+    terms.append(t)
+
+    miss: MissStats | None = None
+    if placement.expert_tier != "resident":
+        miss = miss_stats(curve, E, K, L, tokens_eff, x_cached, r.miss_correlation, c, so)
+        terms.extend(_miss_terms(model, hw, placement, calib, rt, curve, miss, x_cached, terms))
+
+    return DecodeStep(c, acc, tokens_layer, union, terms, miss, rt, notes)
+
+
+def _miss_terms(model: ModelSpec, hw: HardwareProfile, placement: Placement, calib: Calibration, rt: Rates,
+                curve: CoverageCurve, miss: MissStats, x_cached: float, base: list[TermSpec]) -> list[TermSpec]:
+    r = calib.routing
+    L, E = model.moe_layers, model.n_routed_experts
+    rank_bytes = miss.misses_per_step * model.expert_bytes("2bit", placement.tp)
+    full_bytes = miss.misses_per_step * model.expert_bytes("2bit", 1)
+    per_expert_full = L * E * model.expert_bytes("2bit", 1)
+    note = (f"{miss.misses_per_step:.1f} experts/step ({rank_bytes / 2**20:.0f} MiB/rank); "
+            f"{miss.p_step_miss:.0%} of steps miss (independent model: {miss.p_step_miss_independent:.0%}); "
+            f"token hit rate {miss.token_hit_rate:.2%}")
+    # A step that misses cannot stay inside the captured CUDA graph: it waits for the fetch and runs its layers
+    # eagerly (eager_layer_us per layer). This per-step penalty is why decode follows the zero-miss step share.
+    out: list[TermSpec] = []
+    if placement.expert_tier == "host":
+        t = TermSpec(MISS_HOST, note=note)
+        t.add("link.fetch_latency_us", miss.layers_with_miss)
+        t.add("link.h2d_eff", _ms(rank_bytes, rt.h2d_gbps))
+        t.add("family.eager_layer_us", miss.p_step_miss * model.num_layers)
+        out.append(t)
+    else:
+        t = TermSpec(MISS_NVME, note=note)
+        if placement.host_arena_gib > 0:
+            x_a = placement.host_arena_gib * GIB / per_expert_full
+            pinned = True
+        else:
+            # No arena: the kernel page cache is the only RAM tier, and its pages are pageable.
+            x_a = r.page_cache_share * rt.host_ram_gib * GIB / per_expert_full
+            pinned = False
+        miss_mass = 1.0 - curve(x_cached)
+        beyond = (1.0 - curve(min(1.0, x_cached + x_a))) / miss_mass if miss_mass > 1e-12 else 0.0
+        t.add("link.fetch_latency_us", miss.layers_with_miss)
+        t.add("family.eager_layer_us", miss.p_step_miss * model.num_layers)
+        t.add("link.h2d_eff" if pinned else "link.pageable_eff", _ms(rank_bytes, rt.h2d_gbps))
+        if beyond > 0:
+            per_missing_layer = miss.misses_per_layer / max(miss.p_layer_miss, 1e-12)
+            nvme_layers = miss.layers_with_miss * (1.0 - (1.0 - beyond) ** max(1.0, per_missing_layer))
+            t.add("link.nvme_latency_us", nvme_layers)
+            t.add("link.nvme_read_eff", _ms(full_bytes * beyond, rt.nvme_gbps))
+            t.note += f"; {beyond:.0%} of misses read from NVMe ({rt.nvme_gbps:.1f} GB/s)"
+        out.append(t)
+    if r.miss_policy == "replay" and miss.p_step_miss > 0:
+        t = TermSpec(REPLAY, note=f"{miss.p_step_miss:.0%} of steps run twice")
+        for b in base:
+            for p, coef in b.parts.items():
+                t.add(p, coef * miss.p_step_miss)
+        out.append(t)
+    return out
+

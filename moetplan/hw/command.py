@@ -1,0 +1,31 @@
+"""The `moetplan probe` command: parse, call run_probe, render or write JSON. Heavy imports stay inside."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def probe_command(
+    quick: bool = typer.Option(False, "--quick", help="Small test file (<= 1 GiB) and few repetitions, ~10-20 s"),
+    pack_dir: Optional[Path] = typer.Option(
+        None, "--pack-dir", help="Directory the pack files will live in (default: user cache dir/moetplan/packs)"
+    ),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the HardwareProfile JSON here (for plan --hw)"),
+    as_json: bool = typer.Option(False, "--json", help="Print the HardwareProfile JSON on stdout, no table"),
+) -> None:
+    """Measure what this machine can move: GPUs, host memory and memlock, pack-dir disk reads, copy rates."""
+    from moetplan.hw.probe import run_probe
+    from moetplan.hw.render import render_profile
+    from moetplan.plan.schema import save_json
+
+    result = run_probe(str(pack_dir) if pack_dir else None, quick=quick, progress=True)
+    if out is not None:
+        save_json(result.profile, out)
+    if as_json:
+        typer.echo(result.profile.model_dump_json(indent=2))
+        return
+    render_profile(result.profile, result.details, elapsed_s=result.elapsed_s)
+    if out is not None:
+        typer.echo(f"wrote {out}")

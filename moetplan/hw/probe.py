@@ -1,0 +1,110 @@
+"""`moetplan probe`: GPUs, host, pack-dir storage and copy rates of this machine -> HardwareProfile.
+
+`probe()` is what the planner calls when the user gave no --hw/--box/--gpus; `run_probe()` also returns the
+details a person wants to see (what the pinned test did, the test file size, rates per copy size).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from moetplan.hw.gpus import query_gpus
+from moetplan.hw.host import query_host
+from moetplan.hw.storage import probe_storage
+from moetplan.hw.transfer import _norm_uuid, cuda_torch, measure_device, torch_index_by_uuid
+from moetplan.plan.schema import HardwareProfile
+
+
+@dataclass
+class ProbeResult:
+    profile: HardwareProfile
+    quick: bool = True
+    elapsed_s: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _status(progress: bool, text: str) -> Any:
+    import contextlib
+
+    if not progress:
+        return contextlib.nullcontext()
+    from rich.console import Console
+
+    return Console(stderr=True).status(text)
+
+
+def _measure_transfers(profile: HardwareProfile, quick: bool, progress: bool, details: dict[str, Any]) -> None:
+    torch, why = cuda_torch()
+    if torch is None:
+        profile.warnings.append(
+            f"{len(profile.gpus)} GPU(s) found by the driver but {why}: host->device and device copy rates not "
+            "measured (the planner falls back to datasheet/PCIe estimates); install the CUDA runtime extra "
+            "(`pip install 'moetplan[cuda]'`) and rerun `moetplan probe`"
+        )
+        return
+    by_uuid = torch_index_by_uuid(torch)
+    nvml_uuids = {_norm_uuid(g.uuid) for g in profile.gpus if g.uuid}
+    if (not nvml_uuids & by_uuid.keys() and torch.cuda.device_count() == len(profile.gpus)
+            and not os.environ.get("CUDA_VISIBLE_DEVICES")):
+        # torch gave no comparable UUIDs; the same set of devices is visible, so pair them by order.
+        by_uuid = {_norm_uuid(g.uuid): g.index for g in profile.gpus if g.uuid}
+        details["torch_mapping"] = "by index (no UUID match)"
+    for g in profile.gpus:
+        tidx = by_uuid.get(_norm_uuid(g.uuid)) if g.uuid else None
+        if tidx is None:
+            profile.warnings.append(f"GPU {g.index} ({g.name}) is not visible to torch (CUDA_VISIBLE_DEVICES?): "
+                                    "its copy rates were not measured")
+            continue
+        with _status(progress, f"measuring copy rates on GPU {g.index} ({g.name})"):
+            res = measure_device(torch, tidx, quick=quick)
+        profile.warnings.extend(res.warnings)
+        for k in ("h2d_pinned_gbps", "h2d_pageable_gbps", "h2d_batched_gbps", "d2d_gbps"):
+            v = getattr(res, k)
+            if v is not None:
+                setattr(g, k, v)
+                g.sources[k] = "measured"
+        details.setdefault("transfers", {})[g.index] = {"torch_index": tidx, **res.detail}
+
+
+def run_probe(pack_dir: str | os.PathLike[str] | None = None, quick: bool = True, progress: bool = True,
+              measure_storage: bool = True) -> ProbeResult:
+    """Probe everything; storage problems the user must fix (unwritable --pack-dir) raise UsageError."""
+    t0 = time.perf_counter()
+    details: dict[str, Any] = {}
+    with _status(progress, "querying GPUs and host"):
+        gpu_report = query_gpus()
+        host_report = query_host()
+    details["memlock_hard_bytes"] = host_report.memlock_hard_bytes
+    details["pinned_test"] = host_report.pinned_test
+
+    profile = HardwareProfile(
+        source="probe",
+        description=f"{socket.gethostname()} ({platform.system()} {platform.release()}), probed "
+                    f"{'quick' if quick else 'full'}",
+        gpus=gpu_report.gpus,
+        host=host_report.info,
+        p2p=gpu_report.p2p,
+        warnings=[*gpu_report.warnings, *host_report.warnings],
+    )
+    if measure_storage:
+        st = probe_storage(pack_dir, quick=quick, progress=progress,
+                           ram_bytes=int(host_report.info.ram_gib * 1024**3))
+        profile.storage = st.info
+        details.update(test_file_mib=st.test_file_bytes // 1024**2, seq_mib_read=st.seq_bytes_read // 1024**2,
+                       rand_reads=st.rand_reads, rand_queue_depth=st.rand_queue_depth)
+    if profile.gpus:
+        _measure_transfers(profile, quick, progress, details)
+    else:
+        profile.warnings.append("no GPU found: a plan for this machine has no GPU to place the model on")
+    profile.measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return ProbeResult(profile=profile, quick=quick, elapsed_s=round(time.perf_counter() - t0, 2), details=details)
+
+
+def probe(pack_dir: str | None = None, quick: bool = True, progress: bool = True) -> HardwareProfile:
+    """This machine's HardwareProfile (source="probe"); quick by default, for the planner."""
+    return run_probe(pack_dir, quick=quick, progress=progress).profile

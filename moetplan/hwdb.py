@@ -1,0 +1,562 @@
+"""The one reader of hwdb/ (GPU datasheets, model specs, reference boxes). No other module opens those files.
+
+hwdb/ sits at the repository root next to the package (editable install); MOETPLAN_HWDB points elsewhere
+(tests use it for broken copies). Parsed files are cached by path and mtime, so edits are picked up.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from moetplan.errors import ConfigError, UnknownNameError, UsageError
+from moetplan.models.spec import DENSE_BYTES_PER_PARAM, EXPERT_FORMAT_BITS, ModelSpec
+from moetplan.plan.schema import GPUInfo, HardwareProfile, HostInfo, StorageInfo, ValueSource
+
+HWDB_ENV = "MOETPLAN_HWDB"
+# yaml keys that describe provenance; they are not ModelSpec fields.
+_META_KEYS = ("source", "sources", "status", "status_default", "notes")
+# Checkpoint precisions a routed expert can arrive in (EXPERT_FORMAT_BITS names the stored formats; MXFP4
+# checkpoints are the same bits as the "fp4" reserve format).
+EXPERT_CHECKPOINT_PRECISIONS = frozenset(EXPERT_FORMAT_BITS) | {"mxfp4"}
+
+_cache: dict[tuple[str, int], Any] = {}
+
+
+def hwdb_dir() -> Path:
+    override = os.environ.get(HWDB_ENV)
+    d = Path(override) if override else Path(__file__).resolve().parent.parent / "hwdb"
+    if not d.is_dir():
+        hint = f"{HWDB_ENV} is set to '{override}'" if override else "the package is not an editable install"
+        raise ConfigError(f"hwdb folder not found at {d} ({hint}); point {HWDB_ENV} at the repository's hwdb/")
+    return d
+
+
+def calibration_dir() -> Path:
+    """hwdb/calibration: fitted cost-model constants (the cost model owns the files in it)."""
+    return hwdb_dir() / "calibration"
+
+
+def clear_cache() -> None:
+    _cache.clear()
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        key = (str(path), path.stat().st_mtime_ns)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    if key not in _cache:
+        try:
+            _cache[key] = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}: not valid YAML{where} ({getattr(e, 'problem', e)}); fix the file") from None
+    return _cache[key]
+
+
+def _validation_error(path: Path, entry: str, e: ValidationError) -> ConfigError:
+    first = e.errors()[0]
+    loc = ".".join(str(x) for x in first["loc"])
+    return ConfigError(f"{path}: {entry}field '{loc}': {first['msg']} ({len(e.errors())} error(s) in all)")
+
+
+# --------------------------------------------------------------------------- name normalisation
+
+_VENDOR_WORDS = {"nvidia", "geforce"}
+# Words a driver name may carry beyond an alias without changing which card it is (memory size, form factor).
+_NOISE_WORDS = {"gpu", "graphics", "generation", "edition", "workstation", "pcie", "sxm", "sxm2", "sxm4", "sxm5",
+                "hbm2", "hbm2e", "hbm3", "hbm3e", "blackwell"}
+_MEM_SIZE = re.compile(r"^\d+g(b)?$")
+
+
+def _compact(name: str) -> str:
+    """'NVIDIA GeForce RTX-5090' -> 'rtx5090'; 'deepseek-ai/DeepSeek-V4-Flash' -> 'deepseekv4flash'."""
+    s = name.strip().lower()
+    s = s.rsplit("/", 1)[-1]
+    words = [w for w in re.split(r"[\s_\-]+", s) if w and w not in _VENDOR_WORDS]
+    return re.sub(r"[^a-z0-9.]", "", "".join(words))
+
+
+def _tokens(name: str) -> list[str]:
+    return [w for w in re.split(r"[\s_\-/()]+", name.strip().lower()) if w and w not in _VENDOR_WORDS]
+
+
+def _is_noise(word: str) -> bool:
+    return word in _NOISE_WORDS or bool(_MEM_SIZE.match(word))
+
+
+def _subsequence_leftover(alias: list[str], name: list[str]) -> list[str] | None:
+    """Name words not used by `alias` when alias is an in-order subsequence of name, else None."""
+    left: list[str] = []
+    i = 0
+    for w in name:
+        if i < len(alias) and w == alias[i]:
+            i += 1
+        else:
+            left.append(w)
+    return left if i == len(alias) else None
+
+
+def _unknown(kind: str, name: str, names_by_id: dict[str, list[str]]) -> UnknownNameError:
+    """UnknownNameError whose suggestions are ids, found through ids and aliases alike ('glm5.3' -> glm-5.2)."""
+    import difflib
+
+    owner = {n.lower(): i for i, ns in names_by_id.items() for n in [i, *ns]}
+    owner.update({_compact(n): i for i, ns in names_by_id.items() for n in [i, *ns]})
+    close = difflib.get_close_matches(name.lower(), list(owner), n=10, cutoff=0.5)
+    close += difflib.get_close_matches(_compact(name), list(owner), n=10, cutoff=0.5)
+    ids = list(dict.fromkeys(owner[c] for c in close))[:3]
+    err = UnknownNameError(kind, name, list(names_by_id))
+    hint = f" Did you mean: {', '.join(ids)}?" if ids else ""
+    listing = f"{kind}es" if kind.endswith("x") else f"{kind}s"
+    err.args = (f"Unknown {kind} '{name}'.{hint} (`moetplan {listing}` lists them)",)
+    err.suggestions = ids
+    return err
+
+
+# --------------------------------------------------------------------------- GPUs
+
+
+class _GPUEntry(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    name: str
+    aliases: list[str] = []
+    vram_gib: float
+    vram_visible_gib: float | None = None
+    mem_bw_gbps: float
+    compute_capability: str
+    fp8: bool
+    fp4: bool
+    pcie_gen: int | None = None
+    pcie_lanes: int | None = None
+    nvlink: bool = False
+    sms: int | None = None
+    tdp_w: float | None = None
+    h2d_pinned_gbps: float | None = None
+    source: list[str]
+
+
+def _gpu_table() -> tuple[dict[str, dict], dict[str, str]]:
+    """(entries by id, compact name/alias -> id)."""
+    path = hwdb_dir() / "gpus.yaml"
+    key = ("gpu_table", str(path), path.stat().st_mtime_ns if path.exists() else 0)
+    if key in _cache:
+        return _cache[key]
+    data = _read_yaml(path)
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
+        raise ConfigError(f"{path}: expected a top-level 'gpus:' list")
+    entries: dict[str, dict] = {}
+    index: dict[str, str] = {}
+    for i, raw in enumerate(data["gpus"]):
+        label = raw.get("id", f"#{i}") if isinstance(raw, dict) else f"#{i}"
+        try:
+            entry = _GPUEntry.model_validate(raw).model_dump()
+        except ValidationError as e:
+            raise _validation_error(path, f"gpu '{label}': ", e) from None
+        if entry["id"] in entries:
+            raise ConfigError(f"{path}: gpu id '{entry['id']}' appears twice; ids must be unique")
+        entries[entry["id"]] = entry
+        for n in [entry["id"], entry["name"], *entry["aliases"]]:
+            k = _compact(n)
+            if index.get(k, entry["id"]) != entry["id"]:
+                raise ConfigError(f"{path}: alias '{n}' of gpu '{entry['id']}' is already used by '{index[k]}'")
+            index[k] = entry["id"]
+    _cache[key] = (entries, index)
+    return entries, index
+
+
+def gpu_ids() -> list[str]:
+    return list(_gpu_table()[0])
+
+
+def gpu_entries() -> list[dict]:
+    """All GPU entries (copies), in file order — for listings."""
+    return [copy.deepcopy(e) for e in _gpu_table()[0].values()]
+
+
+def match_gpu(driver_name: str) -> str | None:
+    """hwdb id for a driver-reported name ('NVIDIA GeForce RTX 5090' -> 'rtx-5090'), None when unknown.
+
+    An alias matches when its words appear in order in the name and every other word of the name is noise
+    (memory size, form factor). So 'RTX 5090 Laptop GPU' or 'H100 NVL' stay unmatched instead of borrowing the
+    desktop card's datasheet; the alias with most words wins ('rtx 4080 super' over 'rtx 4080').
+    """
+    entries, index = _gpu_table()
+    hit = index.get(_compact(driver_name))
+    if hit:
+        return hit
+    name = _tokens(driver_name)
+    best: tuple[int, set[str]] = (0, set())
+    for gid, e in entries.items():
+        for alias in [e["name"], *e["aliases"]]:
+            at = _tokens(alias)
+            left = _subsequence_leftover(at, name)
+            if left is None or not all(_is_noise(w) for w in left):
+                continue
+            if len(at) > best[0]:
+                best = (len(at), {gid})
+            elif len(at) == best[0]:
+                best[1].add(gid)
+    return next(iter(best[1])) if len(best[1]) == 1 else None
+
+
+def gpu_entry(name_or_alias: str) -> dict:
+    """Datasheet entry (a copy) by id, alias or driver name. UnknownNameError with close names otherwise."""
+    entries, index = _gpu_table()
+    gid = index.get(_compact(name_or_alias)) or match_gpu(name_or_alias)
+    if gid is None:
+        raise _unknown("gpu", name_or_alias, {i: [e["name"], *e["aliases"]] for i, e in entries.items()})
+    return copy.deepcopy(entries[gid])
+
+
+def gpu_info(gpu_id: str, index: int = 0) -> GPUInfo:
+    """GPUInfo filled from the datasheet (what `--gpus` and boxes use; `probe` measures instead)."""
+    e = gpu_entry(gpu_id)
+    ds: ValueSource = "datasheet"
+    info = GPUInfo(
+        index=index,
+        name=e["name"],
+        hwdb_id=e["id"],
+        # Plan against what the driver shows when a source states it; nominal otherwise.
+        vram_gib=e["vram_visible_gib"] or e["vram_gib"],
+        mem_bw_gbps=e["mem_bw_gbps"],
+        compute_capability=str(e["compute_capability"]),
+        fp8=e["fp8"],
+        fp4=e["fp4"],
+        pcie_gen=e["pcie_gen"],
+        pcie_width=e["pcie_lanes"],
+        pcie_gen_max=e["pcie_gen"],
+        pcie_width_max=e["pcie_lanes"],
+        power_limit_w=e["tdp_w"],
+        h2d_pinned_gbps=e["h2d_pinned_gbps"],
+        sources={"vram_gib": ds, "mem_bw_gbps": ds, "compute_capability": ds, "pcie_gen": ds, "pcie_width": ds,
+                 "power_limit_w": ds},
+    )
+    if e["h2d_pinned_gbps"] is not None:
+        # A typical figure for the card's link class, not a measurement of this host.
+        info.sources["h2d_pinned_gbps"] = "derived"
+    return info
+
+
+_COUNT_PREFIX = re.compile(r"^\s*(\d+)\s*[x*×]\s*(.+?)\s*$", re.IGNORECASE)
+_COUNT_SUFFIX = re.compile(r"^\s*(.+?)\s*[x*×]\s*(\d+)\s*$", re.IGNORECASE)
+
+
+def _parse_gpu_group(part: str, whole: str) -> tuple[str, int]:
+    entries, index = _gpu_table()
+
+    def resolve(name: str) -> str | None:
+        return index.get(_compact(name)) or match_gpu(name)
+
+    m = _COUNT_PREFIX.match(part)
+    if m and resolve(m.group(2)):
+        return resolve(m.group(2)), int(m.group(1))  # type: ignore[return-value]
+    gid = resolve(part)
+    if gid:
+        return gid, 1
+    m = _COUNT_SUFFIX.match(part)
+    if m and resolve(m.group(1)):
+        return resolve(m.group(1)), int(m.group(2))  # type: ignore[return-value]
+    name = (m.group(2) if (m := _COUNT_PREFIX.match(part)) else None) or (
+        m2.group(1) if (m2 := _COUNT_SUFFIX.match(part)) else part.strip())
+    err = _unknown("gpu", name, {i: [e["name"], *e["aliases"]] for i, e in entries.items()})
+    err.args = (f"--gpus '{whole}': {err} Write e.g. '2xrtx-5090', 'rtx-5090x2' or 'rtx-5090,rtx-4090'.",)
+    raise err
+
+
+def parse_gpus_arg(spec: str) -> list[GPUInfo]:
+    """'2xrtx-5090' | 'rtx-5090x2' | 'rtx-5090,rtx-4090' | '2x5090' -> one GPUInfo per GPU (indices 0..n-1)."""
+    if not spec or not spec.strip():
+        raise UsageError("--gpus is empty: write e.g. '1xrtx-5090', '2xrtx-pro-6000' or 'rtx-5090,rtx-4090'")
+    out: list[GPUInfo] = []
+    for part in spec.split(","):
+        if not part.strip():
+            raise UsageError(f"--gpus '{spec}': empty item between commas; write e.g. 'rtx-5090,rtx-4090'")
+        gid, count = _parse_gpu_group(part, spec)
+        if count < 1:
+            raise UsageError(f"--gpus '{spec}': GPU count must be at least 1 (got {count} in '{part.strip()}')")
+        for _ in range(count):
+            out.append(gpu_info(gid, index=len(out)))
+    return out
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _model_files() -> dict[str, Path]:
+    d = hwdb_dir() / "models"
+    return {p.stem: p for p in sorted(d.glob("*.yaml"))}
+
+
+def _load_model(mid: str, path: Path) -> tuple[ModelSpec, dict]:
+    key = ("model", str(path), path.stat().st_mtime_ns)
+    if key in _cache:
+        return _cache[key]
+    raw = _read_yaml(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of ModelSpec fields")
+    if raw.get("id") != mid:
+        raise ConfigError(f"{path}: field 'id' is {raw.get('id')!r} but the file is named {mid}.yaml; make them equal")
+    fields = {k: v for k, v in raw.items() if k not in _META_KEYS}
+    src = raw.get("source") or raw.get("sources") or []
+    fields["sources"] = [str(s) for s in (src if isinstance(src, list) else [src])]
+    if not fields["sources"]:
+        raise ConfigError(f"{path}: field 'source' is missing; every hwdb entry names where its values come from")
+    try:
+        spec = ModelSpec.model_validate(fields)
+    except ValidationError as e:
+        raise _validation_error(path, "", e) from None
+    if spec.dense_precision not in DENSE_BYTES_PER_PARAM:
+        raise ConfigError(f"{path}: field 'dense_precision': '{spec.dense_precision}' is not one of "
+                          f"{', '.join(DENSE_BYTES_PER_PARAM)}")
+    if spec.expert_precision not in EXPERT_CHECKPOINT_PRECISIONS:
+        raise ConfigError(f"{path}: field 'expert_precision': '{spec.expert_precision}' is not one of "
+                          f"{', '.join(sorted(EXPERT_CHECKPOINT_PRECISIONS))}")
+    _cache[key] = (spec, raw)
+    return spec, raw
+
+
+def _model_index() -> dict[str, str]:
+    files = _model_files()
+    key = ("model_index", tuple((str(p), p.stat().st_mtime_ns) for p in files.values()))
+    if key in _cache:
+        return _cache[key]
+    index: dict[str, str] = {}
+    for mid, path in files.items():
+        spec, _ = _load_model(mid, path)
+        for n in [mid, spec.name, *spec.aliases, *([spec.hf_repo] if spec.hf_repo else [])]:
+            k = _compact(n)
+            if index.get(k, mid) != mid:
+                raise ConfigError(f"{path}: alias '{n}' is already used by model '{index[k]}'; aliases must be unique")
+            index[k] = mid
+    _cache[key] = index
+    return index
+
+
+def model_ids() -> list[str]:
+    return list(_model_files())
+
+
+def _resolve_model(name_or_alias: str) -> str:
+    index = _model_index()
+    mid = index.get(_compact(name_or_alias))
+    if mid is None:
+        files = _model_files()
+        raise _unknown("model", name_or_alias, {m: _load_model(m, p)[0].aliases for m, p in files.items()})
+    return mid
+
+
+def model_spec(name_or_alias: str) -> ModelSpec:
+    """ModelSpec (a fresh copy) by id or alias: 'glm5.2', 'ds4-flash', 'zai-org/GLM-5.2' ..."""
+    mid = _resolve_model(name_or_alias)
+    return _load_model(mid, _model_files()[mid])[0].model_copy(deep=True)
+
+
+def model_entry(name_or_alias: str) -> dict:
+    """The raw yaml entry (with `source` and per-field `status`), for listings and explanations."""
+    mid = _resolve_model(name_or_alias)
+    return copy.deepcopy(_load_model(mid, _model_files()[mid])[1])
+
+
+# --------------------------------------------------------------------------- boxes
+
+
+class _BoxGPU(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    count: int = 1
+    h2d_pinned_gbps: float | None = None
+    power_limit_w: float | None = None
+
+
+class _BoxHost(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ram_gib: float
+    cores: int | None = None
+    memlock: int | str | None = "unlimited"
+    pinned_alloc_ok: bool | None = None
+    dram_gbps: float | None = None
+
+
+class _BoxStorage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str | None = None
+    nvme_gen: int | None = None
+    seq_read_gbps: float | None = None
+    rand_read_gbps: float | None = None
+    free_gib: float | None = None
+    o_direct: bool | None = None
+
+
+class _Box(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    description: str | None = None
+    gpus: list[_BoxGPU]
+    host: _BoxHost
+    storage: _BoxStorage = _BoxStorage()
+    p2p: bool = False
+    status: dict[str, str] = {}
+    source: list[str]
+
+
+def _box_files() -> dict[str, Path]:
+    return {p.stem: p for p in sorted((hwdb_dir() / "boxes").glob("*.yaml"))}
+
+
+def box_ids() -> list[str]:
+    return list(_box_files())
+
+
+def _load_box(box_id: str) -> _Box:
+    files = _box_files()
+    path = files.get(box_id) or files.get(box_id.strip().lower())
+    if path is None:
+        raise _unknown("box", box_id, {b: [] for b in files})
+    raw = _read_yaml(path)
+    try:
+        box = _Box.model_validate(raw)
+    except ValidationError as e:
+        raise _validation_error(path, "", e) from None
+    if box.id != path.stem:
+        raise ConfigError(f"{path}: field 'id' is '{box.id}' but the file is named {path.stem}.yaml; make them equal")
+    for g in box.gpus:
+        if g.count < 1:
+            raise ConfigError(f"{path}: field 'gpus.count' must be at least 1 (gpu '{g.id}')")
+        try:
+            gpu_entry(g.id)
+        except UnknownNameError as e:
+            raise ConfigError(f"{path}: field 'gpus.id': {e}") from None
+    return box
+
+
+def box_entry(box_id: str) -> dict:
+    """The box yaml as a dict (validated; a copy)."""
+    return _load_box(box_id).model_dump()
+
+
+def _status_source(status: dict[str, str], field: str, default: ValueSource) -> ValueSource:
+    s = status.get(field, "").lower()
+    if s.startswith("estimated"):
+        return "default"
+    if s.startswith("derived"):
+        return "derived"
+    return default
+
+
+def box_profile(box_id: str) -> HardwareProfile:
+    """A vLLM-Moet reference machine as a HardwareProfile (source 'box:<id>')."""
+    box = _load_box(box_id)
+    st = box.status
+    gpus: list[GPUInfo] = []
+    for g in box.gpus:
+        for _ in range(g.count):
+            info = gpu_info(g.id, index=len(gpus))
+            if g.h2d_pinned_gbps is not None:
+                # Stated for this machine's own links (batched expert-sized copies), so it beats the class value.
+                info.h2d_pinned_gbps = g.h2d_pinned_gbps
+                info.h2d_batched_gbps = g.h2d_pinned_gbps
+                info.sources["h2d_pinned_gbps"] = "measured"
+                info.sources["h2d_batched_gbps"] = "measured"
+            if g.power_limit_w is not None:
+                info.power_limit_w = g.power_limit_w
+                info.sources["power_limit_w"] = "user"
+            gpus.append(info)
+    h = box.host
+    memlock: int | None
+    if h.memlock is None or (isinstance(h.memlock, str) and h.memlock.lower() == "unlimited"):
+        memlock = None
+    elif isinstance(h.memlock, int):
+        memlock = h.memlock
+    else:
+        raise ConfigError(f"{_box_files()[box.id]}: field 'host.memlock': '{h.memlock}' is neither 'unlimited' "
+                          "nor a byte count")
+    host = HostInfo(
+        ram_gib=h.ram_gib,
+        cores=h.cores,
+        memlock_bytes=memlock,
+        pinned_alloc_ok=h.pinned_alloc_ok,
+        dram_gbps=h.dram_gbps,
+        sources={
+            "ram_gib": _status_source(st, "host.ram_gib", "datasheet"),
+            "cores": _status_source(st, "host.cores", "datasheet"),
+            "memlock_bytes": _status_source(st, "host.memlock", "datasheet"),
+        },
+    )
+    s = box.storage
+    storage = StorageInfo(
+        path=s.path,
+        free_gib=s.free_gib,
+        seq_read_gbps=s.seq_read_gbps,
+        rand_read_gbps=s.rand_read_gbps,
+        o_direct=s.o_direct,
+        sources={f: _status_source(st, f"storage.{f}", "datasheet")
+                 for f in ("free_gib", "seq_read_gbps", "rand_read_gbps") if getattr(s, f) is not None},
+    )
+    return HardwareProfile(source=f"box:{box.id}", box_id=box.id, description=box.description, gpus=gpus,
+                           host=host, storage=storage, p2p=box.p2p)
+
+
+def inline_profile(gpus: str, host_ram_gib: float, nvme_gbps: float | None = None,
+                   pack_dir_free_gib: float | None = None, pack_dir: str | None = None) -> HardwareProfile:
+    """HardwareProfile from `--gpus 2xrtx-5090 --host-ram-gib 128 --nvme-gbps 7 --pack-dir-free-gib 2000`."""
+    if host_ram_gib is None or host_ram_gib <= 0:
+        raise UsageError(f"--host-ram-gib must be a positive number of GiB (got {host_ram_gib})")
+    if nvme_gbps is not None and nvme_gbps <= 0:
+        raise UsageError(f"--nvme-gbps must be a positive GB/s figure (got {nvme_gbps}); leave it out for no NVMe")
+    if pack_dir_free_gib is not None and pack_dir_free_gib < 0:
+        raise UsageError(f"--pack-dir-free-gib must be >= 0 (got {pack_dir_free_gib})")
+    gpu_list = parse_gpus_arg(gpus)
+    storage_src: dict[str, ValueSource] = {}
+    if nvme_gbps is not None:
+        # One user figure stands for both: the cost model derates random reads itself if it wants to.
+        storage_src.update(seq_read_gbps="user", rand_read_gbps="user")
+    if pack_dir_free_gib is not None:
+        storage_src["free_gib"] = "user"
+    return HardwareProfile(
+        source="inline",
+        description=f"{gpus}, {host_ram_gib:g} GiB RAM" + (f", NVMe {nvme_gbps:g} GB/s" if nvme_gbps else ""),
+        gpus=gpu_list,
+        host=HostInfo(ram_gib=float(host_ram_gib), sources={"ram_gib": "user", "memlock_bytes": "default"}),
+        storage=StorageInfo(path=pack_dir, free_gib=pack_dir_free_gib, seq_read_gbps=nvme_gbps,
+                            rand_read_gbps=nvme_gbps, o_direct=None, sources=storage_src),
+        p2p=False,
+        warnings=(["GPU peer-to-peer is assumed off for inline hardware (use `moetplan probe` to measure it)"]
+                  if len(gpu_list) > 1 else []),
+    )
+
+
+# --------------------------------------------------------------------------- guards & planner defaults (lead)
+
+_GUARD_KEYS = {
+    "gpu": ("cuda_graphs_workspace_gib", "speculative_extra_gib", "activation_bytes_per_context_token",
+            "gpu_memory_utilization", "gpu_memory_utilization_small_card", "small_card_gib"),
+    "expert_cache": ("floor_factor", "comfortable_factor", "seqs_cap"),
+    "fp4_gate": ("floor_factor",),
+    "host": ("os_reserve_gib", "per_gpu_reserve_gib", "usable_fraction", "arena_min_gib"),
+    "planner": ("default_box", "default_context", "context_grid", "balanced_keep_decode", "mtp_depths", "max_tp"),
+}
+
+
+def guards() -> dict[str, Any]:
+    """hwdb/guards.yaml: vLLM-Moet's memory guards and the planner's documented policy values."""
+    path = hwdb_dir() / "guards.yaml"
+    data = _read_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections")
+    for section, keys in _GUARD_KEYS.items():
+        sec = data.get(section)
+        if not isinstance(sec, dict):
+            raise ConfigError(f"{path}: missing section '{section}'")
+        for k in keys:
+            if k not in sec:
+                raise ConfigError(f"{path}: missing '{section}.{k}'")
+    return data

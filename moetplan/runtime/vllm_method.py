@@ -1,0 +1,569 @@
+"""The "moetplan" quantization method for vLLM: routed experts in our format, everything else as the checkpoint has it.
+
+Selection: `--quantization moetplan`. For a bf16 checkpoint (no quantization_config) vLLM then builds
+`MoetplanConfig()` with no arguments; for a quantized checkpoint (FP8, ...) `override_quantization_method`
+claims it when the user asked for moetplan, and `from_config` receives the checkpoint's own config, which we
+keep as the *inner* config: dense layers and the expert weight loading go through it unchanged, and only the
+routed experts are re-quantized at load. Users point at the official checkpoint; nothing is edited on disk.
+
+Configuration comes from the Plan only (env `MOETPLAN_PLAN`): expert tier, cache sizes, pack dir, gate.
+
+Routed-expert computation runs behind an opaque custom op (`torch.ops.moetplan.routed_experts`) so
+torch.compile / Dynamo does not trace into the data-dependent bookkeeping (unique ids, cache lookups).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+from moetplan.errors import ConfigError
+from moetplan.runtime import records
+
+# Under the "vllm" logger tree so lines share vLLM's handler/format (`moetplan run` parses them for progress).
+log = logging.getLogger("vllm.moetplan")
+
+PLAN_ENV = "MOETPLAN_PLAN"
+METHOD_NAME = "moetplan"
+EXPERT_FORMATS = ("2bit", "unquantized")
+_UNQUANTIZED_ALIASES = {"none", "unquantized", "bf16", "checkpoint"}
+
+
+# --------------------------------------------------------------------------- settings from the plan
+
+
+@dataclass
+class RuntimeSettings:
+    """What the method needs from the Plan (read once per process)."""
+
+    plan_path: str | None
+    plan: Any  # moetplan.plan.schema.Plan | None
+    expert_format: str = "2bit"
+    expert_tier: str = "resident"
+    cache_slots: int = 0
+    host_arena_gib: float = 0.0
+    pack_dir: str | None = None
+    gate: dict[str, Any] = field(default_factory=dict)
+    decode_batch_tokens: int = 1
+    record_interval_s: float = 2.0
+
+    @classmethod
+    def from_env(cls) -> "RuntimeSettings":
+        path = os.environ.get(PLAN_ENV)
+        if not path:
+            raise ConfigError(
+                f"The moetplan quantization method needs a plan: {PLAN_ENV} is not set. Start the server with "
+                "`moetplan run plan.json` (or export MOETPLAN_PLAN=/path/plan.json before `vllm serve`)"
+            )
+        from moetplan.plan.schema import Plan, SchemaError, load_json
+
+        try:
+            plan = load_json(Plan, path)
+        except SchemaError as e:
+            raise ConfigError(f"{PLAN_ENV}: {e}") from None
+        return cls.from_plan(plan, path)
+
+    @classmethod
+    def from_plan(cls, plan: Any, path: str | None = None) -> "RuntimeSettings":
+        pl = plan.placement
+        fmt = getattr(pl, "expert_format", None) or plan.goals.pinned.get("expert_format") or "2bit"
+        fmt = "unquantized" if str(fmt).lower() in _UNQUANTIZED_ALIASES else str(fmt).lower()
+        if fmt not in EXPERT_FORMATS:
+            raise ConfigError(
+                f"{path or 'plan'}: expert_format '{fmt}' is not one the runtime serves; use one of "
+                f"{', '.join(EXPERT_FORMATS)}"
+            )
+        return cls(
+            plan_path=str(path) if path else None,
+            plan=plan,
+            expert_format=fmt,
+            expert_tier=pl.expert_tier,
+            cache_slots=int(pl.gpu_expert_cache_slots),
+            host_arena_gib=float(pl.host_arena_gib),
+            pack_dir=pl.pack_dir,
+            gate=pl.gate.model_dump(),
+            decode_batch_tokens=max(1, int(pl.max_num_seqs) * (1 + int(pl.mtp))),
+        )
+
+
+_SETTINGS: RuntimeSettings | None = None
+_SETTINGS_LOCK = threading.Lock()
+
+
+def settings() -> RuntimeSettings:
+    global _SETTINGS
+    with _SETTINGS_LOCK:
+        if _SETTINGS is None:
+            _SETTINGS = RuntimeSettings.from_env()
+        return _SETTINGS
+
+
+def _reset_for_tests(s: RuntimeSettings | None = None) -> None:
+    """Tests install settings directly (or clear them) without a server."""
+    global _SETTINGS, _STATS, _WRITER
+    _SETTINGS = s
+    _STATS = None
+    _WRITER = None
+    _LAYERS.clear()
+
+
+# --------------------------------------------------------------------------- per-process stats + run record
+
+_STATS: records.RuntimeStats | None = None
+_WRITER: records.RecordWriter | None = None
+
+
+def stats() -> records.RuntimeStats:
+    global _STATS
+    if _STATS is None:
+        s = _SETTINGS
+        _STATS = records.RuntimeStats(decode_batch_tokens=s.decode_batch_tokens if s else 1)
+    return _STATS
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
+
+
+def _store_kpis() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    tiers = {st.tier for st in _LAYERS.values()}
+    out["expert_tier"] = ",".join(sorted(tiers)) if tiers else None
+    out["expert_format"] = next((st.fmt for st in _LAYERS.values()), None)
+    resident = all(st.store is None for st in _LAYERS.values())
+    if resident and _LAYERS:
+        # Every routed expert is in the device pool: every routing is a hit, no step waits on a fetch.
+        out.update(token_hit_rate=1.0, misses_per_step=0.0, zero_miss_step_share=1.0)
+        return out
+    store = next((st.store for st in _LAYERS.values() if st.store is not None), None)
+    if store is not None:
+        kp = getattr(store, "kpis", None) or getattr(store, "stats", None)
+        try:
+            data = kp() if callable(kp) else kp
+            if hasattr(data, "__dataclass_fields__"):
+                from dataclasses import asdict
+
+                data = asdict(data)
+            if isinstance(data, dict):
+                out.update(data)
+        except Exception as e:  # a broken KPI read must not kill the worker
+            out["store_kpi_error"] = repr(e)
+    return out
+
+
+def _make_record():
+    s = _SETTINGS
+    return records.build_run_record(
+        s.plan if s else None,
+        s.plan_path if s else None,
+        stats(),
+        store_kpis=_store_kpis(),
+        extra_runtime={"tp_rank": _tp_rank(), "worker_pid": os.getpid()},
+    )
+
+
+def writer() -> records.RecordWriter | None:
+    global _WRITER
+    s = _SETTINGS
+    if _WRITER is None and s is not None and s.plan_path:
+        path = os.environ.get("MOETPLAN_RUN_RECORD") or str(records.run_record_path(s.plan_path, _tp_rank()))
+        _WRITER = records.RecordWriter(path, _make_record, s.record_interval_s)
+        atexit.register(_WRITER.write)
+    return _WRITER
+
+
+# --------------------------------------------------------------------------- expert computation
+
+
+def _swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+def moe_reference(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_weights: Any,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """Plain torch MoE: sum_j w_tj * W2_e(swiglu(W13_e x_t)); `expert_weights(e)` -> (w13 [2I,H], w2 [H,I]).
+
+    Computes in x's dtype, so an fp32 run is an fp32 reference (the oracle vLLM's own output is compared to).
+    """
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.reshape(-1).to(torch.long)
+    tok = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
+    wts = topk_weights.reshape(-1)
+    for e in torch.unique(flat_ids).tolist():
+        sel = (flat_ids == e).nonzero(as_tuple=True)[0]
+        t = tok[sel]
+        w13, w2 = expert_weights(e)
+        h = _swiglu(x[t] @ w13.to(x.dtype).t(), swiglu_limit)
+        y = h @ w2.to(x.dtype).t()
+        out.index_add_(0, t, y * wts[sel].to(x.dtype).unsqueeze(1))
+    return out
+
+
+@dataclass
+class LayerState:
+    """One MoE layer's routed experts after load, as the custom op sees them."""
+
+    key: int
+    moe_index: int  # counts MoE layers only (pack row order)
+    name: str
+    fmt: str
+    tier: str
+    num_experts: int
+    hidden: int
+    inter: int  # per TP rank
+    swiglu_limit: float | None = None
+    w13: torch.Tensor | None = None  # unquantized: [E, 2I, H]
+    w2: torch.Tensor | None = None  # unquantized: [E, H, I]
+    rows: torch.Tensor | None = None  # 2-bit resident: [E, stride] uint8 device pool
+    slot_of: torch.Tensor | None = None  # expert id -> pool slot
+    layout: Any = None  # moetplan.runtime.format.RowLayout
+    store: Any = None  # tiered store, when the tier is not resident
+    first: bool = False  # first MoE layer of the model: marks a step
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "unquantized":
+            assert self.w13 is not None and self.w2 is not None
+            w13, w2 = self.w13, self.w2
+            return moe_reference(x, topk_weights, topk_ids, lambda e: (w13[e], w2[e]), self.swiglu_limit)
+        return self._forward_2bit(x, topk_weights, topk_ids)
+
+    def _forward_2bit(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        pool, slot_of = self.rows, self.slot_of
+        if self.store is not None:
+            pool, slot_of = _store_ensure(self.store, self.moe_index, topk_ids)
+        assert pool is not None and slot_of is not None
+        ops = _ops()
+        if ops is not None:
+            return ops.moe_forward(
+                x, topk_ids, topk_weights, pool, slot_of, self.layout, swiglu_limit=self.swiglu_limit
+            )
+        from moetplan.runtime.format import unpack_expert_row
+
+        layout = self.layout
+
+        def weights(e: int):
+            return unpack_expert_row(pool[int(slot_of[e])], layout, torch.float32)
+
+        return moe_reference(x, topk_weights, topk_ids, weights, self.swiglu_limit)
+
+
+def _ops():
+    """moetplan.runtime.ops when it provides moe_forward (CUDA kernels or its torch reference), else None."""
+    try:
+        from moetplan.runtime import ops  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return ops if hasattr(ops, "moe_forward") else None
+
+
+def _store_ensure(store: Any, moe_index: int, topk_ids: torch.Tensor):
+    """Ask the tiered store for this layer's routed experts; returns (pool, slot_of)."""
+    ids = torch.unique(topk_ids.reshape(-1))
+    res = store.ensure(moe_index, ids)
+    if isinstance(res, tuple):
+        return res[0], res[1]
+    return store.pool, res
+
+
+_LAYERS: dict[int, LayerState] = {}
+_MOE_COUNTER = [0]
+
+
+def _is_warmup() -> bool:
+    """True inside vLLM's profile/dummy runs (no attention metadata): not user traffic, not counted."""
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return True
+        return get_forward_context().attn_metadata is None
+    except Exception:
+        return False
+
+
+def _run_layer(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, key: int) -> torch.Tensor:
+    st = _LAYERS[key]
+    t0 = time.perf_counter()
+    out = st.forward(x, topk_weights, topk_ids)
+    stats().on_call(st.first, int(x.shape[0]), int(topk_ids.numel()), _is_warmup(), time.perf_counter() - t0)
+    w = writer()
+    if w is not None:
+        w.maybe_write()
+    return out
+
+
+@torch.library.custom_op("moetplan::routed_experts", mutates_args=())
+def routed_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, key: int) -> torch.Tensor:
+    return _run_layer(x, topk_weights, topk_ids, key)
+
+
+@routed_experts_op.register_fake
+def _routed_experts_fake(x, topk_weights, topk_ids, key):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x)
+
+
+# --------------------------------------------------------------------------- source dequantization
+
+
+def _fp8_dequant_experts(layer: Any, name: str, halves: int) -> torch.Tensor:
+    """[E, N, K] fp8 expert weights + their scales (per tensor [E] / [E, halves] or block) -> float32."""
+    from moetplan.runtime.sources import dequantize_fp8
+
+    w = getattr(layer, f"{name}_weight").data
+    scale = getattr(layer, f"{name}_weight_scale_inv", None)
+    if scale is None:
+        scale = getattr(layer, f"{name}_weight_scale")
+    scale = scale.data
+    E, N, K = w.shape
+    out = torch.empty(E, N, K, dtype=torch.float32)
+    for e in range(E):
+        s = scale[e]
+        if s.dim() == 2:  # block scales [ceil(N/128)..., ceil(K/128)]
+            if halves == 2 and (N // 2) % 128:
+                # gate and up carry separate block grids when a half is not a multiple of 128
+                nb = s.shape[0] // 2
+                out[e, : N // 2] = dequantize_fp8(w[e, : N // 2], s[:nb], f"{name}[{e}].w1").float()
+                out[e, N // 2:] = dequantize_fp8(w[e, N // 2:], s[nb:], f"{name}[{e}].w3").float()
+            else:
+                out[e] = dequantize_fp8(w[e], s, f"{name}[{e}]").float()
+        elif s.numel() == halves and halves == 2:
+            out[e, : N // 2] = dequantize_fp8(w[e, : N // 2], s[0], f"{name}[{e}].w1").float()
+            out[e, N // 2:] = dequantize_fp8(w[e, N // 2:], s[1], f"{name}[{e}].w3").float()
+        else:
+            out[e] = dequantize_fp8(w[e], s.reshape(-1)[:1], f"{name}[{e}]").float()
+    return out
+
+
+def source_expert_weights(layer: Any) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The layer's loaded routed experts as exact float tensors (w13 [E,2I,H], w2 [E,H,I]) and the source name."""
+    w13 = layer.w13_weight.data
+    if w13.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return w13, layer.w2_weight.data, str(w13.dtype).replace("torch.", "")
+    if w13.dtype in (torch.float8_e4m3fn, torch.uint8, torch.int8) and (
+        hasattr(layer, "w13_weight_scale") or hasattr(layer, "w13_weight_scale_inv")
+    ):
+        return _fp8_dequant_experts(layer, "w13", 2), _fp8_dequant_experts(layer, "w2", 1), "fp8"
+    raise ConfigError(
+        f"{getattr(layer, 'layer_name', 'MoE layer')}: routed experts of dtype {w13.dtype} are not a source the "
+        "moetplan method reads (bf16/fp16/fp32/FP8 at load; convert NVFP4/MXFP4 checkpoints with "
+        "`moetplan quantize` into packs first)"
+    )
+
+
+# --------------------------------------------------------------------------- vLLM classes
+# Module level (not defined inside a function): vLLM pickles the quantization config into its engine processes.
+
+
+class MoetplanMoEMethod(FusedMoEMethodBase):
+    """Routed experts: loaded as the checkpoint stores them, re-quantized / placed per the plan."""
+
+    def __init__(self, moe: Any, source_method: Any = None):
+        super().__init__(moe)
+        self.source_method = source_method
+        self.key: int | None = None
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        if self.moe.moe_parallel_config.use_ep:
+            raise ConfigError(
+                "The moetplan method shards experts by tensor parallelism only; drop --enable-expert-parallel"
+            )
+        if not self.moe.is_act_and_mul:
+            raise ConfigError(f"{layer.layer_name}: only gated (SwiGLU) experts are supported by moetplan")
+        if self.source_method is not None:
+            self.source_method.create_weights(layer, num_experts, hidden_size,
+                                              intermediate_size_per_partition, params_dtype,
+                                              **extra_weight_attrs)
+            return
+        from vllm.model_executor.utils import set_weight_attrs
+
+        w13 = torch.nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size_per_partition, hidden_size, dtype=params_dtype),
+            requires_grad=False,
+        )
+        layer.register_parameter("w13_weight", w13)
+        set_weight_attrs(w13, extra_weight_attrs)
+        w2 = torch.nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        layer.register_parameter("w2_weight", w2)
+        set_weight_attrs(w2, extra_weight_attrs)
+        if self.moe.has_bias:
+            raise ConfigError(f"{layer.layer_name}: expert biases are not supported by the moetplan method")
+
+    def get_fused_moe_quant_config(self, layer):
+        return FUSED_MOE_UNQUANTIZED_CONFIG
+
+    @property
+    def supports_eplb(self) -> bool:
+        return False
+
+    def process_weights_after_loading(self, layer) -> None:
+        t0 = time.perf_counter()
+        s = settings()
+        w13, w2, source = source_expert_weights(layer)
+        E, two_i, H = w13.shape
+        inter = two_i // 2
+        tp = int(self.moe.moe_parallel_config.tp_size or 1)
+        key = _MOE_COUNTER[0]
+        _MOE_COUNTER[0] += 1
+        st = LayerState(
+            key=key, moe_index=key, name=layer.layer_name, fmt=s.expert_format, tier=s.expert_tier,
+            num_experts=E, hidden=H, inter=inter, swiglu_limit=getattr(layer, "swiglu_limit", None),
+            first=(key == 0),
+        )
+        if s.expert_format == "unquantized":
+            st.tier = "resident"
+            st.w13 = w13.clone() if source != "fp8" else w13.to(layer.params_dtype)
+            st.w2 = w2.clone() if source != "fp8" else w2.to(layer.params_dtype)
+        else:
+            from moetplan.runtime.format import RowLayout, pack_expert_row
+
+            layout = RowLayout.for_expert(H, inter * tp, tp, "2bit")
+            rows = torch.empty(E, layout.stride, dtype=torch.uint8)
+            for e in range(E):
+                pack_expert_row(w13[e], w2[e], layout, out=rows[e])
+            st.layout = layout
+            if s.expert_tier == "resident":
+                st.rows = rows.to(w13.device)
+                st.slot_of = torch.arange(E, device=w13.device, dtype=torch.int32)
+            else:
+                st.store = _attach_store(st, rows, s)
+        # The checkpoint-format copies are no longer read: free them (the op reads LayerState only).
+        for pname in [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]:
+            p = getattr(layer, pname)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        _LAYERS[key] = st
+        self.key = key
+        stats().layers = len(_LAYERS)
+        stats().load_s += time.perf_counter() - t0
+        log.info(
+            "moetplan: %s experts=%d source=%s format=%s tier=%s (%.2fs)",
+            layer.layer_name, E, source, st.fmt, st.tier, time.perf_counter() - t0,
+        )
+        w = writer()
+        if w is not None:
+            w.write()
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        if self.key is None:
+            raise ConfigError(f"{layer.layer_name}: moetplan experts used before weights were processed")
+        return torch.ops.moetplan.routed_experts(x, topk_weights, topk_ids, self.key)
+
+
+class MoetplanConfig(QuantizationConfig):
+    """Routed experts in the moetplan format; other layers as the checkpoint (or its own config) has them."""
+
+    def __init__(self, checkpoint_config: dict[str, Any] | None = None):
+        super().__init__()
+        settings()  # fail at config time, with the fix in the message, when the plan is missing or bad
+        self.checkpoint_config = checkpoint_config
+        self.inner = None
+        qm = (checkpoint_config or {}).get("quant_method")
+        if qm and qm != METHOD_NAME:
+            from vllm.model_executor.layers.quantization import get_quantization_config
+
+            self.inner = get_quantization_config(qm).from_config(checkpoint_config)
+
+    # Models fill packed_modules_mapping on the config they see; the inner config needs it too.
+    @property
+    def packed_modules_mapping(self):  # type: ignore[override]
+        return self._packed
+
+    @packed_modules_mapping.setter
+    def packed_modules_mapping(self, value):
+        self._packed = value
+        if getattr(self, "inner", None) is not None:
+            self.inner.packed_modules_mapping = value
+
+    def get_name(self) -> str:
+        return METHOD_NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 70  # the torch path runs anywhere CUDA does; kernels pick themselves at runtime
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "MoetplanConfig":
+        return cls(config)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        # Claim any checkpoint format when the user asked for moetplan: we re-quantize its routed experts.
+        return METHOD_NAME if user_quant == METHOD_NAME else None
+
+    def get_quant_method(self, layer, prefix):
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+        if isinstance(layer, RoutedExperts):
+            source = self.inner.get_quant_method(layer, prefix) if self.inner is not None else None
+            if source is not None and type(source).__name__ == "UnquantizedFusedMoEMethod":
+                source = None
+            return MoetplanMoEMethod(layer.moe_config, source)
+        if self.inner is not None:
+            return self.inner.get_quant_method(layer, prefix)
+        if isinstance(layer, LinearBase):
+            return UnquantizedLinearMethod()
+        return None
+
+    def get_cache_scale_mapper(self):
+        return self.inner.get_cache_scale_mapper() if self.inner is not None else super().get_cache_scale_mapper()
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper):
+        if self.inner is not None:
+            self.inner.apply_vllm_mapper(hf_to_vllm_mapper)
+
+    def maybe_update_config(self, model_name, hf_config=None, revision=None):
+        if self.inner is not None:
+            self.inner.maybe_update_config(model_name, hf_config, revision)
+
+
+def register_method() -> type:
+    """Register the config class under "moetplan" (idempotent: re-registering the same class is a no-op)."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    if METHOD_NAME not in QUANTIZATION_METHODS or get_quantization_config(METHOD_NAME) is not MoetplanConfig:
+        register_quantization_config(METHOD_NAME)(MoetplanConfig)
+    return MoetplanConfig
+
+
+def _attach_store(st: LayerState, rows: torch.Tensor, s: RuntimeSettings) -> Any:
+    """Hand a layer's rows to the tiered store (host / nvme tiers)."""
+    raise ConfigError(
+        f"expert_tier '{s.expert_tier}' needs moetplan.runtime.store, which this build does not provide yet; "
+        "plan with expert_tier=resident (`--set expert_tier=resident`)"
+    )
+

@@ -1,0 +1,254 @@
+"""`moetplan bench` against the fake OpenAI server: metrics, probes, failure modes, CLI."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from moetplan.cli import app
+from moetplan.errors import UsageError
+from moetplan.launch.bench import parse_int_list, run_bench
+from moetplan.launch.fake_server import FakeOpenAIServer, FakeServerConfig
+from moetplan.plan.schema import RunRecord, load_json, save_json
+from test_bench_helpers import tiny_plan
+
+# Small, fast settings: every bench below finishes in about a second on 2 cores.
+FAST: dict[str, Any] = dict(prompt_lens=(128, 512), concurrency=(1, 3), runs=2, max_tokens=16,
+                            needle_lens=(256,), timeout=5.0)
+
+
+def fake(**cfg: Any) -> FakeOpenAIServer:
+    cfg.setdefault("decode_tok_s", 2000.0)
+    cfg.setdefault("prefill_tok_s", 50000.0)
+    return FakeOpenAIServer(FakeServerConfig(**cfg))
+
+
+def test_healthy_server_gives_every_metric_and_probe(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    with fake() as srv:
+        rec = run_bench(srv.url, out=out, **FAST)
+    assert rec.errors == []
+    m = rec.measured
+    for key in ("decode_tok_s", "prefill_tok_s", "ttft_ms", "aggregate_tok_s"):
+        assert isinstance(m[key], float) and m[key] > 0, key
+    assert set(m["batch_curve"]) == {"1", "3"} and m["aggregate_concurrency"] == 3
+    assert set(m["prefill_by_len"]) == {"128", "512"}
+    # the fake counts one token per word, so usage-calibrated prompts land exactly on their targets
+    assert m["prefill_prompt_tokens"] == {"128": 128, "512": 512}
+    assert m["prefill_len"] == 512 and m["prefill_tok_s"] == m["prefill_by_len"]["512"]
+    assert m["token_count_source"] == "usage" and m["prompt_count_source"] == "usage"
+    assert m["tokens_per_chunk"] == 1.0
+    assert rec.probes["needle"] == {"256": "PASS"}
+    assert rec.probes["arithmetic"]["result"] == "PASS" and rec.probes["arithmetic"]["passed"] == 5
+    assert rec.probes["coherence"]["result"] == "PASS"
+    assert rec.server["model_id"] == "fake-moe" and rec.model_id == "fake-moe"
+    assert rec.server["version"] == "fake-1.0" and rec.server["server_header"] == "fake-openai/1.0"
+    assert rec.server["max_model_len"] == 32768
+    for key in ("platform", "cpu", "python", "moetplan_version"):
+        assert key in rec.machine
+    on_disk = load_json(RunRecord, out)
+    assert on_disk.measured["decode_tok_s"] == m["decode_tok_s"] and on_disk.probes == rec.probes
+
+
+def test_streams_use_usage_and_ignore_eos() -> None:
+    with fake() as srv:
+        run_bench(srv.url, **FAST)
+        bodies = srv.requests
+    assert all(b["stream"] is True and b["stream_options"] == {"include_usage": True} for b in bodies)
+    assert any(b.get("ignore_eos") for b in bodies)  # timed runs must not stop at EOS
+    # every prompt differs, so a prefix cache cannot turn prefill into a cache hit
+    prompts = [b["prompt"] for b in bodies]
+    assert len(set(prompts)) == len(prompts)
+
+
+def test_multi_token_chunks_are_counted_by_usage_not_chunks() -> None:
+    # speculative decoding emits several tokens per chunk; counting chunks would report a quarter of the rate
+    with fake(decode_tok_s=100.0, tokens_per_chunk=4) as srv:
+        rec = run_bench(srv.url, prompt_lens=(64,), concurrency=(1,), runs=2, max_tokens=32, needle_lens=(),
+                        probes=False, timeout=5.0)
+    assert rec.errors == []
+    assert rec.measured["tokens_per_chunk"] == pytest.approx(4.0, abs=0.5)
+    assert 60 < rec.measured["decode_tok_s"] < 140  # ~100; chunk counting would say ~25
+
+
+def test_server_without_usage_falls_back_to_chunks_and_says_so() -> None:
+    with fake(modes={"no_usage"}) as srv:
+        rec = run_bench(srv.url, **FAST)
+    assert rec.errors == []
+    assert rec.measured["token_count_source"].startswith("chunks")
+    assert rec.measured["prompt_count_source"].startswith("estimate")
+    assert rec.measured["decode_tok_s"] > 0 and rec.measured["prefill_tok_s"] > 0
+
+
+def test_strict_server_rejecting_extras_is_retried_without_them() -> None:
+    with fake(modes={"reject_extras"}) as srv:
+        rec = run_bench(srv.url, **FAST)
+        later = srv.requests[2:]
+    assert rec.errors == []
+    assert "rejected ignore_eos" in rec.server["note"]
+    assert later and not any("ignore_eos" in b or "stream_options" in b for b in later)
+    assert rec.measured["decode_tok_s"] > 0
+
+
+def test_dropped_connections_on_long_prompts_keep_the_rest(tmp_path: Path) -> None:
+    out = tmp_path / "partial.json"
+    long_prompt = lambda body: len(body.get("prompt", "").split()) > 300  # noqa: E731
+    with fake(modes={"drop"}, fail_after_chunks=0, fail_filter=long_prompt) as srv:
+        rec = run_bench(srv.url, out=out, **FAST)
+    m = rec.measured
+    assert m["decode_tok_s"] > 0 and m["aggregate_tok_s"] > 0
+    assert set(m["prefill_by_len"]) == {"128"}  # 512 failed, 128 kept
+    assert rec.probes["needle"] == {"256": "PASS"}
+    assert rec.probes["arithmetic"]["result"] == "PASS"
+    assert any(e.startswith("prefill@512") and "dropped" in e for e in rec.errors)
+    on_disk = load_json(RunRecord, out)
+    assert on_disk.errors == rec.errors and on_disk.measured["prefill_by_len"] == {"128": m["prefill_by_len"]["128"]}
+
+
+def test_dropped_connections_fail_every_probe_and_metric_by_name() -> None:
+    with fake(modes={"drop"}, fail_after_chunks=0) as srv:
+        rec = run_bench(srv.url, **FAST)
+    assert "decode_tok_s" not in rec.measured and "aggregate_tok_s" not in rec.measured
+    assert rec.probes["needle"] == {"256": "ERROR"}
+    assert rec.probes["arithmetic"]["result"] == "ERROR"
+    assert rec.probes["coherence"]["result"] == "ERROR"
+    where = {e.split(":")[0] for e in rec.errors}
+    assert {"decode_tok_s", "prefill@128", "prefill@512", "batch@1", "batch@3", "probe needle@256",
+            "probe coherence"} <= where
+
+
+def test_malformed_chunks_are_reported() -> None:
+    with fake(modes={"malformed"}, fail_after_chunks=1) as srv:
+        rec = run_bench(srv.url, **FAST)
+    assert any("decode_tok_s" in e and "malformed SSE chunk" in e for e in rec.errors)
+    assert rec.probes["coherence"]["result"] == "ERROR"
+    # single-token answers never reach the bad chunk, so those probes still grade
+    assert rec.probes["needle"] == {"256": "PASS"}
+    assert "prefill_by_len" in rec.measured and rec.measured["prefill_by_len"]
+
+
+def test_stalling_server_times_out_and_stops_asking(tmp_path: Path) -> None:
+    out = tmp_path / "stall.json"
+    t0 = time.monotonic()
+    with fake(modes={"stall"}, fail_after_chunks=1) as srv:
+        rec = run_bench(srv.url, out=out, **{**FAST, "timeout": 0.3})
+        prompts = [b["prompt"] for b in srv.requests]
+    elapsed = time.monotonic() - t0
+    assert elapsed < 20  # hang guard: stalls cost one timeout each until bench gives up on the server
+    assert any(e.startswith("decode_tok_s") and "stalled" in e for e in rec.errors)
+    # one-token prefill requests still work (and are kept); after the batch stalls bench stops asking
+    assert set(rec.measured["prefill_by_len"]) == {"128", "512"}
+    assert any(e.startswith("probe coherence") and "not sent" in e for e in rec.errors)
+    assert not any("Q: " in p for p in prompts)  # no arithmetic probe was sent to the dead server
+    assert load_json(RunRecord, out).errors == rec.errors
+
+
+def test_http_errors_and_no_server_still_give_a_record(tmp_path: Path) -> None:
+    with fake(modes={"http_500"}) as srv:
+        rec = run_bench(srv.url, **FAST)
+    assert any("HTTP 500" in e for e in rec.errors) and "decode_tok_s" not in rec.measured
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "none.json"
+    rec = run_bench(f"http://127.0.0.1:{port}", out=out, **FAST)
+    assert rec.errors and "cannot connect" in rec.errors[0] and "--url" in rec.errors[0]
+    assert load_json(RunRecord, out).errors == rec.errors
+
+
+def test_wrong_answers_and_loops_fail_probes_without_errors() -> None:
+    with fake(modes={"wrong", "repeat"}) as srv:
+        rec = run_bench(srv.url, **FAST)
+    assert rec.errors == []
+    assert rec.probes["needle"] == {"256": "FAIL"}
+    assert rec.probes["arithmetic"]["result"] == "FAIL" and rec.probes["arithmetic"]["passed"] == 0
+    assert rec.probes["coherence"]["result"] == "FAIL" and "loop" in rec.probes["coherence"]["reason"]
+
+
+def test_lengths_past_the_served_context_are_skipped_with_a_reason() -> None:
+    with fake(max_model_len=400) as srv:
+        rec = run_bench(srv.url, **{**FAST, "needle_lens": (256, 1024)})
+    assert set(rec.measured["prefill_by_len"]) == {"128"}
+    assert any(e.startswith("prefill@512") and "max_model_len 400" in e for e in rec.errors)
+    assert rec.probes["needle"] == {"256": "PASS", "1024": "SKIP"}
+    assert any("needle@1024" in n for n in rec.probes["notes"])
+
+
+def test_plan_supplies_model_concurrency_and_placement(tmp_path: Path) -> None:
+    plan = tiny_plan(concurrency=2)
+    path = tmp_path / "plan.json"
+    save_json(plan, path)
+    with fake() as srv:
+        rec = run_bench(srv.url, plan=path, **FAST)
+    assert rec.plan_path == str(path)
+    assert rec.placement == plan.placement.model_dump(mode="json")
+    assert set(rec.measured["batch_curve"]) == {"1", "2", "3"}
+    assert rec.measured["aggregate_concurrency"] == 2  # the plan's, not the highest
+    assert rec.model_id == "fake-moe"
+
+
+def test_chat_endpoint() -> None:
+    with fake() as srv:
+        rec = run_bench(srv.url, chat=True, **FAST)
+        assert all("messages" in b for b in srv.requests)
+    assert rec.errors == [] and rec.measured["decode_tok_s"] > 0
+    assert rec.probes["needle"] == {"256": "PASS"}
+
+
+def test_bad_input_is_a_usage_error(tmp_path: Path) -> None:
+    with fake() as srv:
+        with pytest.raises(UsageError, match="not served.*Pass --model fake-moe"):
+            run_bench(srv.url, model="other", **FAST)
+        with pytest.raises(UsageError, match="--max-tokens"):
+            run_bench(srv.url, **{**FAST, "max_tokens": 1})
+    with pytest.raises(UsageError, match="not an http"):
+        run_bench("127.0.0.1:8000", **FAST)
+    bad = tmp_path / "plan.json"
+    bad.write_text("{not json")
+    with pytest.raises(UsageError, match="--plan .*not valid JSON"):
+        run_bench("http://127.0.0.1:1", plan=bad, **FAST)
+    with pytest.raises(UsageError, match="--prompt-lens 'a,b'"):
+        parse_int_list("--prompt-lens", "a,b")
+    assert parse_int_list("--needle-lens", "") == () and parse_int_list("--x", "1, 4,8") == (1, 4, 8)
+
+
+def test_progress_reaches_its_total() -> None:
+    seen: list[tuple[int, int]] = []
+    with fake() as srv:
+        run_bench(srv.url, progress=lambda what, n, total: seen.append((n, total)), **FAST)
+    total = seen[0][1]
+    assert all(t == total for _, t in seen)
+    assert sum(n for n, _ in seen) == total
+
+
+runner = CliRunner()
+
+
+def test_cli_json_and_table(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    args = ["--prompt-lens", "128", "--concurrency", "1,2", "--runs", "2", "--max-tokens", "16",
+            "--needle-lens", "256", "--timeout", "5"]
+    with fake() as srv:
+        res = runner.invoke(app, ["bench", "--url", srv.url, "--json", "--out", str(out), *args])
+        assert res.exit_code == 0, res.output
+        data = json.loads(res.stdout)
+        assert data["kind"] == "run" and data["measured"]["decode_tok_s"] > 0
+        assert load_json(RunRecord, out).measured["batch_curve"].keys() == {"1", "2"}
+        res = runner.invoke(app, ["bench", "--url", srv.url, *args])
+        assert res.exit_code == 0, res.output
+        assert "decode (single stream)" in res.stdout and "needle @ 256 tokens" in res.stdout
+
+
+def test_cli_exit_code_on_failures_and_bad_lists() -> None:
+    with fake(modes={"http_500"}) as srv:
+        res = runner.invoke(app, ["bench", "--url", srv.url, "--json", "--runs", "1", "--prompt-lens", "64",
+                                  "--concurrency", "1", "--needle-lens", "", "--no-probes", "--timeout", "5"])
+    assert res.exit_code == 1
+    assert json.loads(res.stdout)["errors"]
+    res = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:1", "--concurrency", "x"])
+    assert isinstance(res.exception, UsageError) and "--concurrency" in str(res.exception)

@@ -1,0 +1,250 @@
+"""The expert cache: bytes always right, never over N slots, step pins hold, prefill cannot evict the hot set."""
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moetplan.errors import UsageError
+from moetplan.runtime.backing import (
+    ArrayRowSource, FileRowSource, PackArenaStore, PackPageCacheStore, PinnedHostStore,
+)
+from moetplan.runtime.store import ExpertStore, StoreCapacityError, store_from_plan
+
+L, E, S = 4, 10, 4096
+ROWS = np.random.default_rng(11).integers(0, 256, (L * E, S), dtype=np.uint8)
+
+
+def _backing(kind: str, tmp_path=None):
+    src = ArrayRowSource(ROWS, L, E)
+    if kind == "host":
+        return PinnedHostStore(src, pin=False)
+    if kind == "pagecache":
+        return PackPageCacheStore(src, pin=False, staging_rows=2)
+    if kind == "arena":
+        return PackArenaStore(src, 5, pin=False, readers=2)
+    if kind == "arena-file":
+        p = tmp_path / "x.pack"
+        if not p.exists():
+            p.write_bytes(ROWS.tobytes())
+        return PackArenaStore(FileRowSource(p, L, E, S), 7, pin=False, readers=3, o_direct=True)
+    raise AssertionError(kind)
+
+
+def assert_kernel_view_correct(store: ExpertStore) -> None:
+    """What a kernel reads, pool[residency[l, e]], must be the pack's row for every resident (l, e)."""
+    res = store.residency.cpu().numpy()
+    data = store.data.cpu().numpy()
+    occupied = np.argwhere(res >= 0)
+    assert len(occupied) <= store.pool.num_slots
+    slots = res[res >= 0]
+    assert len(set(slots.tolist())) == len(slots), "two experts share a slot"
+    for layer, e in occupied:
+        assert np.array_equal(data[res[layer, e]], ROWS[layer * E + e]), f"wrong bytes for ({layer}, {e})"
+    store.pool.check()
+
+
+# One operation: (kind, layer, expert ids). kind 0 = decode ensure, 1 = prefill chunks, 2 = prefetch, 3 = new step
+op = st.tuples(st.integers(0, 3), st.integers(0, L - 1), st.lists(st.integers(0, E - 1), min_size=1, max_size=6))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["host", "pagecache", "arena"]), slots=st.integers(6, 14),
+       ops=st.lists(op, min_size=1, max_size=40))
+def test_property_bytes_bound_and_pins(kind, slots, ops):
+    store = ExpertStore(_backing(kind), slots, decay=0.9, protected_share=0.5)
+    for k, layer, ids in ops:
+        if k == 3:
+            store.begin_step()
+            continue
+        if k == 2:
+            store.prefetch(layer, ids)
+            assert_kernel_view_correct(store)
+            continue
+        if k == 1:
+            wanted = np.asarray(ids)
+            seen = np.zeros(len(wanted), dtype=bool)
+            for mask, sl in store.ensure_chunks(layer, wanted, prefill=True):
+                m, s = mask.numpy(), sl.numpy()
+                assert not (seen & m).any(), "an entry was served by two chunks"
+                seen |= m
+                for e, slot in zip(wanted[m], s[m]):  # the chunk's rows are right while the caller computes
+                    assert np.array_equal(store.data[slot].numpy(), ROWS[layer * E + e])
+                assert (s[~m] == -1).all()
+            assert seen.all(), "some routed entry was never served"
+            assert_kernel_view_correct(store)
+            continue
+        before_pinned = store.pinned_keys() if store._step_open and layer > store._last_layer else set()
+        uniq = set(ids)
+        try:
+            out = store.ensure(layer, np.asarray(ids)[None, :], prefill=False)
+        except StoreCapacityError:
+            # Only legitimate when this step's pins plus this call do not fit.
+            assert len(store.pinned_keys() | {(layer, e) for e in uniq}) > slots
+            assert_kernel_view_correct(store)
+            continue
+        out = out.numpy().reshape(-1)
+        for e, s in zip(ids, out):
+            assert np.array_equal(store.data[s].numpy(), ROWS[layer * E + e])
+        resident = store.resident()
+        assert before_pinned <= resident, "an expert pinned by the current step was evicted"
+        assert {(layer, e) for e in uniq} <= store.pinned_keys()
+        assert_kernel_view_correct(store)
+
+
+@pytest.mark.parametrize("kind", ["host", "pagecache", "arena", "arena-file"])
+def test_random_history_every_tier(kind, tmp_path):
+    store = ExpertStore(_backing(kind, tmp_path), 9, decay=0.8)
+    rng = np.random.default_rng(3)
+    for step in range(60):
+        prefill = step % 15 == 7
+        for layer in range(L):
+            ids = rng.integers(0, E, (12 if prefill else 1, 2))
+            if prefill:
+                for _ in store.ensure_chunks(layer, ids, prefill=True):
+                    pass
+            else:
+                store.ensure(layer, ids)
+        assert_kernel_view_correct(store)
+    store.close()
+
+
+def test_step_pins_hold_and_overflow_is_a_clear_error():
+    store = ExpertStore(_backing("host"), 5)
+    store.ensure(0, [[0, 1]])
+    store.ensure(1, [[2, 3]])
+    with pytest.raises(StoreCapacityError) as ei:
+        store.ensure(2, [[4, 5]])  # 4 pinned + 2 new > 5 slots
+    msg = str(ei.value)
+    assert "gpu_expert_cache_gib" in msg and "max_num_seqs" in msg and "4 pinned" in msg
+    assert {(0, 0), (0, 1), (1, 2), (1, 3)} <= store.resident()
+    assert_kernel_view_correct(store)
+    store.ensure(0, [[4, 5]])  # layer restarts: new step, old pins released, room again
+    assert {(0, 4), (0, 5)} <= store.resident()
+    assert_kernel_view_correct(store)
+
+
+def test_eviction_prefers_cold_rows():
+    store = ExpertStore(_backing("host"), 4, decay=0.9)
+    for _ in range(6):  # (0,0) and (0,1) hot
+        store.ensure(0, [[0, 1]])
+    store.ensure(0, [[2]])
+    store.ensure(0, [[3]])
+    store.ensure(0, [[4]])  # full: evicts the colder of 2 / 3 (2, older), never 0 or 1
+    assert store.resident() == {(0, 0), (0, 1), (0, 3), (0, 4)}
+
+
+def test_scan_resistance_prefill_keeps_decode_hot_set():
+    store = ExpertStore(_backing("host"), 12, decay=0.95, protected_share=0.7, prefill_tokens=32)
+    hot = {layer: [layer, layer + 1] for layer in range(L)}  # 8 hot rows < 0.7 x 12
+    for _ in range(20):
+        for layer in range(L):
+            store.ensure(layer, [hot[layer]])
+    hot_keys = {(layer, e) for layer, es in hot.items() for e in es}
+    assert hot_keys <= store.resident()
+    prefill_ids = np.tile(np.arange(E), (40, 1))[:, :8]  # a long prompt touching most experts of every layer
+    for layer in range(L):
+        chunks = 0
+        for mask, slots in store.ensure_chunks(layer, prefill_ids, num_tokens=40, prefill=None):
+            chunks += 1
+            s = slots.numpy()[mask.numpy()]
+            assert (s >= 0).all()
+        assert chunks >= 2  # it could not fit at once without touching the hot set
+        assert hot_keys <= store.resident(), "prefill evicted the decode hot set"
+    assert_kernel_view_correct(store)
+    # Prefill feeds no decode heat and is counted apart.
+    assert store.stats()["prefill"]["routings"] == 40 * 8 * L
+    with pytest.raises(StoreCapacityError, match="hot set"):
+        store.ensure(0, prefill_ids, prefill=True)  # one call larger than the unprotected room
+
+
+def test_stats_match_a_hand_computed_history(caplog):
+    store = ExpertStore(_backing("host"), 20, kpi_every_steps=2)
+    caplog.set_level(logging.INFO, logger="moetplan.store")
+    # step 1: all 4 routings miss (3 unique rows); step 2: all hit; step 3: 1 of 2 routings misses
+    store.ensure(0, [[1, 2], [1, 3]])
+    store.ensure(0, [[1, 2]])
+    store.ensure(0, [[1, 5]])
+    store.begin_step()
+    s = store.stats()
+    assert s["decode"]["steps"] == 3
+    assert s["token_hit_rate"] == pytest.approx(3 / 8)
+    assert s["zero_miss_step_share"] == pytest.approx(1 / 3)
+    assert s["misses_per_step"] == pytest.approx(4 / 3)
+    assert s["bytes_fetched"]["host"] == 4 * S and s["bytes_fetched"]["nvme"] == 0
+    assert s["h2d_gbps"] and s["h2d_gbps"] > 0
+    json.dumps(s)  # the run record takes it as is
+    assert any("hit=" in r.message and "zero-miss=" in r.message for r in caplog.records)
+
+
+def test_arena_stats_and_nvme_bytes():
+    store = ExpertStore(_backing("arena"), 3)
+    store.ensure(0, [[0, 1, 2]])
+    store.ensure(0, [[3]])  # evicts a slot; arena keeps 4 rows
+    store.ensure(0, [[0, 1, 2]])  # one of them was evicted from the pool but is still in the arena
+    s = store.stats()
+    assert s["bytes_fetched"]["nvme"] == 4 * S and s["bytes_fetched"]["host"] == S
+    assert s["arena_hit_rate"] == pytest.approx(1 / 5)
+
+
+def test_prefetch_fills_free_slots_and_never_displaces_hotter_rows():
+    store = ExpertStore(_backing("host"), 4, protected_share=0.0)
+    for _ in range(5):
+        store.ensure(0, [[0, 1, 2]])
+    assert store.prefetch(1, [5, 6]) == 1  # one free slot; the others are hotter than an unseen expert
+    assert (1, 5) in store.resident() or (1, 6) in store.resident()
+    assert {(0, 0), (0, 1), (0, 2)} <= store.resident()
+    assert store.stats()["prefetched_rows"] == 1
+    before = store.stats()["decode"]["misses"]
+    store.begin_step()
+    hit = 5 if (1, 5) in store.resident() else 6
+    store.ensure(1, [[hit]])
+    assert store.stats()["decode"]["misses"] == before  # the prefetched row was a hit
+    assert_kernel_view_correct(store)
+
+
+def test_bad_calls_name_the_problem():
+    store = ExpertStore(_backing("host"), 4)
+    with pytest.raises(UsageError, match="outside 0..9"):
+        store.ensure(0, [[E]])
+    with pytest.raises(UsageError, match="layer 7"):
+        store.ensure(7, [[0]])
+    with pytest.raises(UsageError, match="at least 1 slot"):
+        ExpertStore(_backing("host"), 0)
+    with pytest.raises(UsageError, match="protected_share"):
+        ExpertStore(_backing("host"), 4, protected_share=1.0)
+
+
+def test_store_from_plan_uses_placement_slots():
+    plan = SimpleNamespace(placement=SimpleNamespace(gpu_expert_cache_slots=6, fp4_reserve_slots=3))
+    main, fp4 = store_from_plan(plan, _backing("host"), fp4_backing=_backing("pagecache"))
+    assert main.pool.num_slots == 6 and fp4 is not None and fp4.pool.num_slots == 3
+    plan.placement.gpu_expert_cache_slots = 0
+    with pytest.raises(UsageError, match="resident"):
+        store_from_plan(plan, _backing("host"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["host", "arena"])
+def test_cuda_pool_matches_pack_rows(kind):
+    src = ArrayRowSource(ROWS, L, E)
+    backing = PinnedHostStore(src, pin=True) if kind == "host" else PackArenaStore(src, 6, pin=True)
+    store = ExpertStore(backing, 8, device="cuda")
+    rng = np.random.default_rng(5)
+    for step in range(40):
+        for layer in range(L):
+            ids = torch.from_numpy(rng.integers(0, E, (1, 2))).cuda()
+            slots = store.ensure(layer, ids)
+            got = store.data[slots.reshape(-1).long()].cpu().numpy()
+            want = ROWS[layer * E + ids.reshape(-1).cpu().numpy()]
+            assert np.array_equal(got, want)
+    store.synchronize()
+    assert_kernel_view_correct(store)
+    assert store.stats()["h2d_gbps"] > 0
