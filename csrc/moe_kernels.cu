@@ -21,6 +21,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <type_traits>
 #include <cuda_runtime.h>
 #include <cstdint>
 
@@ -38,21 +40,26 @@ struct StageArgs {
   const uint8_t* pool;      // [S, stride] expert rows of this format
   int64_t stride;
   const int32_t* slot_of;   // [E] expert -> slot in `pool`
+  const int32_t* fp4_slot_of;  // [E] or nullptr: pairs whose expert has an FP4 slot belong to the FP4 launch
+  int is_fp4;               // which format this launch computes
   int64_t q_off, s_off;     // byte offsets of this stage's codes / scales inside a row
   int N;                    // rows of the matrix (w13: 2*Ir, w2: H)
   int K;                    // contraction length (w13: H, w2: Ir)
+  int E;
+  // Routed mode (prefill): segments from route_kernel. Scan mode (decode): blocks find their pairs in topk_ids.
   const int32_t* seg_expert;
   const int32_t* seg_off;
   const int32_t* seg_cnt;
   const int32_t* nseg;      // device scalar
   const int32_t* order;     // [P] pair ids sorted by segment
+  const void* topk_ids;     // [P] int32 or int64 (scan mode)
+  int ids64;
+  int P;
   int topk;
-  const __nv_bfloat16* b_hi;  // [rows, K] permuted B operand (x by token, or the intermediate by pair)
-  const __nv_bfloat16* b_lo;  // residual part (precise path) or nullptr
+  const void* b;            // B operand in natural K order: x [T, K] (by token) or the intermediate [P, K] fp32
   int b_by_token;
-  __nv_bfloat16* act_hi;    // w13 stage output [P, Ir] (permuted)
-  __nv_bfloat16* act_lo;
-  float* partial;           // w2 stage output [P, H]
+  float* act;               // w13 stage output [P, Ir] fp32
+  float* partial;           // w2 stage output [P, H] fp32
   float limit;              // SwiGLU clamp (only when has_limit)
   int has_limit;
   int* error_flag;          // set to expert+1 when a routed expert has no slot
@@ -64,10 +71,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
-}
-
-__device__ __forceinline__ uint4 ld_b(const void* p) {
-  return *reinterpret_cast<const uint4*>(p);
 }
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -107,7 +110,7 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t s) {
 __device__ __forceinline__ void decode_fp4(uint32_t w, uint32_t b, uint32_t (&r)[4]) {
   const int e = int(b) - 1;  // exponent of the combined multiplier
   uint32_t m1, m2 = 0;
-  bool two = e > 127;        // 2^e beyond bf16 range: split into 2^126 * 2^(b-127)
+  const bool two = e > 127;  // 2^e beyond bf16 range: split into 2^126 * 2^(b-127)
   if (!two) {
     m1 = uint32_t(e + 127) << 7;
   } else {
@@ -126,6 +129,72 @@ __device__ __forceinline__ void decode_fp4(uint32_t w, uint32_t b, uint32_t (&r)
   }
 }
 
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// B operand for 8 consecutive K elements -> 4 bf16x2 registers in the decode's pairing (j, j+4), j = 0..3, as a
+// bf16 "hi" part and (SPLIT) the bf16 residual "lo" = x - hi, so hi + lo carries ~16 mantissa bits.
+template <typename BT, bool SPLIT>
+__device__ __forceinline__ void load_b8(const BT* p, uint32_t* hi, uint32_t* lo);
+
+template <>
+__device__ __forceinline__ void load_b8<__nv_bfloat16, true>(const __nv_bfloat16* p, uint32_t* hi, uint32_t* lo) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  hi[0] = __byte_perm(v.x, v.z, 0x5410); hi[1] = __byte_perm(v.x, v.z, 0x7632);
+  hi[2] = __byte_perm(v.y, v.w, 0x5410); hi[3] = __byte_perm(v.y, v.w, 0x7632);
+  lo[0] = lo[1] = lo[2] = lo[3] = 0u;  // bf16 input is exact in bf16
+}
+template <>
+__device__ __forceinline__ void load_b8<__nv_bfloat16, false>(const __nv_bfloat16* p, uint32_t* hi, uint32_t* lo) {
+  load_b8<__nv_bfloat16, true>(p, hi, lo);
+}
+
+__device__ __forceinline__ void split8(const float (&f)[8], uint32_t* hi, uint32_t* lo, bool split) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_bfloat16 a = __float2bfloat16_rn(f[j]), b = __float2bfloat16_rn(f[j + 4]);
+    hi[j] = pack_bf16(__bfloat162float(a), __bfloat162float(b));
+    if (split) lo[j] = pack_bf16(f[j] - __bfloat162float(a), f[j + 4] - __bfloat162float(b));
+  }
+}
+
+template <>
+__device__ __forceinline__ void load_b8<float, true>(const float* p, uint32_t* hi, uint32_t* lo) {
+  const float4 u = reinterpret_cast<const float4*>(p)[0], v = reinterpret_cast<const float4*>(p)[1];
+  const float f[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+  split8(f, hi, lo, true);
+}
+template <>
+__device__ __forceinline__ void load_b8<float, false>(const float* p, uint32_t* hi, uint32_t* lo) {
+  const float4 u = reinterpret_cast<const float4*>(p)[0], v = reinterpret_cast<const float4*>(p)[1];
+  const float f[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+  split8(f, hi, lo, false);
+}
+template <>
+__device__ __forceinline__ void load_b8<__half, true>(const __half* p, uint32_t* hi, uint32_t* lo) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&v);
+  float f[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { const float2 t = __half22float2(h[i]); f[2 * i] = t.x; f[2 * i + 1] = t.y; }
+  split8(f, hi, lo, true);
+}
+template <>
+__device__ __forceinline__ void load_b8<__half, false>(const __half* p, uint32_t* hi, uint32_t* lo) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&v);
+  float f[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { const float2 t = __half22float2(h[i]); f[2 * i] = t.x; f[2 * i + 1] = t.y; }
+  split8(f, hi, lo, false);
+}
+
+__device__ __forceinline__ int load_id(const void* ids, int ids64, int p) {
+  return ids64 ? int(reinterpret_cast<const int64_t*>(ids)[p]) : reinterpret_cast<const int32_t*>(ids)[p];
+}
+
 __device__ __forceinline__ float silu_mul(float g, float u, int has_limit, float limit) {
   if (has_limit) {
     g = fminf(g, limit);
@@ -134,33 +203,70 @@ __device__ __forceinline__ float silu_mul(float g, float u, int has_limit, float
   return g / (1.0f + expf(-g)) * u;
 }
 
-// Index inside a permuted group of 8: position of logical weight j.
-__device__ __forceinline__ int perm_pos(int i) { return (i & ~7) + 2 * (i & 3) + ((i >> 2) & 1); }
+constexpr int SCAN_MAX_PAIRS = 512;  // scan mode keeps topk_ids and the block's pair list in shared memory
 
-// One warp: MT=2 A tiles of 16 rows (w13: gate tile and up tile; w2: two consecutive tiles) x NT*8 pair columns,
-// over chunks [c0, c1) of K. Chunk = 4 threads x 4 words x WPW weights.
-template <int FMT, bool W13, bool SPLIT, int WK, int NT>
+// One warp: 2 A tiles of 16 rows (w13: gate tile and up tile; w2: two consecutive tiles) x NT*8 pair columns,
+// over chunks [c0, c1) of K. Chunk = 4 threads x 4 words x WPW weights. WK warps split K and are summed in order.
+template <int FMT, bool W13, bool SPLIT, int WK, int NT, bool ROUTED, typename BT>
 __global__ void __launch_bounds__(32 * WK) moe_stage_kernel(StageArgs a) {
   constexpr int WPW = Fmt<FMT>::WPW;
   constexpr int WPB = Fmt<FMT>::WEIGHTS_PER_BYTE;
   constexpr int CHUNK = 16 * WPW;      // weights per chunk per row
   constexpr int REGS = WPW / 2;        // bf16x2 registers per word
   constexpr int STEPS = WPW / 4;       // k16 steps per word
-  const int seg = blockIdx.y;
-  if (seg >= *a.nseg) return;
+  constexpr bool BSPLIT = SPLIT && !std::is_same<BT, __nv_bfloat16>::value;  // bf16 input has no residual
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int e = a.seg_expert[seg];
-  const int off = a.seg_off[seg], cnt = a.seg_cnt[seg];
-  const int slot = a.slot_of[e];
-  const int tile = blockIdx.x;  // w13: 16 gate rows; w2: 32 rows
+  const int tile = blockIdx.x;  // w13: 16 gate rows (+ 16 up rows); w2: 32 rows
   const int ir = W13 ? a.N / 2 : a.K;
+
+  __shared__ int pairs_s[ROUTED ? 1 : SCAN_MAX_PAIRS];
+  __shared__ int cnt_s;
+  int e, off = 0, cnt;
+  const int* pairs;  // the block's pair list: order[off ..] (routed) or pairs_s (scan)
+  if (ROUTED) {
+    const int seg = blockIdx.y;
+    if (seg >= *a.nseg) return;
+    e = a.seg_expert[seg];
+    off = a.seg_off[seg];
+    cnt = a.seg_cnt[seg];
+    pairs = a.order + off;
+  } else {
+    // Block y owns pair y's expert if y is that expert's first pair; it collects the expert's pairs in order.
+    const int p0 = blockIdx.y;
+    e = load_id(a.topk_ids, a.ids64, p0);
+    if (e < 0 || e >= a.E) return;
+    const bool f4 = a.fp4_slot_of != nullptr && a.fp4_slot_of[e] >= 0;
+    if (f4 != bool(a.is_fp4)) return;
+    if (warp == 0) {
+      int n = 0;
+      bool first = true;
+      for (int base = 0; base < a.P; base += 32) {
+        const int q = base + lane;
+        const bool m = q < a.P && load_id(a.topk_ids, a.ids64, q) == e;
+        const unsigned bal = __ballot_sync(0xffffffffu, m);
+        if (q < p0 && m) first = false;
+        if (m) {
+          const int pos = n + __popc(bal & ((1u << lane) - 1u));
+          if (pos < SCAN_MAX_PAIRS) pairs_s[pos] = q;
+        }
+        n += __popc(bal);
+      }
+      first = __all_sync(0xffffffffu, first);
+      if (lane == 0) cnt_s = first ? min(n, SCAN_MAX_PAIRS) : 0;
+    }
+    __syncthreads();
+    cnt = cnt_s;
+    if (cnt == 0) return;
+    pairs = pairs_s;
+  }
+  const int slot = a.slot_of[e];
   if (slot < 0) {
     if (threadIdx.x == 0 && tile == 0) atomicExch(a.error_flag, e + 1);
     // Leave defined zeros behind so a captured graph cannot propagate garbage.
     if (!W13) {
       for (int c = 0; c < cnt; ++c) {
-        const int p = a.order[off + c];
+        const int p = pairs[c];
         for (int r = threadIdx.x; r < 32; r += blockDim.x) a.partial[int64_t(p) * a.N + tile * 32 + r] = 0.f;
       }
     }
@@ -184,6 +290,7 @@ __global__ void __launch_bounds__(32 * WK) moe_stage_kernel(StageArgs a) {
   const int c0 = warp * per, c1 = min(nchunks, c0 + per);
 
   __shared__ float red[WK > 1 ? WK - 1 : 1][32][2 * NT * 4];
+  const BT* bbase = reinterpret_cast<const BT*>(a.b);
 
   for (int tt = 0; tt < cnt; tt += 8 * NT) {
     float acc[2][NT][4];
@@ -194,17 +301,15 @@ __global__ void __launch_bounds__(32 * WK) moe_stage_kernel(StageArgs a) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
     // This thread's B column (pair) per token tile.
-    const __nv_bfloat16* bh[NT];
-    const __nv_bfloat16* bl[NT];
+    const BT* bp[NT];
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       const int col = tt + n * 8 + g;
-      bh[n] = nullptr; bl[n] = nullptr;
+      bp[n] = nullptr;
       if (col < cnt) {
-        const int p = a.order[off + col];
+        const int p = pairs[col];
         const int64_t brow = a.b_by_token ? p / a.topk : p;
-        bh[n] = a.b_hi + brow * a.K;
-        if (SPLIT) bl[n] = a.b_lo + brow * a.K;
+        bp[n] = bbase + brow * a.K;
       }
     }
     for (int c = c0; c < c1; ++c) {
@@ -248,20 +353,13 @@ __global__ void __launch_bounds__(32 * WK) moe_stage_kernel(StageArgs a) {
               decode_fp4(word, sc[m][h], *reinterpret_cast<uint32_t(*)[4]>(&ra[m][h][0]));
             }
           }
-        const int kw = kbase + wq * WPW;  // first (permuted) B element of this word
+        const int kw = kbase + wq * WPW;  // first B element of this word
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           uint32_t bv[REGS], bw[REGS];
-          if (bh[n] != nullptr && wq < nwords) {
+          if (bp[n] != nullptr && wq < nwords) {
 #pragma unroll
-            for (int v = 0; v < REGS / 4; ++v) {
-              const uint4 x = ld_b(bh[n] + kw + 8 * v);
-              bv[4 * v] = x.x; bv[4 * v + 1] = x.y; bv[4 * v + 2] = x.z; bv[4 * v + 3] = x.w;
-              if (SPLIT) {
-                const uint4 y = ld_b(bl[n] + kw + 8 * v);
-                bw[4 * v] = y.x; bw[4 * v + 1] = y.y; bw[4 * v + 2] = y.z; bw[4 * v + 3] = y.w;
-              }
-            }
+            for (int v = 0; v < REGS / 4; ++v) load_b8<BT, BSPLIT>(bp[n] + kw + 8 * v, &bv[4 * v], &bw[4 * v]);
           } else {
 #pragma unroll
             for (int v = 0; v < REGS; ++v) { bv[v] = 0; bw[v] = 0; }
@@ -272,7 +370,7 @@ __global__ void __launch_bounds__(32 * WK) moe_stage_kernel(StageArgs a) {
             for (int m = 0; m < 2; ++m) {
               mma_bf16(acc[m][n], ra[m][0][2 * st], ra[m][1][2 * st], ra[m][0][2 * st + 1], ra[m][1][2 * st + 1],
                        bv[2 * st], bv[2 * st + 1]);
-              if (SPLIT)
+              if (BSPLIT)
                 mma_bf16(acc[m][n], ra[m][0][2 * st], ra[m][1][2 * st], ra[m][0][2 * st + 1],
                          ra[m][1][2 * st + 1], bw[2 * st], bw[2 * st + 1]);
             }
@@ -310,15 +408,11 @@ __global__ void __launch_bounds__(32 * WK) moe_stage_kernel(StageArgs a) {
         for (int i = 0; i < 4; ++i) {
           const int col = tt + n * 8 + 2 * t + (i & 1);
           if (col >= cnt) continue;
-          const int p = a.order[off + col];
+          const int p = pairs[col];
           const int r = g + 8 * (i >> 1);
           if (W13) {
             const int j = tile * 16 + r;  // intermediate index
-            const float v = silu_mul(acc[0][n][i], acc[1][n][i], a.has_limit, a.limit);
-            const __nv_bfloat16 hi = __float2bfloat16_rn(v);
-            const int64_t o = int64_t(p) * ir + perm_pos(j);
-            a.act_hi[o] = hi;
-            if (SPLIT) a.act_lo[o] = __float2bfloat16_rn(v - __bfloat162float(hi));
+            a.act[int64_t(p) * ir + j] = silu_mul(acc[0][n][i], acc[1][n][i], a.has_limit, a.limit);
           } else {
             float* dst = a.partial + int64_t(p) * a.N + tile * 32 + r;
             dst[0] = acc[0][n][i];
@@ -332,7 +426,7 @@ __global__ void __launch_bounds__(32 * WK) moe_stage_kernel(StageArgs a) {
 // ---------------------------------------------------------------------------------------------------------- route
 // One block. Pairs p = t*k + j; key = expert (+E when the FP4 copy is resident). Outputs per format f (0: 2-bit,
 // 1: FP4): compact segment lists of length M = min(P, E) and their count nseg[f].
-__global__ void route_kernel(const int64_t* topk_ids, int P, int E, const int32_t* slot_of,
+__global__ void route_kernel(const void* topk_ids, int ids64, int P, int E, const int32_t* slot_of,
                              const int32_t* fp4_slot_of, int32_t* order, int32_t* seg_expert, int32_t* seg_off,
                              int32_t* seg_cnt, int32_t* nseg, int M, int* error_flag) {
   extern __shared__ int sm[];
@@ -341,8 +435,8 @@ __global__ void route_kernel(const int64_t* topk_ids, int P, int E, const int32_
   for (int i = threadIdx.x; i < 2 * E; i += blockDim.x) cnt[i] = 0;
   __syncthreads();
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    const int64_t e64 = topk_ids[p];
-    const int e = (e64 < 0 || e64 >= E) ? -1 : int(e64);
+    const int e0 = load_id(topk_ids, ids64, p);
+    const int e = (e0 < 0 || e0 >= E) ? -1 : e0;
     if (e < 0) { atomicExch(error_flag, -1); continue; }
     const bool f4 = fp4_slot_of != nullptr && fp4_slot_of[e] >= 0;
     if (!f4 && slot_of[e] < 0) atomicExch(error_flag, e + 1);
@@ -383,9 +477,8 @@ __global__ void route_kernel(const int64_t* topk_ids, int P, int E, const int32_
   }
   __syncthreads();
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    const int64_t e64 = topk_ids[p];
-    if (e64 < 0 || e64 >= E) continue;
-    const int e = int(e64);
+    const int e = load_id(topk_ids, ids64, p);
+    if (e < 0 || e >= E) continue;
     const bool f4 = fp4_slot_of != nullptr && fp4_slot_of[e] >= 0;
     const int pos = atomicAdd(&cur[e + (f4 ? E : 0)], 1);
     order[pos] = p;
@@ -406,33 +499,43 @@ __global__ void combine_kernel(const float* partial, const float* w, T* out, int
 // ---------------------------------------------------------------------------------------------------------- host
 #define CHECK_CUDA_T(x, what) TORCH_CHECK((x).is_cuda(), what " must be a CUDA tensor")
 
-template <int FMT, bool W13, bool SPLIT, int WK, int NT>
-void launch_stage(const StageArgs& a, int tiles, int maxseg, cudaStream_t stream) {
-  dim3 grid(tiles, maxseg);
-  moe_stage_kernel<FMT, W13, SPLIT, WK, NT><<<grid, 32 * WK, 0, stream>>>(a);
+template <int FMT, bool W13, bool SPLIT, int WK, int NT, bool ROUTED, typename BT>
+void launch_stage(const StageArgs& a, int tiles, int gy, cudaStream_t stream) {
+  dim3 grid(tiles, gy);
+  moe_stage_kernel<FMT, W13, SPLIT, WK, NT, ROUTED, BT><<<grid, 32 * WK, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int FMT, bool W13>
-void dispatch_stage(const StageArgs& a, int tiles, int maxseg, bool prefill, cudaStream_t stream) {
-  if (prefill) {
-    launch_stage<FMT, W13, false, 1, 4>(a, tiles, maxseg, stream);
+template <int FMT, bool W13, typename BT>
+void dispatch_stage(const StageArgs& a, int tiles, int gy, bool routed, cudaStream_t stream) {
+  if (routed) {  // prefill: many pairs per expert, 32 per pass, bf16 operands
+    launch_stage<FMT, W13, false, 1, 4, true, BT>(a, tiles, gy, stream);
     return;
   }
-  // Split K over up to 4 warps while every warp keeps >= 2 chunks (enough loads in flight per warp).
+  // Decode: split K over 4 warps while each keeps >= 2 chunks of loads in flight, else over 2.
   const int chunks = (a.K + 16 * Fmt<FMT>::WPW - 1) / (16 * Fmt<FMT>::WPW);
-  if (chunks >= 8) launch_stage<FMT, W13, true, 4, 1>(a, tiles, maxseg, stream);
-  else if (chunks >= 4) launch_stage<FMT, W13, true, 2, 1>(a, tiles, maxseg, stream);
-  else launch_stage<FMT, W13, true, 1, 1>(a, tiles, maxseg, stream);
+  if (chunks >= 8) launch_stage<FMT, W13, true, 4, 1, false, BT>(a, tiles, gy, stream);
+  else launch_stage<FMT, W13, true, 2, 1, false, BT>(a, tiles, gy, stream);
 }
 
-// Route + both stages + combine for one format's segments is driven from here; the Python op layer owns the
-// buffers so that the whole call can be captured in a CUDA graph.
+template <int FMT>
+void dispatch_fmt(const StageArgs& a, bool w13, int tiles, int gy, bool routed, at::ScalarType bt,
+                  cudaStream_t stream) {
+  if (!w13) return dispatch_stage<FMT, false, float>(a, tiles, gy, routed, stream);
+  switch (bt) {
+    case torch::kBFloat16: return dispatch_stage<FMT, true, __nv_bfloat16>(a, tiles, gy, routed, stream);
+    case torch::kFloat16: return dispatch_stage<FMT, true, __half>(a, tiles, gy, routed, stream);
+    case torch::kFloat32: return dispatch_stage<FMT, true, float>(a, tiles, gy, routed, stream);
+    default: TORCH_CHECK(false, "x must be bfloat16, float16 or float32");
+  }
+}
+
 void route(torch::Tensor topk_ids, torch::Tensor slot_of, c10::optional<torch::Tensor> fp4_slot_of,
            torch::Tensor order, torch::Tensor seg_expert, torch::Tensor seg_off, torch::Tensor seg_cnt,
            torch::Tensor nseg, torch::Tensor error_flag) {
   CHECK_CUDA_T(topk_ids, "topk_ids");
-  TORCH_CHECK(topk_ids.scalar_type() == torch::kInt64 && topk_ids.is_contiguous(), "topk_ids: contiguous int64");
+  TORCH_CHECK((topk_ids.scalar_type() == torch::kInt64 || topk_ids.scalar_type() == torch::kInt32) &&
+                  topk_ids.is_contiguous(), "topk_ids: contiguous int32/int64");
   const int P = int(topk_ids.numel());
   const int E = int(slot_of.numel());
   const int M = int(seg_expert.numel() / 2);
@@ -444,61 +547,70 @@ void route(torch::Tensor topk_ids, torch::Tensor slot_of, c10::optional<torch::T
                     cudaSuccess, "route: too many experts for shared memory");
   }
   route_kernel<<<1, 1024, smem, stream>>>(
-      topk_ids.data_ptr<int64_t>(), P, E, slot_of.data_ptr<int32_t>(),
+      topk_ids.data_ptr(), topk_ids.scalar_type() == torch::kInt64 ? 1 : 0, P, E, slot_of.data_ptr<int32_t>(),
       fp4_slot_of.has_value() ? fp4_slot_of->data_ptr<int32_t>() : nullptr, order.data_ptr<int32_t>(),
       seg_expert.data_ptr<int32_t>(), seg_off.data_ptr<int32_t>(), seg_cnt.data_ptr<int32_t>(),
       nseg.data_ptr<int32_t>(), M, error_flag.data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// One stage for one format. fmt: 0 = 2-bit, 1 = fp4. seg_* are this format's slices (length M, nseg scalar).
-void stage(int64_t fmt, bool w13, bool prefill, torch::Tensor pool, torch::Tensor slot_of, int64_t q_off,
-           int64_t s_off, int64_t N, int64_t K, torch::Tensor seg_expert, torch::Tensor seg_off,
-           torch::Tensor seg_cnt, torch::Tensor nseg, torch::Tensor order, int64_t topk, torch::Tensor b_hi,
-           c10::optional<torch::Tensor> b_lo, bool b_by_token, c10::optional<torch::Tensor> act_hi,
-           c10::optional<torch::Tensor> act_lo, c10::optional<torch::Tensor> partial, double limit,
-           bool has_limit, torch::Tensor error_flag) {
+int64_t scan_max_pairs() { return SCAN_MAX_PAIRS; }
+
+// One stage for one format. fmt: 0 = 2-bit, 1 = fp4. Routed (prefill) when `order` is given with the segments;
+// otherwise scan mode over topk_ids (decode, P <= SCAN_MAX_PAIRS).
+void stage(int64_t fmt, bool w13, torch::Tensor pool, torch::Tensor slot_of,
+           c10::optional<torch::Tensor> fp4_slot_of, int64_t q_off, int64_t s_off, int64_t N, int64_t K,
+           torch::Tensor topk_ids, c10::optional<torch::Tensor> seg_expert, c10::optional<torch::Tensor> seg_off,
+           c10::optional<torch::Tensor> seg_cnt, c10::optional<torch::Tensor> nseg,
+           c10::optional<torch::Tensor> order, int64_t topk, torch::Tensor b, c10::optional<torch::Tensor> act,
+           c10::optional<torch::Tensor> partial, double limit, bool has_limit, torch::Tensor error_flag) {
   CHECK_CUDA_T(pool, "pool");
   TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1,
               "pool must be uint8 [S, stride] with contiguous rows");
   TORCH_CHECK(pool.stride(0) % 16 == 0, "pool row stride must be a multiple of 16 bytes");
   TORCH_CHECK(K % 32 == 0 && N % 32 == 0, "K and N must be multiples of 32");
-  TORCH_CHECK(b_hi.scalar_type() == torch::kBFloat16 && b_hi.is_contiguous(), "B operand: contiguous bf16");
+  TORCH_CHECK(b.is_contiguous() && b.size(-1) == K, "B operand must be contiguous [rows, K]");
+  TORCH_CHECK(slot_of.scalar_type() == torch::kInt32 && topk_ids.is_contiguous() &&
+                  (topk_ids.scalar_type() == torch::kInt64 || topk_ids.scalar_type() == torch::kInt32),
+              "slot_of int32, topk_ids contiguous int32/int64");
   const at::cuda::CUDAGuard guard(pool.device());
   auto stream = at::cuda::getCurrentCUDAStream();
+  const bool routed = order.has_value();
   StageArgs a{};
   a.pool = pool.data_ptr<uint8_t>();
   a.stride = pool.stride(0);
   a.slot_of = slot_of.data_ptr<int32_t>();
+  a.fp4_slot_of = fp4_slot_of.has_value() ? fp4_slot_of->data_ptr<int32_t>() : nullptr;
+  a.is_fp4 = int(fmt);
   a.q_off = q_off; a.s_off = s_off; a.N = int(N); a.K = int(K);
-  a.seg_expert = seg_expert.data_ptr<int32_t>();
-  a.seg_off = seg_off.data_ptr<int32_t>();
-  a.seg_cnt = seg_cnt.data_ptr<int32_t>();
-  a.nseg = nseg.data_ptr<int32_t>();
-  a.order = order.data_ptr<int32_t>();
+  a.E = int(slot_of.numel());
+  a.topk_ids = topk_ids.data_ptr();
+  a.ids64 = topk_ids.scalar_type() == torch::kInt64 ? 1 : 0;
+  a.P = int(topk_ids.numel());
   a.topk = int(topk);
-  a.b_hi = reinterpret_cast<const __nv_bfloat16*>(b_hi.data_ptr<at::BFloat16>());
-  a.b_lo = b_lo.has_value() ? reinterpret_cast<const __nv_bfloat16*>(b_lo->data_ptr<at::BFloat16>()) : nullptr;
-  a.b_by_token = b_by_token ? 1 : 0;
-  a.act_hi = act_hi.has_value() ? reinterpret_cast<__nv_bfloat16*>(act_hi->data_ptr<at::BFloat16>()) : nullptr;
-  a.act_lo = act_lo.has_value() ? reinterpret_cast<__nv_bfloat16*>(act_lo->data_ptr<at::BFloat16>()) : nullptr;
+  if (routed) {
+    a.seg_expert = seg_expert->data_ptr<int32_t>();
+    a.seg_off = seg_off->data_ptr<int32_t>();
+    a.seg_cnt = seg_cnt->data_ptr<int32_t>();
+    a.nseg = nseg->data_ptr<int32_t>();
+    a.order = order->data_ptr<int32_t>();
+  } else {
+    TORCH_CHECK(a.P <= SCAN_MAX_PAIRS, "scan mode takes at most ", SCAN_MAX_PAIRS, " pairs; route them first");
+  }
+  a.b = b.data_ptr();
+  a.b_by_token = w13 ? 1 : 0;
+  a.act = act.has_value() ? act->data_ptr<float>() : nullptr;
   a.partial = partial.has_value() ? partial->data_ptr<float>() : nullptr;
   a.limit = float(limit);
   a.has_limit = has_limit ? 1 : 0;
   a.error_flag = error_flag.data_ptr<int>();
-  TORCH_CHECK(prefill || a.b_lo != nullptr, "the decode path needs the residual (lo) B operand");
-  TORCH_CHECK(!w13 || (a.act_hi != nullptr && (prefill || a.act_lo != nullptr)), "w13 stage needs act outputs");
-  TORCH_CHECK(w13 || a.partial != nullptr, "w2 stage needs the partial output");
-  const int tiles = w13 ? int(N / 32) : int(N / 32);  // w13: 16 gate + 16 up rows; w2: 32 rows
-  const int maxseg = int(seg_expert.numel());
-  if (maxseg == 0) return;
-  if (fmt == FMT_2BIT) {
-    if (w13) dispatch_stage<FMT_2BIT, true>(a, tiles, maxseg, prefill, stream);
-    else dispatch_stage<FMT_2BIT, false>(a, tiles, maxseg, prefill, stream);
-  } else {
-    if (w13) dispatch_stage<FMT_FP4, true>(a, tiles, maxseg, prefill, stream);
-    else dispatch_stage<FMT_FP4, false>(a, tiles, maxseg, prefill, stream);
-  }
+  TORCH_CHECK(!w13 || a.act != nullptr, "w13 stage needs the act output");
+  TORCH_CHECK(w13 || (a.partial != nullptr && b.scalar_type() == torch::kFloat32), "w2 stage: fp32 act in, partial out");
+  const int tiles = int(N / 32);  // w13: 16 gate + 16 up rows; w2: 32 rows
+  const int gy = routed ? int(seg_expert->numel()) : a.P;
+  if (gy == 0) return;
+  if (fmt == FMT_2BIT) dispatch_fmt<FMT_2BIT>(a, w13, tiles, gy, routed, b.scalar_type(), stream);
+  else dispatch_fmt<FMT_FP4>(a, w13, tiles, gy, routed, b.scalar_type(), stream);
 }
 
 void combine(torch::Tensor partial, torch::Tensor weights, torch::Tensor out, int64_t topk) {
@@ -537,6 +649,7 @@ void combine(torch::Tensor partial, torch::Tensor weights, torch::Tensor out, in
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route", &moet::route, "pairs -> per-format expert segments");
   m.def("stage", &moet::stage, "one MoE stage (w13 fused SiLU*up, or w2) for one format");
+  m.def("scan_max_pairs", &moet::scan_max_pairs, "largest pair count of the route-free (decode) mode");
   m.def("combine", &moet::combine, "weighted per-token sum of the w2 partials");
   m.attr("ABI_VERSION") = 1;
 }

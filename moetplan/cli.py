@@ -20,6 +20,9 @@ app = typer.Typer(
 from moetplan.hw.command import probe_command; app.command("probe")(probe_command)  # noqa: E402,E702
 from moetplan.launch.bench import bench_command; app.command("bench")(bench_command)  # noqa: E402,E702
 from moetplan.runtime.quantize_ckpt import quantize_command; app.command("quantize")(quantize_command)  # noqa: E402,E702
+from moetplan.cost_model.command import calibrate_command; app.command("calibrate")(calibrate_command)  # noqa: E402,E702
+from moetplan.launch.run import run_command; app.command("run")(run_command)  # noqa: E402,E702
+from moetplan.runtime.kernels import build_kernels_command; app.command("build-kernels")(build_kernels_command)  # noqa: E402,E702
 # --- end registrations ---
 
 

@@ -24,7 +24,8 @@ class UnknownNameError(UsageError):
 
         close = difflib.get_close_matches(name.lower(), [k.lower() for k in known], n=3, cutoff=0.5)
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
-        super().__init__(f"Unknown {kind} '{name}'.{hint} (`moetplan {kind}s` lists them)")
+        plural = {"box": "boxes"}.get(kind, f"{kind}s")
+        super().__init__(f"Unknown {kind} '{name}'.{hint} (`moetplan {plural}` lists them)")
         self.kind, self.name, self.suggestions = kind, name, close
 
 

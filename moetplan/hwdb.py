@@ -25,7 +25,9 @@ _META_KEYS = ("source", "sources", "status", "status_default", "notes")
 # checkpoints are the same bits as the "fp4" reserve format).
 EXPERT_CHECKPOINT_PRECISIONS = frozenset(EXPERT_FORMAT_BITS) | {"mxfp4"}
 
-_cache: dict[tuple[str, int], Any] = {}
+_cache: dict[tuple, Any] = {}
+# libyaml's loader when the wheel has it: the planner answers in under a second and reads every model file.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def hwdb_dir() -> Path:
@@ -53,7 +55,7 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: no such file") from None
     if key not in _cache:
         try:
-            _cache[key] = yaml.safe_load(path.read_text())
+            _cache[key] = yaml.load(path.read_text(), Loader=_YAML_LOADER)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
@@ -246,6 +248,7 @@ def gpu_info(gpu_id: str, index: int = 0) -> GPUInfo:
     return info
 
 
+_MAX_GPUS = 64  # one host; a typo like 1000x must not build a thousand GPUInfos
 _COUNT_PREFIX = re.compile(r"^\s*(\d+)\s*[x*×]\s*(.+?)\s*$", re.IGNORECASE)
 _COUNT_SUFFIX = re.compile(r"^\s*(.+?)\s*[x*×]\s*(\d+)\s*$", re.IGNORECASE)
 
@@ -256,17 +259,15 @@ def _parse_gpu_group(part: str, whole: str) -> tuple[str, int]:
     def resolve(name: str) -> str | None:
         return index.get(_compact(name)) or match_gpu(name)
 
-    m = _COUNT_PREFIX.match(part)
-    if m and resolve(m.group(2)):
-        return resolve(m.group(2)), int(m.group(1))  # type: ignore[return-value]
-    gid = resolve(part)
-    if gid:
+    pre, suf = _COUNT_PREFIX.match(part), _COUNT_SUFFIX.match(part)
+    # Try "2x<name>" first, then the whole item (ids may end in digits), then "<name>x2".
+    if pre and (gid := resolve(pre.group(2))):
+        return gid, int(pre.group(1))
+    if gid := resolve(part):
         return gid, 1
-    m = _COUNT_SUFFIX.match(part)
-    if m and resolve(m.group(1)):
-        return resolve(m.group(1)), int(m.group(2))  # type: ignore[return-value]
-    name = (m.group(2) if (m := _COUNT_PREFIX.match(part)) else None) or (
-        m2.group(1) if (m2 := _COUNT_SUFFIX.match(part)) else part.strip())
+    if suf and (gid := resolve(suf.group(1))):
+        return gid, int(suf.group(2))
+    name = pre.group(2) if pre else suf.group(1) if suf else part.strip()
     err = _unknown("gpu", name, {i: [e["name"], *e["aliases"]] for i, e in entries.items()})
     err.args = (f"--gpus '{whole}': {err} Write e.g. '2xrtx-5090', 'rtx-5090x2' or 'rtx-5090,rtx-4090'.",)
     raise err
@@ -281,8 +282,8 @@ def parse_gpus_arg(spec: str) -> list[GPUInfo]:
         if not part.strip():
             raise UsageError(f"--gpus '{spec}': empty item between commas; write e.g. 'rtx-5090,rtx-4090'")
         gid, count = _parse_gpu_group(part, spec)
-        if count < 1:
-            raise UsageError(f"--gpus '{spec}': GPU count must be at least 1 (got {count} in '{part.strip()}')")
+        if not 1 <= count <= _MAX_GPUS:
+            raise UsageError(f"--gpus '{spec}': GPU count must be 1..{_MAX_GPUS} (got {count} in '{part.strip()}')")
         for _ in range(count):
             out.append(gpu_info(gid, index=len(out)))
     return out

@@ -252,3 +252,67 @@ def test_cli_exit_code_on_failures_and_bad_lists() -> None:
     assert json.loads(res.stdout)["errors"]
     res = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:1", "--concurrency", "x"])
     assert isinstance(res.exception, UsageError) and "--concurrency" in str(res.exception)
+
+
+def test_resume_keeps_what_was_measured_and_retries_what_failed(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    long_prompt = lambda body: len(body.get("prompt", "").split()) > 300  # noqa: E731
+    with fake(modes={"drop"}, fail_after_chunks=0, fail_filter=long_prompt) as srv:
+        first = run_bench(srv.url, out=out, **FAST)
+        assert set(first.measured["prefill_by_len"]) == {"128"} and first.errors
+        srv.config.modes = set()  # the server recovers
+        before = len(srv.requests)
+        second = run_bench(srv.url, out=out, resume=True, **FAST)
+        new = srv.requests[before:]
+    assert second.errors == []
+    assert second.measured["decode_tok_s"] == first.measured["decode_tok_s"]  # kept, not re-measured
+    assert second.measured["prefill_by_len"]["128"] == first.measured["prefill_by_len"]["128"]
+    assert set(second.measured["prefill_by_len"]) == {"128", "512"} and second.measured["prefill_len"] == 512
+    # only warm-up, haystack calibration and the two prefill@512 runs were sent again
+    assert len(new) == 4 and sum(len(b["prompt"].split()) == 512 for b in new) == 2
+    assert load_json(RunRecord, out).measured == second.measured
+    assert second.server["resumed_from"] == first.created_at
+
+
+def test_resume_refuses_a_record_of_other_settings(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    with fake() as srv:
+        run_bench(srv.url, out=out, **{**FAST, "needle_lens": (), "probes": False})
+        with pytest.raises(UsageError, match="--max-tokens 16"):
+            run_bench(srv.url, out=out, resume=True, **{**FAST, "max_tokens": 32})
+        with pytest.raises(UsageError, match="needs --out"):
+            run_bench(srv.url, resume=True, **FAST)
+    with fake() as other:
+        with pytest.raises(UsageError, match="use another --out"):
+            run_bench(other.url, out=out, resume=True, **FAST)
+
+
+def test_runtime_kpis_come_from_the_server_record_and_metrics(tmp_path: Path) -> None:
+    import os
+
+    from moetplan.launch.compare import compare
+    from moetplan.runtime.records import run_record_path
+
+    plan = tiny_plan(concurrency=1)
+    plan_path = tmp_path / "plan.json"
+    save_json(plan, plan_path)
+    served = run_record_path(plan_path)
+    save_json(RunRecord(runtime={"token_hit_rate": 0.72, "misses_per_step": 6.0}), served)
+    future = time.time() + 60  # as if the runtime rewrote it during the bench
+    os.utime(served, (future, future))
+    metrics = ("# HELP moetplan_zero_miss_step_share steps without a miss\n"
+               "moetplan_zero_miss_step_share 0.4\nvllm:num_requests_running 0\n"
+               'moetplan_labelled{layer="1"} 3\n')
+    with fake(metrics_text=metrics) as srv:
+        rec = run_bench(srv.url, plan=plan_path, **{**FAST, "probes": False, "needle_lens": ()})
+    assert rec.runtime["token_hit_rate"] == 0.72 and rec.runtime["misses_per_step"] == 6.0
+    assert rec.runtime["zero_miss_step_share"] == 0.4 and "labelled" not in rec.runtime
+    rows = {r["metric"]: r for r in compare(plan, rec)}
+    assert rows["token_hit_rate"]["error_pct"] == pytest.approx(-20.0)
+    assert rows["zero_miss_step_share"]["error_pct"] == pytest.approx(-20.0)
+
+    past = time.time() - 3600  # a record left over from an older server run is not this bench's
+    os.utime(served, (past, past))
+    with fake() as srv:
+        rec = run_bench(srv.url, plan=plan_path, **{**FAST, "probes": False, "needle_lens": ()})
+    assert rec.runtime == {}

@@ -85,7 +85,8 @@ def test_coherence_passes_varied_text() -> None:
 
 
 def test_repeated_phrase_inside_text_is_not_a_loop() -> None:
-    text = "we walked to the shore and back, then we walked to the shore again before the storm rolled in over the hills"
+    text = ("we walked to the shore and back, then we walked to the shore again before the storm rolled in "
+            "over the hills")
     assert probes.check_coherence(text).result == "PASS"
 
 

@@ -182,8 +182,8 @@ def test_symmetric_codebook_unbiased_where_asymmetric_is_not():
     c, s = F.quantize_2bit(w)
     sym = F.error_report(w, c, s)
     # the asymmetric codebook on the same block scales, in the same scale units
-    wb, e = F._blocks_and_exponents(w)
-    sv = F._scaled(wb, e).reshape(-1).numpy()
+    sb, _ = F.block_scaled(w)
+    sv = sb.reshape(-1).numpy()
     levels = _lloyd_max_with_zero(sv)
     q = levels[np.abs(sv[:, None] - levels[None]).argmin(1)]
     asym_bias = float((q - sv).mean())
@@ -252,3 +252,23 @@ def test_ds4_layout_size_matches_facts():
     lay = F.RowLayout.for_expert(4096, 2048, 1, "2bit")
     assert lay.payload_bytes == 3 * 4096 * 2048 * 9 // 32  # 2.25 bits/weight, FACTS.md
     assert lay.stride == lay.payload_bytes  # 6.75 MiB is already 4 KiB aligned
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_bit_domain_path_matches_float_path_on_large_tensors(dtype):
+    # Too big for the Fraction reference: check the integer fast path against the frexp/float formulation instead.
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(300, 1024, generator=g, dtype=torch.float64) * torch.logspace(-30, 30, 300, dtype=torch.float64)[:, None]
+    if dtype in (torch.float16,):
+        w = torch.randn(300, 1024, generator=g, dtype=torch.float64) * 100
+    w = w.to(dtype)
+    w[0, :100] = 0.0
+    s, e = F.block_scaled(w)
+    c, sc = F.quantize_2bit(w, "signed")
+    assert torch.equal(sc.to(torch.int32) - 127, e)
+    codes = F._unpack_crumbs(c).reshape(s.shape)
+    assert torch.equal((codes & 1).bool(), s.abs() > 2.5)
+    assert torch.equal((codes >> 1).bool(), torch.signbit(s))
+    n, _ = F.quantize_fp4(w)
+    idx = F._unpack_nibbles(n).reshape(s.shape) & 7
+    assert torch.equal(idx.long(), torch.bucketize(s.abs(), torch.tensor(F.E2M1_MIDPOINTS, dtype=s.dtype)))

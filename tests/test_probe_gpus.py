@@ -49,6 +49,7 @@ def fake_pynvml(devices: list[dict], init_error: Exception | None = None, p2p_ok
 
     m.nvmlInit = init
     m.nvmlShutdown = lambda: m.calls.append("shutdown")
+    m.nvmlSystemGetDriverVersion = lambda: "580.65.06"
     m.nvmlDeviceGetCount = lambda: len(devices)
     m.nvmlDeviceGetHandleByIndex = lambda i: i
     m.nvmlDeviceGetName = field("name")
@@ -172,3 +173,11 @@ def test_gpus_without_cuda_torch_warn_that_copy_rates_were_not_measured(monkeypa
     assert g.sources.get("h2d_pinned_gbps") != "measured"
     assert any("torch is not installed" in w and "not measured" in w for w in res.profile.warnings)
     assert res.profile.source == "probe"
+    assert "NVIDIA driver 580.65.06" in res.profile.description
+
+
+def test_driver_without_gpus_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([]))
+    rep = gpus_mod.query_gpus()
+    assert rep.driver_available and rep.gpus == []
+    assert any("driver is loaded but reports no GPU" in w for w in rep.warnings)

@@ -198,3 +198,26 @@ def test_full_mode_sizes_bounded_by_free_disk_and_ram():
     size = st._target_size(st.FULL, False, False, free=20 * GIB, ram_bytes=64 * GIB, warnings=w)
     assert size == 18 * GIB and any("limited to 18.0 GiB by free disk" in x for x in w)
     assert st._target_size(st.QUICK, True, True, free=500 * GIB, ram_bytes=GIB, warnings=[]) <= GIB
+
+
+def test_stale_test_files_of_dead_probes_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".moetplan-probe-{int(dead.stdout)}-deadbeef.tmp"
+    live = tmp_path / f".moetplan-probe-{os.getppid()}-cafef00d.tmp"  # a running process: not ours to delete
+    stale.write_bytes(b"x" * 4096)
+    live.write_bytes(b"x")
+    rep = st.probe_storage(tmp_path, quick=True, progress=False, budget=SMALL)
+    assert not stale.exists() and live.exists()
+    assert any("left in" in w and "killed" in w for w in rep.info.warnings)
+
+
+def test_default_pack_dir_is_the_user_cache_dir(tmp_path, monkeypatch):
+    import platformdirs
+
+    monkeypatch.setattr(platformdirs, "user_cache_dir", lambda *a, **k: str(tmp_path / "cache"))
+    assert st.default_pack_dir() == tmp_path / "cache" / "moetplan" / "packs"
+    rep = st.probe_storage(None, quick=True, progress=False, budget=SMALL)
+    assert rep.info.path == str(tmp_path / "cache" / "moetplan" / "packs")

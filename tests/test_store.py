@@ -232,19 +232,35 @@ def test_store_from_plan_uses_placement_slots():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["host", "arena"])
+@pytest.mark.parametrize("kind", ["host", "pagecache", "arena"])
 def test_cuda_pool_matches_pack_rows(kind):
     src = ArrayRowSource(ROWS, L, E)
-    backing = PinnedHostStore(src, pin=True) if kind == "host" else PackArenaStore(src, 6, pin=True)
-    store = ExpertStore(backing, 8, device="cuda")
+    backing = {"host": lambda: PinnedHostStore(src, pin=True),
+               "pagecache": lambda: PackPageCacheStore(src, pin=True, staging_rows=2),
+               "arena": lambda: PackArenaStore(src, 6, pin=True)}[kind]()
+    store = ExpertStore(backing, 8, device="cuda", protected_share=0.5)
+    assert store.residency.is_cuda and store.data.is_cuda and store.residency.dtype == torch.int32
     rng = np.random.default_rng(5)
     for step in range(40):
         for layer in range(L):
+            if step % 10 == 9:  # a prefill layer, computed in chunks
+                ids = rng.integers(0, E, (16, 2))
+                for mask, slots in store.ensure_chunks(layer, torch.from_numpy(ids).cuda(), prefill=True):
+                    m = mask.cpu().numpy()
+                    got = store.data[slots[mask].long()].cpu().numpy()
+                    assert np.array_equal(got, ROWS[layer * E + ids[m]])
+                continue
             ids = torch.from_numpy(rng.integers(0, E, (1, 2))).cuda()
+            if step % 3 == 0 and layer + 1 < L:
+                store.prefetch(layer + 1, rng.integers(0, E, 2))
             slots = store.ensure(layer, ids)
+            # What a kernel does: read the rows through residency[layer] on the compute stream.
+            via_table = store.residency[layer][ids.reshape(-1)]
+            assert torch.equal(via_table, slots.reshape(-1))
             got = store.data[slots.reshape(-1).long()].cpu().numpy()
-            want = ROWS[layer * E + ids.reshape(-1).cpu().numpy()]
-            assert np.array_equal(got, want)
+            assert np.array_equal(got, ROWS[layer * E + ids.reshape(-1).cpu().numpy()])
     store.synchronize()
     assert_kernel_view_correct(store)
-    assert store.stats()["h2d_gbps"] > 0
+    s = store.stats()
+    assert s["h2d_gbps"] > 0 and s["decode"]["misses"] > 0
+    store.close()

@@ -8,6 +8,7 @@ the user config dir, which load_calibration() layers on top.
 """
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ CALIBRATION_FILE = "cost_model.yaml"
 PRIORS_FILE = "priors.yaml"
 USER_FILE = "calibration.yaml"
 DEFAULT_FAMILY = "default"
+CPU_FAMILY = "cpu"  # vLLM's CPU backend: no GPU in the profile
 
 
 class _Model(BaseModel):
@@ -39,7 +41,8 @@ class FamilyFactors(_Model):
     layer_overhead_us: float = Field(15.0, description="Per decoder-layer forward: launches / graph replay")
     step_overhead_ms: float = Field(1.5, description="Per decode step: scheduler, sampler, host round trip")
     draft_overhead_ms: float = Field(1.0, description="Per speculative (MTP) token: proposer bookkeeping")
-    allreduce_latency_us: float = Field(25.0, description="One small TP all-reduce over PCIe (latency part)")
+    allreduce_latency_us: float = Field(12.0, description="One small TP all-reduce over PCIe, per ring hop "
+                                                          "(tp - 1 hops): the latency part")
     allreduce_bw_eff: float = Field(0.6, description="Share of the PCIe link reached by large all-reduces")
     prefill_chunk_overhead_ms: float = Field(20.0, description="Per prefill chunk: scheduling, metadata, sampler")
     eager_layer_us: float = Field(500.0, description="Per layer of a step that misses and leaves the CUDA graph")
@@ -79,6 +82,8 @@ class RoutingFactors(_Model):
                                                        "share of a full KV entry")
     default_index_topk: int = 2048
     prefill_prompt_tokens: int = Field(8192, description="Prompt length prefill_tok_s and ttft_ms refer to")
+    gate_fire_share: float = Field(0.1, description="Share of steps the FP4 confidence gate recomputes (2-bit and "
+                                                    "FP4 disagree on ~11% of next-token picks, FACTS.md)")
 
 
 class Calibration(_Model):
@@ -106,8 +111,10 @@ class Calibration(_Model):
 
 def family_key(hw: HardwareProfile | None) -> str:
     """GPU family = compute capability: kernels and launch costs are shared by one SM generation."""
-    if hw is None or not hw.gpus:
+    if hw is None:
         return DEFAULT_FAMILY
+    if not hw.gpus:
+        return CPU_FAMILY
     cc = hw.gpus[0].compute_capability.replace(".", "")
     return f"sm{cc}"
 
@@ -185,7 +192,17 @@ def user_calibration_path() -> Path:
     return user_config_dir() / USER_FILE
 
 
+_yaml_cache: dict[tuple[str, int], Any] = {}
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
+    # predict() loads the calibration on every call the solver makes: parse each file once per modification.
+    try:
+        key = (str(path), path.stat().st_mtime_ns)
+    except FileNotFoundError:
+        key = (str(path), -1)
+    if key in _yaml_cache:
+        return copy.deepcopy(_yaml_cache[key])
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
@@ -194,7 +211,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid YAML ({e}); fix or delete the file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    return data
+    _yaml_cache[key] = data
+    return copy.deepcopy(data)
 
 
 def _validate(data: dict[str, Any], path: Path) -> Calibration:
@@ -283,6 +301,15 @@ class FitRow:
     measured_ms: float
 
 
+def load_cpu_family() -> dict[str, float]:
+    """Starting factors for GPU-less hosts (priors.yaml: cpu_family); estimated, refit with `moetplan calibrate`."""
+    path = calibration_dir() / PRIORS_FILE
+    data = _read_yaml(path).get("cpu_family") or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: 'cpu_family' must map factor names to numbers")
+    return data
+
+
 def measurement_sigma() -> float:
     """Relative scatter assumed for one measurement (weights the rows against the priors)."""
     data = _read_yaml(calibration_dir() / PRIORS_FILE)
@@ -296,6 +323,33 @@ def fit_linear(rows: list[FitRow], priors: dict[str, Prior], free: list[str],
     Step time is linear in 1/efficiency and in the overheads, so the fit is one regularised least-squares solve (no
     optimiser, no local minima). Parameters not in `free` stay at their prior. Values are clipped to stay physical.
     """
+    fixed: dict[str, float] = {}
+    for _ in range(len(free) + 1):
+        active = [p for p in free if p not in fixed]
+        values = _solve(rows, priors, active, fixed, meas_sigma)
+        clipped = {p: v for p, v in values.items() if v != _clip(p, v, priors[p].value)}
+        if not clipped:
+            break
+        # Pin the parameters that ran out of their physical range and re-solve the rest around them.
+        fixed.update({p: _clip(p, v, priors[p].value) for p, v in clipped.items()})
+    values.update(fixed)
+    return values
+
+
+def _clip(param: str, value: float, prior: float) -> float:
+    lo, hi = (0.05 * prior, 20.0 * prior) if not PARAMS[param].inverse else (prior / 20.0, min(1.0, prior * 20.0))
+    if param in BW_EFF_CAP:
+        hi = min(hi, BW_EFF_CAP[param])
+    return min(max(value, lo), hi)
+
+
+# Memory reads never reach the datasheet: ~92% is the best any GDDR/HBM part sustains on streaming reads.
+BW_EFF_CAP = {"family.dense_bw_eff": 0.92, "family.expert_bw_eff": 0.92, "link.h2d_eff": 0.98,
+              "link.nvme_read_eff": 1.0, "link.pageable_eff": 1.0}
+
+
+def _solve(rows: list[FitRow], priors: dict[str, Prior], free: list[str], fixed: dict[str, float],
+           meas_sigma: float) -> dict[str, float]:
     idx = {p: i for i, p in enumerate(free)}
     a_rows: list[np.ndarray] = []
     b_rows: list[float] = []
@@ -306,7 +360,7 @@ def fit_linear(rows: list[FitRow], priors: dict[str, Prior], free: list[str],
             if p in idx:
                 a[idx[p]] += c
             else:
-                const += c * linear_value(p, priors[p].value)
+                const += c * linear_value(p, fixed.get(p, priors[p].value))
         a_rows.append(a / r.measured_ms / meas_sigma)
         b_rows.append((1.0 - const / r.measured_ms) / meas_sigma)
     for p in free:
@@ -318,16 +372,13 @@ def fit_linear(rows: list[FitRow], priors: dict[str, Prior], free: list[str],
         a[idx[p]] = w
         a_rows.append(a)
         b_rows.append(w * u0)
+    if not free:
+        return {}
     sol, *_ = np.linalg.lstsq(np.vstack(a_rows), np.asarray(b_rows), rcond=None)
     out: dict[str, float] = {}
     for p in free:
         u = float(sol[idx[p]])
-        u0 = linear_value(p, priors[p].value)
-        u = min(max(u, 0.05 * u0), 20.0 * u0)  # keep it physical even if the rows disagree wildly
-        v = from_linear(p, u)
-        if PARAMS[p].inverse:
-            v = min(v, 1.0)  # nothing beats the datasheet
-        out[p] = v
+        out[p] = from_linear(p, u) if u > 0 else (0.0 if not PARAMS[p].inverse else float("inf"))
     return out
 
 

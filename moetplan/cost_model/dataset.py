@@ -141,24 +141,43 @@ def from_run_record(run: RunRecord, path: str, hw: HardwareProfile | None = None
     rt = run.runtime or {}
     extra = {k: float(rt[k]) for k in ("token_hit_rate", "zero_miss_step_share", "misses_per_step")
              if isinstance(rt.get(k), (int, float))}
+    name = Path(path).name
     out: list[Measurement] = []
-    if isinstance(m.get("decode_tok_s"), (int, float)):
-        prompt = m.get("prefill_prompt_tokens")
-        out.append(Measurement(
-            row_id=f"{Path(path).name}:decode", model=model, hw=hw, placement=placement, concurrency=1,
-            decode_tok_s=float(m["decode_tok_s"]),
-            prefill_tok_s=float(m["prefill_tok_s"]) if isinstance(m.get("prefill_tok_s"), (int, float)) else None,
-            prompt_tokens=int(prompt) if isinstance(prompt, (int, float)) else None,
-            source=path, extra=extra,
-            kv_tokens=float(m["context_tokens"]) if isinstance(m.get("context_tokens"), (int, float)) else None,
-        ))
-    agg = m.get("aggregate_tok_s")
-    conc = m.get("aggregate_concurrency") or placement.concurrency
-    if isinstance(agg, (int, float)) and isinstance(conc, (int, float)) and int(conc) > 1:
-        out.append(Measurement(
-            row_id=f"{Path(path).name}:aggregate", model=model, hw=hw, placement=placement, concurrency=int(conc),
-            decode_tok_s=float(agg), source=path,
-        ))
+
+    def num(v: object) -> float | None:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+    def add(tag: str, **kw: object) -> None:
+        out.append(Measurement(row_id=f"{name}:{tag}", model=model, hw=hw, placement=placement, source=path, **kw))
+
+    if num(m.get("decode_tok_s")):
+        # `moetplan bench` decodes after a short prompt: that prompt is the context the decode read.
+        add("decode", concurrency=1, decode_tok_s=num(m["decode_tok_s"]), extra=extra,
+            kv_tokens=num(m.get("context_tokens")) or num(m.get("ttft_prompt_tokens")))
+    # Prefill: every prompt length bench measured (prefill_by_len), else the headline figure.
+    by_len = m.get("prefill_by_len") if isinstance(m.get("prefill_by_len"), dict) else {}
+    actual = m.get("prefill_prompt_tokens")
+    if by_len:
+        for key, rate in by_len.items():
+            tokens = num(actual.get(key)) if isinstance(actual, dict) else None
+            if num(rate) and (tokens or str(key).isdigit()):
+                add(f"prefill@{key}", concurrency=1, decode_tok_s=None, prefill_tok_s=num(rate),
+                    prompt_tokens=int(tokens or int(key)))
+    elif num(m.get("prefill_tok_s")):
+        tokens = num(actual) or num(m.get("prefill_len"))
+        add("prefill", concurrency=1, decode_tok_s=None, prefill_tok_s=num(m["prefill_tok_s"]),
+            prompt_tokens=int(tokens) if tokens else None)
+    # Aggregate decode: every point of the batch curve above one stream, else the headline figure.
+    curve = m.get("batch_curve") if isinstance(m.get("batch_curve"), dict) else {}
+    points = {int(k): num(v) for k, v in curve.items() if str(k).isdigit()}
+    if not points and num(m.get("aggregate_tok_s")):
+        conc = num(m.get("aggregate_concurrency")) or float(placement.concurrency)
+        points = {int(conc): num(m["aggregate_tok_s"])}
+    for conc, rate in sorted(points.items()):
+        if conc > 1 and rate:
+            add(f"aggregate@{conc}", concurrency=conc, decode_tok_s=rate,
+                kv_tokens=num(m.get("context_tokens")) or num(m.get("ttft_prompt_tokens")))
     if not out:
-        raise UsageError(f"{path}: measured has no decode_tok_s or aggregate_tok_s; run `moetplan bench` first")
+        raise UsageError(f"{path}: measured has no decode_tok_s, prefill or aggregate figures; "
+                         "run `moetplan bench` first")
     return out

@@ -41,8 +41,6 @@ def _variants(model: ModelSpec, hw: HardwareProfile, pl: Placement, base: Predic
         v(f"context {pl.context} -> {pl.context // 2}", context=pl.context // 2)
     if pl.tp * 2 * pl.pp <= len(hw.gpus):
         v(f"tensor parallel {pl.tp} -> {pl.tp * 2} (needs {pl.tp * 2 * pl.pp} GPUs)", tp=pl.tp * 2)
-    if pl.tp > 1:
-        v(f"tensor parallel {pl.tp} -> {pl.tp // 2}", tp=pl.tp // 2)
     return out
 
 

@@ -5,6 +5,8 @@ import statistics
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+import numpy as np
+
 from moetplan.cost_model.calibration import (
     Calibration,
     FitRow,
@@ -141,3 +143,33 @@ def fit(measurements: list[Measurement], held_out: set[str] | None = None, base:
         "source": source or calib.source,
     })
     return calib
+
+
+def zero_miss_rows(measurements: list[Measurement], calib: Calibration) -> list[tuple[str, float, float]]:
+    """(row, measured, predicted) zero-miss step share for tiered runs whose runtime reported it."""
+    out = []
+    for m in measurements:
+        meas = m.extra.get("zero_miss_step_share")
+        if meas is None or m.placement.expert_tier == "resident" or m.concurrency != 1:
+            continue
+        step = _decode(m, calib)
+        if step.miss is not None:
+            out.append((m.row_id, float(meas), 1.0 - step.miss.p_step_miss))
+    return out
+
+
+def fit_miss_correlation(measurements: list[Measurement], calib: Calibration) -> float | None:
+    """The beta-binomial correlation that best reproduces the measured zero-miss step shares (None: no data).
+
+    Runtime KPIs pin what tok/s cannot: with the same hit rate, stronger correlation means more steps without a miss.
+    """
+    if not zero_miss_rows(measurements, calib):
+        return None
+    best: tuple[float, float] | None = None
+    for rho in [0.0, *np.exp(np.linspace(np.log(1e-4), np.log(0.5), 60))]:
+        trial = calib.model_copy(update={"routing": calib.routing.model_copy(update={"miss_correlation": rho})})
+        err = sum((meas - pred) ** 2 for _, meas, pred in zero_miss_rows(measurements, trial))
+        if best is None or err < best[0] - 1e-12:
+            best = (err, float(rho))
+    assert best is not None
+    return best[1]

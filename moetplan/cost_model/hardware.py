@@ -49,10 +49,12 @@ class Rates:
 def rank_gpus(hw: HardwareProfile, placement: Placement) -> list[GPUInfo]:
     ranks = placement.tp * placement.pp
     if not hw.gpus:
-        raise UsageError(
-            "The hardware profile lists no GPU; the cost model predicts GPU serving. "
-            "Pass --box ID, --gpus 1xrtx-5090 or a probed hw.json"
-        )
+        if ranks > 1:
+            raise UsageError(
+                f"Placement needs tp x pp = {ranks} GPUs but the profile lists none (CPU serving is one rank); "
+                "set tp=1 pp=1, or pass --box ID / --gpus 1xrtx-5090 / a probed hw.json"
+            )
+        return []
     if ranks > len(hw.gpus):
         raise UsageError(
             f"Placement needs tp x pp = {ranks} GPUs but the profile has {len(hw.gpus)}; lower tp/pp or add GPUs"
@@ -112,8 +114,24 @@ def bf16_tflops(gpu: GPUInfo) -> tuple[float, str]:
     return gpu.mem_bw_gbps * ratio / 1e3, f"estimated (memory BW x {ratio:g} FLOPs/byte)"
 
 
+def cpu_rates(hw: HardwareProfile) -> Rates:
+    """A host without GPUs (vLLM's CPU backend): one rank whose "device memory" is DRAM and whose compute is the
+    cores' vector units. Experts are always resident there, so the link rates only matter for prefill streaming."""
+    cpu = _tables()["gpu_compute.yaml"].get("cpu") or {}
+    dram = hw.host.dram_gbps or float(cpu.get("default_dram_gbps", 20.0))
+    dram_src = hw.host.sources.get("dram_gbps", "measured") if hw.host.dram_gbps else "default (no DRAM figure)"
+    cores = hw.host.cores or int(cpu.get("default_cores", 4))
+    tflops = cores * float(cpu.get("gflops_per_core", 50.0)) / 1e3
+    nv, nv_src = nvme_gbps(hw)
+    return Rates(mem_bw_gbps=dram, h2d_gbps=dram, h2d_source=dram_src, pcie_gbps=dram, nvme_gbps=nv,
+                 nvme_source=nv_src, tflops=tflops, tflops_source=f"estimated ({cores} cores x gflops_per_core)",
+                 host_ram_gib=hw.host.ram_available_gib or hw.host.ram_gib)
+
+
 def rates(hw: HardwareProfile, placement: Placement) -> Rates:
     gpus = rank_gpus(hw, placement)
+    if not gpus:
+        return cpu_rates(hw)
     # The slowest rank sets the pace of a synchronous TP/PP step.
     slow_mem = min(gpus, key=lambda g: g.mem_bw_gbps)
     h2d = [h2d_gbps(g) for g in gpus]

@@ -4,7 +4,22 @@ from __future__ import annotations
 from moetplan.cost_model.calibration import Calibration, load_calibration
 from moetplan.cost_model.coverage import curve_for
 from moetplan.cost_model.prefill import prefill_run
-from moetplan.cost_model.terms import DecodeStep, decode_step
+from moetplan.cost_model.terms import (
+    ALLREDUCE,
+    DENSE,
+    DRAFT,
+    EXPERTS,
+    GATE,
+    KV,
+    LAYER_OVH,
+    MISS_HOST,
+    MISS_NVME,
+    PIPELINE,
+    REPLAY,
+    STEP_OVH,
+    DecodeStep,
+    decode_step,
+)
 from moetplan.models.spec import ModelSpec
 from moetplan.plan.schema import HardwareProfile, Placement, Prediction, Term
 
@@ -27,24 +42,28 @@ def predict(model: ModelSpec, hw: HardwareProfile, placement: Placement,
             calib: Calibration | None = None) -> Prediction:
     """Predicted performance of `placement` for `model` on `hw`.
 
-    decode_tok_s: one stream alone; aggregate_tok_s: all `concurrency` streams batched; terms and bottleneck are
-    those of the single-stream step (the headline number); the batched step's bottleneck is named in notes.
+    decode_tok_s: one stream decoding alone. aggregate_tok_s: all planned streams (concurrency, bounded by
+    max_num_seqs) batched. step_ms, terms and bottleneck describe the step at the planned concurrency — the operating
+    point the plan is for (with concurrency 1, the single-stream step); the other operating point is named in notes.
+    Miss statistics are those of the planned step.
     """
     calib = calib or load_calibration(hw)
     curve = curve_for(model, calib.routing)
     one = decode_step(model, hw, placement, calib, 1, curve)
-    terms, step_ms, bottleneck = _terms(one, calib, hw)
-    decode_tok_s = one.tokens_per_step / step_ms * 1e3
+    one_terms, one_ms, one_bottleneck = _terms(one, calib, hw)
+    decode_tok_s = one.tokens_per_step / one_ms * 1e3
 
     n = streams(placement)
     notes = list(one.notes)
     if n > 1:
-        batch = decode_step(model, hw, placement, calib, n, curve)
-        b_terms, b_ms, b_bottleneck = _terms(batch, calib, hw)
-        aggregate = n * batch.tokens_per_step / b_ms * 1e3
-        notes.append(f"at {n} streams: step {b_ms:.1f} ms, {aggregate / n:.1f} tok/s per stream, "
-                     f"{batch.union_per_layer:.0f} experts/layer read, bottleneck: {b_bottleneck}")
+        step = decode_step(model, hw, placement, calib, n, curve)
+        terms, step_ms, bottleneck = _terms(step, calib, hw)
+        aggregate = n * step.tokens_per_step / step_ms * 1e3
+        notes.append(f"terms are for the {n}-stream step ({aggregate / n:.1f} tok/s per stream, "
+                     f"{step.union_per_layer:.0f} experts/layer read); one stream alone: step {one_ms:.1f} ms, "
+                     f"bottleneck {one_bottleneck}")
     else:
+        step, terms, step_ms, bottleneck = one, one_terms, one_ms, one_bottleneck
         aggregate = decode_tok_s
 
     pre = prefill_run(model, hw, placement, calib, curve=curve)
@@ -52,8 +71,9 @@ def predict(model: ModelSpec, hw: HardwareProfile, placement: Placement,
     prefill_tok_s = pre.prompt_tokens / pre_ms * 1e3
     pre_main = max(pre.terms, key=lambda t: t.ms(calib, hw))
     notes.append(f"prefill of {pre.prompt_tokens} tokens: {pre_ms:.0f} ms, bound by {pre_main.name}")
+    notes.append(resource_split(terms))
 
-    miss = one.miss
+    miss = step.miss
     if miss is not None and miss.p_step_miss > 0:
         notes.append(f"steps with >= 1 expert miss: {miss.p_step_miss:.0%} (correlated misses); independent "
                      f"routing would give {miss.p_step_miss_independent:.0%}")
@@ -61,13 +81,34 @@ def predict(model: ModelSpec, hw: HardwareProfile, placement: Placement,
         decode_tok_s=round(decode_tok_s, 3),
         aggregate_tok_s=round(aggregate, 3),
         prefill_tok_s=round(prefill_tok_s, 2),
-        ttft_ms=round(pre_ms + step_ms, 2),
+        ttft_ms=round(pre_ms + one_ms, 2),
         bottleneck=bottleneck,
         step_ms=round(step_ms, 4),
-        tokens_per_step=round(one.tokens_per_step, 4),
+        tokens_per_step=round(step.tokens_per_step, 4),
         terms=terms,
         token_hit_rate=None if miss is None else round(miss.token_hit_rate, 6),
         zero_miss_step_share=None if miss is None else round(1.0 - miss.p_step_miss, 6),
         misses_per_step=None if miss is None else round(miss.misses_per_step, 4),
+        gate_fire_share=step.gate_fire_share,
         notes=notes,
     )
+
+
+# Which resource each term spends: for the one-line summary under the term table.
+RESOURCE = {
+    "memory bandwidth": (DENSE, EXPERTS, KV, DRAFT),
+    "host link / NVMe": (MISS_HOST, MISS_NVME, REPLAY),
+    "recomputation": (GATE,),
+    "GPU interconnect": (ALLREDUCE, PIPELINE),
+    "fixed overheads": (LAYER_OVH, STEP_OVH),
+}
+
+
+def resource_split(terms: list[Term]) -> str:
+    total = sum(t.ms for t in terms) or 1.0
+    parts = []
+    for res, names in RESOURCE.items():
+        ms = sum(t.ms for t in terms if t.name in names)
+        if ms > 0:
+            parts.append(f"{res} {ms / total:.0%}")
+    return "step by resource: " + ", ".join(parts)

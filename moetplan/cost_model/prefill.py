@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moetplan.cost_model.calibration import Calibration, linear_value
+from moetplan.cost_model.calibration import Calibration
 from moetplan.cost_model.coverage import CoverageCurve, curve_for, expected_union, miss_stats
 from moetplan.cost_model.hardware import GB, Rates, rates
 from moetplan.cost_model.terms import (
@@ -40,10 +40,6 @@ class PrefillRun:
 
     def ms(self, calib: Calibration, hw: HardwareProfile | None) -> float:
         return sum(t.ms(calib, hw) for t in self.terms)
-
-
-def _val(calib: Calibration, hw: HardwareProfile, spec: TermSpec) -> float:
-    return spec.ms(calib, hw)
 
 
 def attention_flops_per_token(model: ModelSpec, context: float, calib: Calibration) -> float:
@@ -92,7 +88,7 @@ def prefill_run(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
         n_ar = 2 * NL * n_chunks
         ring = 2.0 * (tp - 1) / tp * P * model.hidden_size * 2 * 2 * NL
         t = TermSpec(AR, note=f"{ring / GB:.1f} GB of activations per rank over {rt.pcie_gbps:.0f} GB/s")
-        t.add("family.allreduce_latency_us", float(n_ar))
+        t.add("family.allreduce_latency_us", float(n_ar * (tp - 1)))
         t.add("family.allreduce_bw_eff", ring / (rt.pcie_gbps * GB) * MS)
         terms.append(t)
 
@@ -127,5 +123,3 @@ def prefill_run(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     terms.append(t)
     return PrefillRun(P, n_chunks, terms, rt)
 
-
-__all__ = ["PrefillRun", "prefill_run", "attention_flops_per_token", "linear_value"]

@@ -37,6 +37,7 @@ STEP_OVH = "per-step overhead (scheduler, sampler)"
 MISS_HOST = "expert misses (host RAM -> GPU over PCIe)"
 MISS_NVME = "expert misses (NVMe pack -> RAM -> GPU)"
 REPLAY = "replayed steps after a miss"
+GATE = "confidence-gate recomputes"
 
 
 @dataclass
@@ -65,6 +66,7 @@ class DecodeStep:
     miss: MissStats | None
     rates: Rates
     notes: list[str] = field(default_factory=list)
+    gate_fire_share: float | None = None
 
     def term_ms(self, calib: Calibration, hw: HardwareProfile | None) -> list[tuple[TermSpec, float]]:
         return [(t, t.ms(calib, hw)) for t in self.terms]
@@ -163,6 +165,14 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     kv_tokens: context tokens each stream has filled; default routing.kv_fill x the planned context.
     """
     rt = rates(hw, placement)
+    if rt.mem_bw_gbps <= 0 or rt.h2d_gbps <= 0 or rt.nvme_gbps <= 0 or rt.tflops <= 0:
+        raise UsageError(
+            f"The hardware profile has a zero rate (memory {rt.mem_bw_gbps} GB/s, host link {rt.h2d_gbps} GB/s, "
+            f"NVMe {rt.nvme_gbps} GB/s, {rt.tflops} TFLOPs); re-run `moetplan probe` or fix the field in hw.json"
+        )
+    if model.n_routed_experts <= 0 or model.top_k <= 0 or model.moe_layers <= 0:
+        raise UsageError(f"{model.id} has no routed experts (n_routed_experts / top_k / moe_layers is 0); "
+                         "moetplan plans MoE models only")
     r = calib.routing
     curve = curve or curve_for(model, r)
     fam_hw = hw
@@ -238,7 +248,7 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
         t.add("family.layer_overhead_us", float(k_spec))
         t.add("family.draft_overhead_ms", float(k_spec))
         if tp > 1:
-            t.add("family.allreduce_latency_us", 2.0 * k_spec)
+            t.add("family.allreduce_latency_us", 2.0 * k_spec * (tp - 1))
         terms.append(t)
 
     # Tensor parallel: two all-reduces per layer (attention out, MoE out), tiny and latency-bound at decode.
@@ -247,7 +257,8 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
         ring = 2.0 * (tp - 1) / tp * tokens_layer * model.hidden_size * 2
         t = TermSpec(ALLREDUCE, note=f"{n_ar} all-reduces of {tokens_layer * model.hidden_size * 2 / 1024:.0f} KiB"
                      + ("" if hw.p2p else " through host memory (no P2P)"))
-        t.add("family.allreduce_latency_us", float(n_ar))
+        # Small all-reduces run NCCL's ring/LL path: 2(tp-1) latency-bound hops, so the latency grows with tp - 1.
+        t.add("family.allreduce_latency_us", float(n_ar * (tp - 1)))
         t.add("family.allreduce_bw_eff", n_ar * _ms(ring, rt.pcie_gbps))
         terms.append(t)
     if pp > 1:
@@ -268,7 +279,17 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
         miss = miss_stats(curve, E, K, L, tokens_eff, x_cached, r.miss_correlation, c, so)
         terms.extend(_miss_terms(model, hw, placement, calib, rt, curve, miss, x_cached, terms))
 
-    return DecodeStep(c, acc, tokens_layer, union, terms, miss, rt, notes)
+    gate_share: float | None = None
+    if placement.gate.enabled and not placement.gate.degraded and x_r > 0:
+        # A step the gate does not trust is computed again with its experts promoted to FP4: the whole step again.
+        gate_share = r.gate_fire_share
+        t = TermSpec(GATE, note=f"{gate_share:.0%} of steps recomputed with FP4 experts (tau {placement.gate.tau})")
+        for b in list(terms):
+            for p, coef in b.parts.items():
+                t.add(p, coef * gate_share)
+        terms.append(t)
+
+    return DecodeStep(c, acc, tokens_layer, union, terms, miss, rt, notes, gate_share)
 
 
 def _miss_terms(model: ModelSpec, hw: HardwareProfile, placement: Placement, calib: Calibration, rt: Rates,

@@ -8,7 +8,9 @@ import typer
 
 
 def probe_command(
-    quick: bool = typer.Option(False, "--quick", help="Small test file (<= 1 GiB) and few repetitions, ~10-20 s"),
+    quick: bool = typer.Option(
+        False, "--quick", help="Test file <= 1 GiB, few repetitions, under 20 s (default: full, 8 GiB file, 1-3 min)"
+    ),
     pack_dir: Optional[Path] = typer.Option(
         None, "--pack-dir", help="Directory the pack files will live in (default: user cache dir/moetplan/packs)"
     ),
@@ -20,7 +22,11 @@ def probe_command(
     from moetplan.hw.render import render_profile
     from moetplan.plan.schema import save_json
 
-    result = run_probe(str(pack_dir) if pack_dir else None, quick=quick, progress=True)
+    try:
+        result = run_probe(str(pack_dir) if pack_dir else None, quick=quick, progress=True)
+    except KeyboardInterrupt:
+        typer.echo("probe interrupted; its temporary test file was removed", err=True)
+        raise typer.Exit(130) from None
     if out is not None:
         save_json(result.profile, out)
     if as_json:

@@ -24,6 +24,7 @@ class GpuReport:
     p2p: bool = False
     warnings: list[str] = field(default_factory=list)
     driver_available: bool = False
+    driver_version: str | None = None
 
 
 def _try(pynvml: Any, fn: Callable[..., Any], *args: Any) -> Any:
@@ -81,7 +82,7 @@ def _read_one(pynvml: Any, index: int, handle: Any) -> tuple[GPUInfo, list[str]]
     sheet, why = _hwdb_datasheet(name, index)
     if sheet is not None:
         base = sheet.model_dump()
-        sheet_sources = dict(sheet.sources) or {}
+        sheet_sources = dict(sheet.sources)
         for k in ("mem_bw_gbps", "compute_capability", "fp8", "fp4"):
             sheet_sources.setdefault(k, "datasheet")
         if driver_cc and driver_cc != sheet.compute_capability:
@@ -91,9 +92,7 @@ def _read_one(pynvml: Any, index: int, handle: Any) -> tuple[GPUInfo, list[str]]
             )
             base["compute_capability"] = driver_cc
             sheet_sources["compute_capability"] = "measured"
-        if mem is None:  # keep the datasheet VRAM only when the driver would not tell us
-            sheet_sources.setdefault("vram_gib", "datasheet")
-        base.update({k: v for k, v in measured.items() if v is not None})
+        base.update({k: v for k, v in measured.items() if v is not None})  # the installed card beats the sheet
         base.update(index=index, name=name, sources={**sheet_sources, **sources})
         return GPUInfo.model_validate(base), warnings
 
@@ -158,6 +157,8 @@ def query_gpus() -> GpuReport:
         )
         return report
     report.driver_available = True
+    version = _try(pynvml, getattr(pynvml, "nvmlSystemGetDriverVersion", lambda: None))
+    report.driver_version = _text(version) if version else None
     try:
         count = pynvml.nvmlDeviceGetCount()
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]

@@ -22,7 +22,7 @@ MIB = 1024**2
 # Test sizes: big enough to cross the 8 MiB memlock default that breaks pinned stores, small enough to be instant.
 MLOCK_TEST_BYTES = 16 * MIB
 PIN_TEST_BYTES = 256 * MIB
-DRAM_TEST_BYTES = 256 * MIB
+DRAM_TEST_BYTES = 128 * MIB
 
 
 @dataclass
@@ -110,7 +110,7 @@ def _torch_pin_test(nbytes: int) -> tuple[bool, str] | None:
         return False, f"torch pinned allocation of {nbytes // MIB} MiB failed ({str(e).splitlines()[0]})"
 
 
-def measure_dram_gbps(nbytes: int = DRAM_TEST_BYTES, repeats: int = 5) -> float | None:
+def measure_dram_gbps(nbytes: int = DRAM_TEST_BYTES, repeats: int = 3) -> float | None:
     """Single-thread copy bandwidth, read+write counted (a floor: more threads move more)."""
     try:
         import numpy as np
@@ -132,8 +132,11 @@ def _fmt_limit(v: int | None) -> str:
     return "unlimited" if v is None else f"{v / MIB:g} MiB"
 
 
-def query_host(measure: bool = True) -> HostReport:
-    """RAM, CPU, NUMA, hugepages, memlock and a pinned-allocation test; `measure` adds the DRAM copy rate."""
+def query_host(measure: bool = True, try_cuda: bool = True) -> HostReport:
+    """RAM, CPU, NUMA, hugepages, memlock and a pinned-allocation test; `measure` adds the DRAM copy rate.
+
+    `try_cuda=False` skips the torch pinned test (importing torch costs seconds on a machine without GPUs).
+    """
     import psutil
 
     vm = psutil.virtual_memory()
@@ -142,7 +145,7 @@ def query_host(measure: bool = True) -> HostReport:
     sources: dict[str, str] = {"ram_gib": "measured", "ram_available_gib": "measured", "memlock_bytes": "measured"}
 
     mlock_ok, mlock_msg = _mlock_test(MLOCK_TEST_BYTES)
-    pin = _torch_pin_test(PIN_TEST_BYTES)
+    pin = _torch_pin_test(PIN_TEST_BYTES) if try_cuda else None
     pinned_ok, pinned_msg = pin if pin is not None else (mlock_ok, mlock_msg)
     if pin is not None:
         pinned_msg = f"{pinned_msg}; {mlock_msg}"

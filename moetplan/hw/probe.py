@@ -78,14 +78,15 @@ def run_probe(pack_dir: str | os.PathLike[str] | None = None, quick: bool = True
     details: dict[str, Any] = {}
     with _status(progress, "querying GPUs and host"):
         gpu_report = query_gpus()
-        host_report = query_host()
+        host_report = query_host(try_cuda=bool(gpu_report.gpus))
     details["memlock_hard_bytes"] = host_report.memlock_hard_bytes
     details["pinned_test"] = host_report.pinned_test
 
     profile = HardwareProfile(
         source="probe",
-        description=f"{socket.gethostname()} ({platform.system()} {platform.release()}), probed "
-                    f"{'quick' if quick else 'full'}",
+        description=f"{socket.gethostname()} ({platform.system()} {platform.release()}"
+                    f"{f', NVIDIA driver {gpu_report.driver_version}' if gpu_report.driver_version else ''}), "
+                    f"probed {'quick' if quick else 'full'}",
         gpus=gpu_report.gpus,
         host=host_report.info,
         p2p=gpu_report.p2p,
@@ -99,8 +100,8 @@ def run_probe(pack_dir: str | os.PathLike[str] | None = None, quick: bool = True
                        rand_reads=st.rand_reads, rand_queue_depth=st.rand_queue_depth)
     if profile.gpus:
         _measure_transfers(profile, quick, progress, details)
-    else:
-        profile.warnings.append("no GPU found: a plan for this machine has no GPU to place the model on")
+    elif not gpu_report.warnings:
+        profile.warnings.append("no GPU found")
     profile.measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return ProbeResult(profile=profile, quick=quick, elapsed_s=round(time.perf_counter() - t0, 2), details=details)
 

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -167,6 +167,23 @@ class _Progress:
     def update(self, task: int | None, completed: float, rate: float | None = None) -> None:
         if self._p is not None and task is not None:
             self._p.update(task, completed=completed, rate=f"{rate:.2f} GB/s" if rate else "")
+
+
+def _remove_stale_test_files(path: Path) -> list[str]:
+    """Test files of probes that were killed outright (SIGKILL, power loss) and could not clean up."""
+    import psutil
+
+    removed = []
+    for f in path.glob(".moetplan-probe-*.tmp"):
+        try:
+            pid = int(f.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not psutil.pid_exists(pid):
+            with contextlib.suppress(OSError):
+                f.unlink()
+                removed.append(f.name)
+    return removed
 
 
 def _aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -358,8 +375,11 @@ def probe_storage(pack_dir: str | os.PathLike[str] | None = None, quick: bool = 
         raise UsageError(f"pack dir {path} is not readable and writable by this user: pass another --pack-dir "
                          "or fix its permissions")
 
+    stale = _remove_stale_test_files(path)
     fs_type, _mount = filesystem_type(path)
     warnings = filesystem_warnings(fs_type, str(path))
+    if stale:
+        warnings.append(f"removed {len(stale)} test file(s) left in {path} by an earlier probe that was killed")
     free = shutil.disk_usage(path).free
     info = StorageInfo(path=str(path), fs_type=fs_type, free_gib=round(free / GIB, 2), warnings=warnings,
                        sources={"fs_type": "measured", "free_gib": "measured"})

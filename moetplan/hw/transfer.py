@@ -17,6 +17,7 @@ EXPERT_SIZES_MIB = (4, 8, 16)  # span of routed expert sizes at 2 bits across th
 EXTRA_SIZES_MIB_FULL = (6, 12)
 GROUP = 4  # copies between one pair of events
 BATCH_COUNT, BATCH_MIB = 64, 6  # one decode step's misses fetched together (FACTS.md: 64 x 6 MiB)
+SPIN_CYCLES = 1_000_000  # ~0.5 ms of GPU clock: longer than enqueueing 64 copies from Python
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,12 @@ def _gbps(nbytes: float, seconds: float) -> float:
 
 
 def _event_time(torch: Any, stream: Any, fn: Any) -> float:
-    """Seconds the stream spent on fn()'s work."""
+    """Seconds the stream spent on fn()'s work (call inside `torch.cuda.stream(stream)`)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        # Hold the stream busy while Python enqueues the copies, so launch gaps do not count as link time.
+        sleep(SPIN_CYCLES)
     start.record(stream)
     fn()
     end.record(stream)
@@ -89,6 +94,7 @@ def _pinned(torch: Any, dev: Any, stream: Any, b: TransferBudget, quick: bool) -
     top = max(sizes) * MIB
     src = torch.empty(top, dtype=torch.uint8, pin_memory=True).fill_(1)
     dst = torch.empty(top, dtype=torch.uint8, device=dev)
+    torch.cuda.synchronize(dev)
     per_size: dict[str, float] = {}
     with torch.cuda.stream(stream):
         for mib in sizes:
@@ -125,6 +131,8 @@ def _batched(torch: Any, dev: Any, stream: Any, b: TransferBudget) -> float:
     n = BATCH_MIB * MIB
     src = torch.empty(BATCH_COUNT * n, dtype=torch.uint8, pin_memory=True).fill_(1).view(BATCH_COUNT, n)
     dst = torch.empty(BATCH_COUNT, n, dtype=torch.uint8, device=dev)
+    torch.cuda.synchronize(dev)
+
     def batch() -> None:
         # Reversed slots: like expert-cache slots, these are separate copies, not one contiguous transfer.
         for k in range(BATCH_COUNT):
@@ -141,6 +149,7 @@ def _d2d(torch: Any, dev: Any, stream: Any, b: TransferBudget) -> float:
     n = b.d2d_mib * MIB
     a = torch.ones(n, dtype=torch.uint8, device=dev)
     c = torch.empty_like(a)
+    torch.cuda.synchronize(dev)  # ones() ran on the default stream; ours must not race it
 
     def copies() -> None:
         for _ in range(GROUP):

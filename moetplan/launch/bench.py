@@ -188,7 +188,8 @@ class BenchClient:
             extras = self.send_extras
             res = StreamResult(t_start=time.perf_counter())
             try:
-                async with self._client.stream("POST", path, json=self._body(prompt, max_tokens, ignore_eos, extras)) as resp:
+                body = self._body(prompt, max_tokens, ignore_eos, extras)
+                async with self._client.stream("POST", path, json=body) as resp:
                     if resp.status_code != 200:
                         body = await resp.aread()
                         res.error = _http_error(resp, body)
@@ -324,7 +325,8 @@ async def _server_info(client: BenchClient, want_model: str | None) -> tuple[dic
     try:
         data, headers = await client.get_json("/v1/models")
     except httpx.HTTPStatusError as e:
-        return info, want_model, f"/v1/models answered HTTP {e.response.status_code}; is {client.url} an OpenAI-compatible server?"
+        return info, want_model, (f"/v1/models answered HTTP {e.response.status_code}; "
+                                  f"is {client.url} an OpenAI-compatible server?")
     except (httpx.HTTPError, ValueError) as e:
         return info, want_model, f"/v1/models: {_describe(e, client.url, client.timeout)}"
     cards = [c for c in (data.get("data") or []) if isinstance(c, dict)] if isinstance(data, dict) else []
@@ -425,10 +427,13 @@ class BenchSettings:
 Progress = Callable[[str, int, int], None]  # (step just finished, steps it counts for, total steps) -> None
 
 
+_GRADED = ("PASS", "FAIL")  # probe outcomes a resumed bench keeps; ERROR / SKIP are tried again
 _HEADLINE = ("decode_tok_s", "aggregate_tok_s", "aggregate_concurrency", "prefill_tok_s", "prefill_len", "ttft_ms")
 
 
 class _Bench:
+    """One bench session: the phases, in order, each filling its part of the record (and its errors)."""
+
     def __init__(self, client: BenchClient, s: BenchSettings, record: RunRecord, out: Path | None,
                  plan: Plan | None, progress: Progress) -> None:
         self.c, self.s, self.rec, self.out, self.plan, self.progress = client, s, record, out, plan, progress
@@ -482,6 +487,9 @@ class _Bench:
             self.advance("calibrate", 1)
 
     async def decode(self) -> None:
+        if "decode_tok_s" in self.rec.measured:  # resumed: measured by the earlier run
+            self.advance("decode (kept)", self.s.runs)
+            return
         rates, ttfts, failures = [], [], []
         for i in range(self.s.runs):
             res = await self.words_request(DECODE_PROMPT_TOKENS, self.s.max_tokens)
@@ -496,16 +504,20 @@ class _Bench:
             m["decode_tok_s"] = round(statistics.median(rates), 3)
             m["decode_runs_tok_s"] = [round(r, 3) for r in rates]
             m["ttft_ms"] = round(statistics.median(ttfts), 2)
-            m["ttft_prompt_tokens"] = self.scale.tokens_for("words", self.scale.words_for("words", DECODE_PROMPT_TOKENS))
+            words = self.scale.words_for("words", DECODE_PROMPT_TOKENS)
+            m["ttft_prompt_tokens"] = self.scale.tokens_for("words", words)
         if failures:
             self.error("decode_tok_s", f"{len(failures)}/{self.s.runs} run(s) failed: {failures[0]}")
 
     async def prefill(self) -> None:
         m = self.rec.measured
-        by_len: dict[str, float] = m.setdefault("prefill_by_len", {})
-        ttft_by_len: dict[str, float] = m.setdefault("ttft_ms_by_len", {})
-        actual: dict[str, int] = m.setdefault("prefill_prompt_tokens", {})
+        by_len: dict[str, float] = dict(m.get("prefill_by_len", {}))
+        ttft_by_len: dict[str, float] = dict(m.get("ttft_ms_by_len", {}))
+        actual: dict[str, int] = dict(m.get("prefill_prompt_tokens", {}))
         for n in self.s.prompt_lens:
+            if str(n) in by_len:
+                self.advance(f"prefill {n} (kept)", self.s.runs)
+                continue
             if not self.fits(n, 1):
                 self.error(f"prefill@{n}", f"skipped: exceeds the server's max_model_len {self.max_model_len} "
                                            "(drop it from --prompt-lens or serve a longer context)")
@@ -532,14 +544,18 @@ class _Bench:
             if failures:
                 self.error(f"prefill@{n}", f"{len(failures)}/{self.s.runs} run(s) failed: {failures[0]}")
         if by_len:
+            m.update(prefill_by_len=by_len, ttft_ms_by_len=ttft_by_len, prefill_prompt_tokens=actual)
             top = max(by_len, key=int)
             m["prefill_tok_s"], m["prefill_len"] = by_len[top], int(top)
-        m["prompt_count_source"] = "usage" if self.scale.calibrated else "estimate (words; server sent no usage)"
+            m["prompt_count_source"] = ("usage" if self.scale.calibrated
+                                        else "estimate (words; server sent no usage)")
 
     async def batch(self) -> None:
-        m = self.rec.measured
-        curve: dict[str, float] = m.setdefault("batch_curve", {})
+        curve: dict[str, float] = dict(self.rec.measured.get("batch_curve", {}))
         for conc in self.s.concurrency:
+            if str(conc) in curve:
+                self.advance(f"concurrency {conc} (kept)", 1)
+                continue
             t0 = time.perf_counter()
             results = await asyncio.gather(*(self.words_request(DECODE_PROMPT_TOKENS, self.s.max_tokens)
                                              for _ in range(conc)))
@@ -553,6 +569,8 @@ class _Bench:
                     curve[str(conc)] = round(total / wall, 3)
             self.advance(f"concurrency {conc}", 1)
         if curve:
+            m = self.rec.measured
+            m["batch_curve"] = curve
             want = self.plan.placement.concurrency if self.plan else None
             key = str(want) if want is not None and str(want) in curve else max(curve, key=int)
             m["aggregate_tok_s"], m["aggregate_concurrency"] = curve[key], int(key)
@@ -560,6 +578,9 @@ class _Bench:
     async def needle(self) -> None:
         results: dict[str, str] = self.rec.probes.setdefault("needle", {})
         for n in self.s.needle_lens:
+            if results.get(str(n)) in _GRADED:
+                self.advance(f"needle {n} (kept)", 1)
+                continue
             if not self.fits(n, PROBE_ANSWER_TOKENS):
                 results[str(n)] = "SKIP"
                 self.rec.probes.setdefault("notes", []).append(
@@ -577,6 +598,9 @@ class _Bench:
             self.advance(f"needle {n}", 1)
 
     async def arithmetic(self) -> None:
+        if self.rec.probes.get("arithmetic", {}).get("result") in _GRADED:
+            self.advance("arithmetic (kept)", self.s.arithmetic_n)
+            return
         items = []
         for case in probes.arithmetic_cases(self.rng, self.s.arithmetic_n):
             res = await self.c.stream(case.prompt, PROBE_ANSWER_TOKENS)
@@ -596,6 +620,9 @@ class _Bench:
         }
 
     async def coherence(self) -> None:
+        if self.rec.probes.get("coherence", {}).get("result") in _GRADED:
+            self.advance("coherence (kept)", 1)
+            return
         res = await self.c.stream(probes.COHERENCE_PROMPT, COHERENCE_TOKENS)
         if res.ok:
             self.rec.probes["coherence"] = probes.check_coherence(res.text).as_dict()
@@ -609,9 +636,10 @@ class _Bench:
         # Headline metrics first, in the Prediction's order, so run.json reads like the plan.
         head = [k for k in _HEADLINE if k in m]
         self.rec.measured = m = {**{k: m[k] for k in head}, **{k: v for k, v in m.items() if k not in head}}
-        m["token_count_source"] = ("usage" if self.sources == {"usage"} else
-                                   "chunks (server sent no usage)" if self.sources == {"chunks"} else
-                                   "mixed" if self.sources else "none")
+        if self.sources:
+            m["token_count_source"] = ("usage" if self.sources == {"usage"} else
+                                       "chunks (server sent no usage)" if self.sources == {"chunks"} else
+                                       "mixed (usage on some responses only)")
         if self.chunk_tokens[1]:
             # > 1 means the server streams several tokens per step (speculative decoding / MTP)
             m["tokens_per_chunk"] = round(self.chunk_tokens[0] / self.chunk_tokens[1], 3)
@@ -620,7 +648,9 @@ class _Bench:
             self.rec.server["note"] = self.c.extras_note
 
 
-def _plan_defaults(plan: Plan | None, model: str | None, concurrency: Sequence[int]) -> tuple[str | None, tuple[int, ...]]:
+def _plan_defaults(plan: Plan | None, model: str | None,
+                   concurrency: Sequence[int]) -> tuple[str | None, tuple[int, ...]]:
+    """The plan's served model name and concurrency, unless the user named their own."""
     if plan is None:
         return model, tuple(concurrency)
     model = model or plan.launch.served_model_name
@@ -629,17 +659,24 @@ def _plan_defaults(plan: Plan | None, model: str | None, concurrency: Sequence[i
 
 
 async def _run(url: str, model: str | None, s: BenchSettings, plan: Plan | None, plan_path: str | None,
-               out: Path | None, progress: Progress) -> RunRecord:
+               out: Path | None, progress: Progress, resume: bool = False) -> RunRecord:
     started = time.time()
     rec = RunRecord(plan_path=plan_path, machine=machine_info(), server={"url": url.rstrip("/")})
     if plan is not None:
         rec.placement = plan.placement.model_dump(mode="json")
+    prev = _resumable(out, url, s) if resume else None
+    if prev is not None:
+        rec.measured, rec.probes, rec.runtime = prev.measured, prev.probes, prev.runtime
+        rec.server["resumed_from"] = prev.created_at
     client = BenchClient(url, model, s.timeout, chat=s.chat, max_connections=max(s.concurrency, default=1) + 2)
     try:
         info, model, err = await _server_info(client, model)
         rec.server.update(info)
         rec.model_id = model
         client.model = model
+        if prev is not None and prev.model_id and model and prev.model_id != model:
+            raise UsageError(f"--resume: {out} measured model '{prev.model_id}', the server now serves '{model}'; "
+                             "use another --out or drop --resume")
         if err:
             rec.errors.append(f"server: {err}")
             if out is not None:
@@ -660,6 +697,25 @@ async def _run(url: str, model: str | None, s: BenchSettings, plan: Plan | None,
         return rec
     finally:
         await client.aclose()
+
+
+def _resumable(out: Path | None, url: str, s: BenchSettings) -> RunRecord | None:
+    """The earlier record at `out` to continue, checked to be of the same server and settings."""
+    if out is None:
+        raise UsageError("--resume needs --out (the run record to continue)")
+    if not out.exists():
+        return None  # nothing measured yet: a fresh start
+    try:
+        prev = load_json(RunRecord, out)
+    except SchemaError as e:
+        raise UsageError(f"--resume: {e}; delete it or drop --resume") from None
+    if prev.server.get("url") != url.rstrip("/"):
+        raise UsageError(f"--resume: {out} measured {prev.server.get('url')}, not {url}; use another --out")
+    for key, now in (("max_tokens", s.max_tokens), ("runs", s.runs)):
+        if key in prev.measured and prev.measured[key] != now:
+            raise UsageError(f"--resume: {out} was measured with --{key.replace('_', '-')} {prev.measured[key]}; "
+                             f"pass the same value or drop --resume")
+    return prev
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
@@ -684,12 +740,14 @@ def run_bench(
     probes: bool = True,
     chat: bool = False,
     warmup: int = 1,
+    resume: bool = False,
     progress: Progress | None = None,
 ) -> RunRecord:
     """Measure the server at `url` and return the RunRecord (also written atomically to `out` when given).
 
     Server failures never raise: they land in `record.errors` (per metric / probe) beside what was measured.
-    Bad arguments raise UsageError.
+    Bad arguments raise UsageError. With `resume`, results already in `out` (from an interrupted or partly
+    failed bench of the same server) are kept and only the missing or failed points are measured.
     """
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"--url '{url}' is not an http(s) URL; pass e.g. --url http://127.0.0.1:8000")
@@ -703,7 +761,7 @@ def run_bench(
     model, s.concurrency = _plan_defaults(plan, model, s.concurrency)
     s.validate()
     return asyncio.run(_run(url, model, s, plan, plan_path, Path(out) if out else None,
-                            progress or (lambda _what, _steps, _total: None)))
+                            progress or (lambda _what, _steps, _total: None), resume))
 
 
 def total_steps(s: BenchSettings) -> int:
@@ -738,15 +796,22 @@ def render_run(rec: RunRecord, console: Any) -> None:
     speed.add_column("metric")
     speed.add_column("value", justify="right")
     speed.add_column("note", style="dim")
-    speed.add_row("decode (single stream)", f"{_fmt(m.get('decode_tok_s'))} tok/s",
-                  f"median of {len(m.get('decode_runs_tok_s', []))} run(s), {m.get('max_tokens')} tokens each")
-    speed.add_row("time to first token", f"{_fmt(m.get('ttft_ms'))} ms",
-                  f"prompt of ~{m.get('ttft_prompt_tokens', DECODE_PROMPT_TOKENS)} tokens")
-    speed.add_row("prefill", f"{_fmt(m.get('prefill_tok_s'))} tok/s", f"at {m.get('prefill_len', '—')} prompt tokens")
-    speed.add_row("aggregate decode", f"{_fmt(m.get('aggregate_tok_s'))} tok/s",
-                  f"at concurrency {m.get('aggregate_concurrency', '—')}")
-    speed.add_row("token counts from", str(m.get("token_count_source", "—")),
-                  f"{_fmt(m.get('tokens_per_chunk'), 2)} tokens per chunk")
+    failed = "[red]not measured[/] (see errors below)"
+
+    def row(label: str, key: str, unit: str, note: str) -> None:
+        v = m.get(key)
+        speed.add_row(label, "—" if v is None else f"{_fmt(v)} {unit}", failed if v is None else note)
+
+    row("decode (single stream)", "decode_tok_s", "tok/s",
+        f"median of {len(m.get('decode_runs_tok_s', []))} run(s), {m.get('max_tokens')} tokens each")
+    row("time to first token", "ttft_ms", "ms",
+        f"prompt of ~{m.get('ttft_prompt_tokens', DECODE_PROMPT_TOKENS)} tokens")
+    row("prefill", "prefill_tok_s", "tok/s", f"at {m.get('prefill_len')} prompt tokens")
+    row("aggregate decode", "aggregate_tok_s", "tok/s", f"at concurrency {m.get('aggregate_concurrency')}")
+    if "token_count_source" in m:
+        tpc = m.get("tokens_per_chunk")
+        speed.add_row("token counts from", str(m["token_count_source"]),
+                      f"{_fmt(tpc, 2)} tokens per streamed chunk" if tpc is not None else "")
     console.print(speed)
 
     if m.get("prefill_by_len"):
@@ -795,7 +860,8 @@ def parse_int_list(option: str, text: str) -> tuple[int, ...]:
     try:
         vals = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError:
-        raise UsageError(f"{option} '{text}' is not a comma-separated list of integers; pass e.g. {option} 512,2048") from None
+        raise UsageError(f"{option} '{text}' is not a comma-separated list of integers; "
+                         f"pass e.g. {option} 512,2048") from None
     if any(v < 1 for v in vals):
         raise UsageError(f"{option} '{text}' has a value below 1; use positive integers")
     return vals
@@ -803,29 +869,33 @@ def parse_int_list(option: str, text: str) -> tuple[int, ...]:
 
 def bench_command(
     url: str = typer.Option(..., "--url", help="Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000"),
-    plan: Optional[Path] = typer.Option(None, "--plan", help="plan.json whose placement and concurrency this run measures"),
-    model: Optional[str] = typer.Option(None, "--model", help="Model id to request (default: the plan's, else the first in /v1/models)"),
+    plan: Optional[Path] = typer.Option(None, "--plan",
+                                        help="plan.json whose placement and concurrency this run measures"),
+    model: Optional[str] = typer.Option(None, "--model",
+                                        help="Model id to request (default: the plan's, else the first in /v1/models)"),
     prompt_lens: str = typer.Option("512,2048", "--prompt-lens", help="Prompt lengths (tokens) for prefill tok/s"),
     concurrency: str = typer.Option("1,4,8", "--concurrency", help="Concurrent streams for the batch curve"),
     runs: int = typer.Option(3, "--runs", help="Timed runs per point (median reported)"),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Tokens generated per decode / batch request"),
-    needle_lens: str = typer.Option("1024,4096", "--needle-lens", help="Context lengths for needle retrieval ('' = none)"),
+    needle_lens: str = typer.Option("1024,4096", "--needle-lens",
+                                    help="Context lengths for needle retrieval ('' = none)"),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds without data before a request counts as stalled"),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the run record here (atomically, after every phase)"),
     json_out: bool = typer.Option(False, "--json", help="Print the run record as JSON instead of tables"),
     no_probes: bool = typer.Option(False, "--no-probes", help="Skip the quality probes"),
     chat: bool = typer.Option(False, "--chat", help="Use /v1/chat/completions instead of /v1/completions"),
+    resume: bool = typer.Option(False, "--resume",
+                                help="Keep what --out already holds; measure only what is missing or failed"),
 ) -> None:
     """Measure a served model: decode, prefill, TTFT, batch curve, and quality probes -> run record."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 
-    plan_obj = load_plan(plan) if plan is not None else None
     kwargs = dict(
-        model=model, plan=plan_obj, prompt_lens=parse_int_list("--prompt-lens", prompt_lens),
+        model=model, plan=plan, prompt_lens=parse_int_list("--prompt-lens", prompt_lens),
         concurrency=parse_int_list("--concurrency", concurrency), runs=runs, max_tokens=max_tokens,
         needle_lens=parse_int_list("--needle-lens", needle_lens), timeout=timeout, out=out,
-        probes=not no_probes, chat=chat,
+        probes=not no_probes, chat=chat, resume=resume,
     )
     err = Console(stderr=True)
     with Bar(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -836,10 +906,6 @@ def bench_command(
             bar.update(task, description=what, advance=steps, total=total)
 
         rec = run_bench(url, progress=progress, **kwargs)  # type: ignore[arg-type]
-    if plan is not None:
-        rec.plan_path = str(plan)
-        if out is not None:
-            save_json(rec, out)
     if json_out:
         sys.stdout.write(rec.model_dump_json(indent=2) + "\n")
     else:

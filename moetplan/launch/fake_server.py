@@ -66,6 +66,7 @@ class FakeServerConfig:
     fail_filter: Callable[[dict[str, Any]], bool] | None = None  # which requests the modes apply to
     stall_s: float = 3600.0
     server_header: str = "fake-openai/1.0"
+    metrics_text: str | None = None  # served at GET /metrics (Prometheus text) when set
 
     def __post_init__(self) -> None:
         unknown = set(self.modes) - FAILURE_MODES
@@ -147,6 +148,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, {"object": "list", "data": [card]})
         elif self.path.rstrip("/") == "/version":
             self._send_json(200, {"version": "fake-1.0"})
+        elif self.path.rstrip("/") == "/metrics" and cfg.metrics_text is not None:
+            data = cfg.metrics_text.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         else:
             self._error(404, f"no route {self.path}")
 
@@ -181,7 +189,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(
                 400,
                 f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion).",
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion).",
             )
             return
 
@@ -226,6 +235,7 @@ class _Handler(BaseHTTPRequestHandler):
             if chat:
                 event([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])
             step = max(1, cfg.tokens_per_chunk)
+            t0, emitted = time.perf_counter(), 0
             groups = [tokens[i:i + step] for i in range(0, len(tokens), step)]
             for n, group in enumerate(groups):
                 if n == cfg.fail_after_chunks and modes & {"drop", "stall", "malformed"}:
@@ -238,7 +248,10 @@ class _Handler(BaseHTTPRequestHandler):
                         self.close_connection = True
                         return
                     self._chunk('data: {"choices": [{"index": 0, "text": "oops\n\n')
-                if not self._sleep(len(group) / cfg.decode_tok_s):
+                # Pace against a schedule, not per token, so sleep overshoot does not add up: the stream
+                # keeps `decode_tok_s` on average, which tests of bench's arithmetic rely on.
+                emitted += len(group)
+                if not self._sleep(t0 + emitted / cfg.decode_tok_s - time.perf_counter()):
                     self.close_connection = True
                     return
                 last = n == len(groups) - 1
@@ -258,6 +271,7 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # socketserver's default of 5 drops connects of a concurrency-8 batch (1 s retries)
 
     def __init__(self, config: FakeServerConfig) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)

@@ -25,7 +25,7 @@ from typing import Any
 from moetplan.errors import UnknownNameError
 
 # Bump when the generator changes what it writes, so cached copies are regenerated.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 _SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"]  # ids 0..3, referenced by the configs below
 _VOCAB = 512
@@ -186,6 +186,16 @@ def build_tokenizer(out_dir: Path) -> None:
     fast.save_pretrained(str(out_dir))
 
 
+def _restore_config_keys(path: Path, wanted: dict[str, Any]) -> None:
+    """transformers 5 renames some keys on save (qwen3_moe num_experts -> num_local_experts); official
+    checkpoints carry the original names, which vLLM and config readers look for, so write them back."""
+    data = json.loads(path.read_text())
+    for k, v in wanted.items():
+        if k not in data and k not in ("rope_theta",):
+            data[k] = v
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def _write_checkpoint(tm: TinyModel, out_dir: Path) -> None:
     import torch
     import transformers
@@ -209,6 +219,7 @@ def _write_checkpoint(tm: TinyModel, out_dir: Path) -> None:
                 buf.copy_(torch.randn_like(buf) * 0.05)
     model = model.to(torch.bfloat16)  # a bf16 checkpoint, like the official releases
     model.save_pretrained(str(out_dir))
+    _restore_config_keys(out_dir / "config.json", tm.config)
     build_tokenizer(out_dir)
     (out_dir / "moetplan_tiny.json").write_text(
         json.dumps({"name": tm.name, "generator_version": GENERATOR_VERSION, "seed": tm.seed}, indent=2) + "\n"

@@ -581,7 +581,8 @@ def spec_from_config(path: str | Path) -> ModelSpec:
     dense_gib: float | None = None
     sources = [f"config.json: {cfg_path}"]
 
-    shards, missing = _shard_files(folder)
+    # A loose *.json elsewhere describes no checkpoint: its folder's shards (if any) belong to something else.
+    shards, missing = _shard_files(folder) if cfg_path.name == "config.json" else ([], [])
     if shards and missing:
         sources.append(f"safetensors: {len(missing)} of {len(shards) + len(missing)} shards missing; sizes from "
                        "config formulas")

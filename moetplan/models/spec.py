@@ -1,6 +1,6 @@
 """ModelSpec: the architecture numbers that matter for placement, and the byte footprints they imply.
 
-A ModelSpec comes from hwdb/models/<id>.yaml (moetplan.models.hwdb_models) or from a local config.json /
+A ModelSpec comes from hwdb/models/<id>.yaml (moetplan.hwdb.model_spec) or from a local config.json /
 checkpoint folder (moetplan.models.from_config). Everything byte-sized is derived here, in one place.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ GIB = 1024**3
 EXPERT_FORMAT_BITS: dict[str, float] = {
     "2bit": 2.25,  # codes {-4,-1,+1,+4} + UE8M0 scale per 32
     "fp4": 4.25,  # e2m1 + the same UE8M0 block-32 scales (reserve format, MXFP4)
+    "mxfp4": 4.25,  # checkpoint name for the same bits
     "nvfp4": 4.5,  # e2m1 + e4m3 per 16
     "int4": 4.5,  # int4 group 32 with bf16 scale
     "fp8": 8.0 + 32.0 / (128 * 128),
@@ -81,6 +82,7 @@ class ModelSpec(BaseModel):
     non_routed_params_b: float
     dense_precision: str = "bf16"
     dense_gib_published: float | None = None
+    dense_includes_mtp: bool = Field(False, description="dense_gib_published already counts the MTP layer")
     expert_precision: str = Field("bf16", description="Checkpoint precision of routed experts")
 
     mtp_layers: int = 0
@@ -130,7 +132,12 @@ class ModelSpec(BaseModel):
         return self.dense_bytes() / tp
 
     def mtp_bytes_per_rank(self, tp: int = 1) -> float:
-        return self.mtp_params_b * 1e9 * DENSE_BYTES_PER_PARAM[self.dense_precision] / tp
+        """The MTP layer(s) as our runtime holds them: routed experts at 2-bit, the rest at dense precision."""
+        if self.mtp_layers <= 0 or self.dense_includes_mtp:
+            return 0.0
+        routed = self.mtp_layers * self.n_routed_experts * self.expert_params
+        rest = max(self.mtp_params_b * 1e9 - routed, 0.0)
+        return (rest * DENSE_BYTES_PER_PARAM[self.dense_precision] + routed * EXPERT_FORMAT_BITS["2bit"] / 8) / tp
 
     def kv_dtypes(self) -> list[str]:
         return list(self.kv_bytes_per_token)

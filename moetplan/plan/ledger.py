@@ -65,9 +65,11 @@ def fixed_gpu_items(model: ModelSpec, p: Placement) -> list[LedgerItem]:
     items.append(LedgerItem(name="cuda_graphs_workspace", gib=g["cuda_graphs_workspace_gib"],
                             note="CUDA graphs + workspaces"))
     if p.mtp > 0:
-        # vLLM-Moet's speculation allowance: the MTP layer (its routed experts at 2-bit, ~1.7 GiB for DS4) and
-        # the drafting workspace; the MTP layer's dense part is inside the published dense figure.
-        items.append(LedgerItem(name="speculation", gib=g["speculative_extra_gib"], note="MTP layer + workspace"))
+        # vLLM-Moet's speculation allowance (1.7 GiB) covers the MTP layer with its routed experts at 2-bit for
+        # DS4-sized models; a larger MTP layer (DeepSeek-V3: ~5 GiB) is counted at its real size.
+        mtp = model.mtp_bytes_per_rank(p.tp) / GIB
+        items.append(LedgerItem(name="speculation", gib=max(g["speculative_extra_gib"], mtp),
+                                note=f"MTP layer ({mtp:.1f} GiB, experts at 2-bit) + drafting workspace"))
     items.append(LedgerItem(name="activations", gib=g["activation_bytes_per_context_token"] * p.context / GIB,
                             note="16 KiB x max_model_len"))
     return items

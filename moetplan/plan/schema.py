@@ -15,6 +15,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from moetplan.errors import UsageError
+
 SCHEMA_VERSION = "1.0"
 
 ExpertTier = Literal["resident", "host", "nvme"]
@@ -300,7 +302,7 @@ def save_json(model: BaseModel, path: str | os.PathLike[str]) -> None:
     atomic_write_text(path, model.model_dump_json(indent=2) + "\n")
 
 
-class SchemaError(ValueError):
+class SchemaError(UsageError):
     """A JSON file does not match the schema; message names the file and the field."""
 
 

@@ -30,6 +30,7 @@ from moetplan.plan.schema import (
 
 TIERS = ("resident", "host", "nvme")
 EXTRA_KNOBS = ("gate_tau", "max_num_batched_tokens")
+SWEEP_TOP = 4  # discrete choices whose context range is swept in full
 
 
 @dataclass
@@ -254,22 +255,42 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
         raise InfeasibleError("no GPU in the hardware profile to plan for",
                               ["0 GPUs"], ["plan for a reference box: --box rtx-5090x1", "or --gpus 1xrtx-5090"])
     tiers = [pins["expert_tier"]] if "expert_tier" in pins else list(TIERS)
-    cands: list[Candidate] = []
     problems: dict[str, list[str]] = {}
     ctx_opts = _context_options(model, goals, pins)
+
+    def evaluate(choice: tuple, ctx: int) -> Candidate | None:
+        p, why = size_placement(model, hw, goals, pins, *choice, ctx)
+        if p is None:
+            problems.setdefault(choice[2], []).extend(why)
+            return None
+        return Candidate(p, L.build_ledger(model, hw, p).ledger, predict(model, hw, p, calib))
+
+    # Phase 1: every discrete choice at the smallest context the goals accept.
+    first: list[tuple[tuple, Candidate]] = []
     for tp, pp in _tp_pp_options(model, hw.num_gpus, pins):
         for tier in tiers:
             for kv in _kv_options(model, hw, pins):
                 for mtp in _mtp_options(model, pins):
-                    for ctx in ctx_opts:
-                        p, why = size_placement(model, hw, goals, pins, tp, pp, tier, kv, mtp, ctx)
-                        if p is None:
-                            problems.setdefault(tier, []).extend(why)
-                            break  # larger contexts only need more memory
-                        ledger = L.build_ledger(model, hw, p).ledger
-                        cands.append(Candidate(p, ledger, predict(model, hw, p, calib)))
-    if not cands:
+                    c = evaluate((tp, pp, tier, kv, mtp), ctx_opts[0])
+                    if c is not None:
+                        first.append(((tp, pp, tier, kv, mtp), c))
+    if not first:
         raise _diagnose(model, hw, goals, pins, problems)
+    # Phase 2: longer contexts only for the most promising choices (a context sweep never reorders them by much:
+    # more KV only takes expert cache away), plus the best choice of each KV dtype, which decides context reach.
+    first.sort(key=lambda fc: -fc[1].prediction.decode_tok_s)
+    keep = first[:SWEEP_TOP]
+    for kv in {fc[0][3] for fc in first}:
+        best_kv = next(fc for fc in first if fc[0][3] == kv)
+        if best_kv not in keep:
+            keep.append(best_kv)
+    cands = [c for _, c in first]
+    for choice, _ in keep:
+        for ctx in ctx_opts[1:]:
+            c = evaluate(choice, ctx)
+            if c is None:
+                break  # larger contexts only need more memory
+            cands.append(c)
     return cands
 
 

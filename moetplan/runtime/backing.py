@@ -62,9 +62,34 @@ def pinned_error(nbytes: int, what: str, cause: BaseException | None = None) -> 
     )
 
 
+# Registered (page-locked) anonymous mappings by base address -> (mapping, bytes); unregistered by `unpin`.
+_REGISTERED: dict[int, tuple[mmap.mmap, int]] = {}
+
+
 def _pin_alloc(nbytes: int) -> torch.Tensor:
-    """Page-locked host buffer (cudaHostAlloc through torch); page aligned. Tests monkeypatch this."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    """Exactly `nbytes` of page-locked, page-aligned host memory: an anonymous mapping registered with CUDA.
+
+    Not torch.empty(pin_memory=True): torch's caching host allocator rounds every pinned block up to a power of
+    two, so a 73 GiB host store would try to lock 128 GiB. Tests monkeypatch this function.
+    """
+    mm = mmap.mmap(-1, nbytes)
+    t = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1 = cudaHostRegisterPortable
+    if rc != 0:
+        raise RuntimeError(f"cudaHostRegister failed with cudaError {rc}")
+    _REGISTERED[t.data_ptr()] = (mm, nbytes)
+    return t
+
+
+def unpin(buf: torch.Tensor | None) -> None:
+    """Unregister a buffer from `host_buffer(pin=True)` (the memory itself goes when its last view does)."""
+    if buf is None or buf.data_ptr() not in _REGISTERED:
+        return
+    _REGISTERED.pop(buf.data_ptr())
+    try:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    except Exception:  # pragma: no cover - best effort at shutdown
+        pass
 
 
 def host_buffer(rows: int, stride: int, *, pin: bool, what: str) -> torch.Tensor:
@@ -78,7 +103,7 @@ def host_buffer(rows: int, stride: int, *, pin: bool, what: str) -> torch.Tensor
             buf = _pin_alloc(nbytes)
         except (RuntimeError, OSError, MemoryError) as e:
             raise pinned_error(nbytes, what, e) from e
-        if buf.data_ptr() % _PAGE:  # cudaHostAlloc returns page-aligned memory; guard against surprises
+        if buf.data_ptr() % _PAGE:  # mappings are page aligned; a monkeypatched or future allocator may not be
             raise pinned_error(nbytes, what, RuntimeError("pinned buffer is not page aligned"))
     else:
         # An anonymous mapping is page aligned, unlike torch.empty (64-byte aligned).
@@ -343,6 +368,9 @@ class PinnedHostStore(BackingStore):
     def _row(self, layer: int, expert: int) -> int:
         return layer * self.num_experts + expert
 
+    def close(self) -> None:
+        unpin(self.rows)
+
     def fetch(self, keys: Sequence[Key]) -> Fetched:
         self._check(keys)
         views = [self.rows[self._row(l, e)] for l, e in keys]
@@ -368,6 +396,7 @@ class PackPageCacheStore(BackingStore):
         self._fence = None
         n = len(keys)
         if n > self._staging.shape[0]:
+            unpin(self._staging)
             self._staging = host_buffer(max(n, 2 * self._staging.shape[0]), self.stride, pin=self.pinned,
                                         what="page-cache staging buffer")
         order = sorted(range(n), key=lambda i: self.source.row_index(*keys[i]))
@@ -385,6 +414,10 @@ class PackPageCacheStore(BackingStore):
 
     def release(self, fence: Any = None) -> None:
         self._fence = fence
+
+    def close(self) -> None:
+        _wait(self._fence)
+        unpin(self._staging)
 
 
 class PackArenaStore(BackingStore):
@@ -413,7 +446,8 @@ class PackArenaStore(BackingStore):
         self._score = np.zeros(self.arena_rows, dtype=np.float64)  # decayed frequency of the slot's row
         self._inc, self._decay = 1.0, float(decay)
         self._free = list(range(self.arena_rows - 1, -1, -1))
-        self._busy: set[int] = set()  # slots handed out in the current fetch (not evictable)
+        self._occ = np.zeros(self.arena_rows, dtype=bool)  # slot holds a row
+        self._busy = np.zeros(self.arena_rows, dtype=bool)  # slot handed out by the current fetch: not evictable
         self._fence: Any = None
         if o_direct:  # open the O_DIRECT descriptor now, not racily from several reader threads
             self.source.read_rows([], self.arena[:1], o_direct=True)
@@ -432,18 +466,19 @@ class PackArenaStore(BackingStore):
         while self._free and len(out) < n:
             out.append(self._free.pop())
         if len(out) < n:
-            cand = np.array([s for s in range(self.arena_rows) if s not in self._busy and self._key_of[s] is not None],
-                            dtype=np.int64)
+            cand = np.flatnonzero(self._occ & ~self._busy)
             if len(cand) < n - len(out):
+                self._free.extend(reversed(out))
                 raise MoetplanError(
                     f"the RAM arena ({self.arena_rows} rows) is smaller than one batch of misses "
-                    f"({n + len(self._busy)} rows); raise host_arena_gib in the plan"
+                    f"({n + int(self._busy.sum())} rows); raise host_arena_gib in the plan"
                 )
             k = n - len(out)
             pick = cand[np.argpartition(self._score[cand], k - 1)[:k]] if k < len(cand) else cand
             for s in pick.tolist():
                 del self._slot_of[self._key_of[s]]  # type: ignore[arg-type]
                 self._key_of[s] = None
+                self._occ[s] = False
                 self._score[s] = 0.0
                 out.append(s)
         return out
@@ -452,19 +487,19 @@ class PackArenaStore(BackingStore):
         self._check(keys)
         _wait(self._fence)  # arena slots about to be overwritten may still feed the last batch's copies
         self._fence = None
-        self._busy = set()
+        self._busy[:] = False
         self._tick()
         uniq = list(dict.fromkeys(keys))
         hits = [k for k in uniq if k in self._slot_of]
         for k in hits:
-            self._busy.add(self._slot_of[k])
+            self._busy[self._slot_of[k]] = True
         miss = [k for k in uniq if k not in self._slot_of]
         dt = 0.0
         if miss:
             slots = self._victims(len(miss))
             for k, s in zip(miss, slots):
                 self._slot_of[k], self._key_of[s] = s, k
-                self._busy.add(s)
+                self._occ[s] = self._busy[s] = True
             t0 = time.perf_counter()
             self._read(miss, slots)
             dt = time.perf_counter() - t0
@@ -478,7 +513,7 @@ class PackArenaStore(BackingStore):
 
     def _read(self, keys: list[Key], slots: list[int]) -> None:
         jobs = sorted(zip((self.source.row_index(*k) for k in keys), slots))
-        # Split the sorted rows into contiguous shares, one per reader (large sequential-ish reads per thread).
+        # Deal the sorted rows round-robin: the readers then work on neighbouring rows at once (one row per preadv).
         shares = [jobs[i:: self.readers] for i in range(self.readers)] if len(jobs) >= self.readers else [[j] for j in jobs]
 
         def work(share: list[tuple[int, int]]) -> None:
@@ -493,19 +528,22 @@ class PackArenaStore(BackingStore):
                 s = self._slot_of.pop(k, None)
                 if s is not None:
                     self._key_of[s] = None
+                    self._occ[s] = self._busy[s] = False
                     self._score[s] = 0.0
                     self._free.append(s)
             raise
 
     def release(self, fence: Any = None) -> None:
         self._fence = fence
-        self._busy = set()
+        self._busy[:] = False
 
     def resident(self) -> set[Key]:
         return set(self._slot_of)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        _wait(self._fence)
+        unpin(self.arena)
 
 
 def make_backing(kind: str, source: Any, *, arena_rows: int = 0, pin: bool | None = None, readers: int = 4,
@@ -523,7 +561,7 @@ def make_backing(kind: str, source: Any, *, arena_rows: int = 0, pin: bool | Non
 __all__ = [
     "ArrayRowSource", "BackingStats", "BackingStore", "Fetched", "FileRowSource", "Key", "PackArenaStore",
     "PackPageCacheStore", "PinnedHostStore", "PinnedMemoryError", "RowSource", "as_row_source", "host_buffer",
-    "make_backing", "pinned_error", "row_checksum_ok", "source_identity",
+    "make_backing", "pinned_error", "row_checksum_ok", "source_identity", "unpin",
 ]
 
 

@@ -159,17 +159,18 @@ class CheckpointExperts:
         parts = self.refs[(layer, expert, proj)].parts
         wname = parts.get("weight") or parts.get("blocks")
         dt, shp = self.dtypes[wname], self.shapes[wname]
-        sname = parts.get("weight_scale_inv") or parts.get("weight_scale") or parts.get("scales")
+        sname = _scale_name(parts)
         if dt in _FLOAT and sname is None:
             return "plain", (shp[0], shp[1])
         if dt == "F8_E4M3" and sname is not None:
             return "fp8", (shp[0], shp[1])
-        if dt in ("U8", "I8") and sname is not None:
+        if dt in ("U8", "I8", "F4") and sname is not None:
             sdt = self.dtypes[sname]
-            k = shp[1] * 2 if len(shp) == 2 else shp[1] * shp[2] * 2
+            # packed bytes hold 2 weights; an F4 header already counts 4-bit elements
+            k = (shp[1] if len(shp) == 2 else shp[1] * shp[2]) * (1 if dt == "F4" else 2)
             if sdt == "F8_E4M3" and "weight_scale_2" in parts:
                 return "nvfp4", (shp[0], k)
-            if sdt in ("U8", "I8"):
+            if sdt in ("U8", "I8", "F8_E8M0"):
                 return "mxfp4", (shp[0], k)
         raise ConfigError(
             f"{self.root}: cannot tell the format of {wname} (dtype {dt}, parts {sorted(parts)}); supported: "
@@ -193,10 +194,10 @@ class CheckpointExperts:
             raise ConfigError(f"{self.root}: layer {li} expert {expert} {proj} is {kind}, others are {self.kind}")
         ref = self.refs[(li, expert, proj)].parts
         wname = ref.get("weight") or ref["blocks"]
-        parts = {"weight": self._tensor(wname)}
-        sname = ref.get("weight_scale_inv") or ref.get("weight_scale") or ref.get("scales")
+        parts = {"weight": _raw(self._tensor(wname))}
+        sname = _scale_name(ref)
         if sname:
-            parts["scale"] = self._tensor(sname)
+            parts["scale"] = _raw(self._tensor(sname))
         if "weight_scale_2" in ref:
             parts["scale_2"] = self._tensor(ref["weight_scale_2"])
         return SourceTensor(kind, wname, shape, parts)
@@ -215,11 +216,25 @@ class CheckpointExperts:
                 n = 1
                 for d in self.shapes[name]:
                     n *= d
-                total += n * _DTYPE_BYTES.get(self.dtypes[name], 1)
+                total += int(n * _DTYPE_BYTES.get(self.dtypes[name], 1))
         return total
 
     def close(self) -> None:
         self._handles.clear()
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1}
+def _scale_name(parts: dict[str, str]) -> str | None:
+    for p in ("weight_scale_inv", "weight_scale", "scales", "scale"):
+        if p in parts:
+            return parts[p]
+    return None
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 and UE8M0 tensors as their bytes; e4m3 / float tensors unchanged."""
+    if t.dtype in (getattr(torch, "float4_e2m1fn_x2", None), getattr(torch, "float8_e8m0fnu", None), torch.int8):
+        return t.view(torch.uint8)
+    return t
+
+
+_DTYPE_BYTES = {"F4": 0.5, "F8_E8M0": 1, "F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1}

@@ -162,14 +162,36 @@ def build_run_record(
 
 
 class RecordWriter:
-    """Writes the run record at most every `interval_s` (checked from the MoE hot path) and at exit."""
+    """Writes the run record at most every `interval_s` (checked from the MoE hot path), from a background
+    flusher when counters changed (the last requests before a stop must reach the file: vLLM workers are
+    terminated without running exit hooks), and at exit where exit hooks do run."""
 
-    def __init__(self, path: str | os.PathLike[str], make_record: Callable[[], RunRecord], interval_s: float = 2.0):
+    def __init__(self, path: str | os.PathLike[str], make_record: Callable[[], RunRecord], interval_s: float = 2.0,
+                 version: Callable[[], Any] | None = None):
         self.path = Path(path)
         self.make_record = make_record
         self.interval_s = interval_s
+        self.version = version
+        self._written_version: Any = None
         self._next = 0.0
         self._lock = threading.Lock()
+        self._flusher: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start_flusher(self, period_s: float = 1.0) -> None:
+        if self._flusher is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(period_s):
+                if self.version is None or self.version() != self._written_version:
+                    self.write()
+
+        self._flusher = threading.Thread(target=loop, name="moetplan-run-record", daemon=True)
+        self._flusher.start()
+
+    def stop_flusher(self) -> None:
+        self._stop.set()
 
     def maybe_write(self) -> bool:
         now = time.monotonic()
@@ -182,7 +204,9 @@ class RecordWriter:
             return False
         try:
             self._next = (now if now is not None else time.monotonic()) + self.interval_s
+            ver = self.version() if self.version is not None else None
             save_json(self.make_record(), self.path)
+            self._written_version = ver
             return True
         except OSError:
             # A full disk or a vanished folder must not take the server down; the next write retries.

@@ -68,7 +68,7 @@ def dequantize_fp8(weight, scale, name: str = "weight") -> torch.Tensor:
         raise ConfigError(f"{name}: FP8 weight holds NaN codes; the checkpoint is corrupt")
     n, k = b.shape
     w = b.view(torch.float8_e4m3fn).to(torch.float64)
-    return w * _expand_fp8_scale(_as_torch(scale), n, k, name)
+    return w * _expand_fp8_scale(_as_torch(scale).to(b.device), n, k, name)
 
 
 def e4m3_value_reference(byte: int) -> float:
@@ -111,9 +111,9 @@ def dequantize_nvfp4(packed, block_scale, scale_2, name: str = "weight") -> torc
         raise ConfigError(f"{name}: NVFP4 weight_scale shape {tuple(bs.shape)}, expected [{n}, {k // NVFP4_BLOCK}]")
     if bool(((bs == _E4M3_NAN[0]) | (bs == _E4M3_NAN[1])).any()):
         raise ConfigError(f"{name}: NVFP4 block scale holds NaN codes; the checkpoint is corrupt")
-    vals = e2m1_values(torch.float64)[_unpack_nibbles(p).long()]
+    vals = e2m1_values(torch.float64, p.device)[_unpack_nibbles(p).long()]
     s = bs.view(torch.float8_e4m3fn).to(torch.float64).repeat_interleave(NVFP4_BLOCK, 1)
-    s2 = _as_torch(scale_2).to(torch.float64).reshape(-1)
+    s2 = _as_torch(scale_2).to(device=p.device, dtype=torch.float64).reshape(-1)
     if s2.numel() != 1:
         raise ConfigError(f"{name}: NVFP4 weight_scale_2 must be one value, got shape {tuple(s2.shape)}")
     return vals * s * s2[0]
@@ -155,8 +155,8 @@ def dequantize_mxfp4(packed, scales, name: str = "weight") -> torch.Tensor:
     """e2m1 packed [N, K/2] x UE8M0 [N, K/32] -> float64 [N, K] (float64: 6 * 2^127 overflows float32)."""
     p, s = _as_bytes(packed), _as_bytes(scales)
     n, k = _check_mx(p, s, name)
-    vals = e2m1_values(torch.float64)[_unpack_nibbles(p.reshape(n, k // 2)).long()]
-    pw = torch.tensor([math.ldexp(1.0, b - 127) for b in range(255)], dtype=torch.float64)
+    vals = e2m1_values(torch.float64, p.device)[_unpack_nibbles(p.reshape(n, k // 2)).long()]
+    pw = torch.tensor([math.ldexp(1.0, b - 127) for b in range(255)], dtype=torch.float64, device=p.device)
     return vals * pw[s.long()].repeat_interleave(BLOCK, 1)
 
 
@@ -185,15 +185,17 @@ def mxfp4_to_2bit(packed, scales, zero_mode: ZeroMode = "auto", return_zero_mode
     p, s = _as_bytes(packed), _as_bytes(scales)
     n, k = _check_mx(p, s, name)
     nib = _unpack_nibbles(p.reshape(n, k // 2))
-    codes = _NIB_TO_CODE[nib.long()]
+    codes = _NIB_TO_CODE.to(nib.device)[nib.long()]
     zero = (nib & 7) == 0
     nz = int(zero.sum())
+    if zero_mode not in ("auto", "signed", "balanced"):
+        raise ConfigError(f"Unknown zero mode '{zero_mode}'; use auto, signed or balanced")
     mode = zero_mode
     if zero_mode == "auto":
         neg = int((zero & (nib >= 8)).sum())
         mode = "balanced" if nz and max(neg, nz - neg) > 0.95 * nz else "signed"
     if mode == "balanced":
-        odd = (torch.arange(n * k, dtype=torch.int64) & 1).to(torch.uint8).reshape(n, k)
+        odd = (torch.arange(n * k, dtype=torch.int64, device=nib.device) & 1).to(torch.uint8).reshape(n, k)
         codes = torch.where(zero, odd << 1, codes)
     out = (_pack_crumbs(codes), s.clone())
     return (*out, mode) if return_zero_mode else out

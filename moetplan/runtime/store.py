@@ -171,7 +171,7 @@ class ExpertStore:
 
     def __init__(self, backing: BackingStore, slots: int, *, device: str | torch.device = "cpu",
                  decay: float = 0.95, prefill_tokens: int = 256, protected_share: float = 0.8,
-                 kpi_every_steps: int = 0, kpi_every_s: float = 0.0, name: str = "experts"):
+                 kpi_every_steps: int = 0, kpi_every_s: float = 60.0, name: str = "experts"):
         if not 0.0 < decay <= 1.0:
             raise UsageError(f"decay must be in (0, 1], got {decay}")
         if not 0.0 <= protected_share < 1.0:
@@ -253,15 +253,27 @@ class ExpertStore:
     def _ids(self, expert_ids: Any) -> tuple[np.ndarray, int]:
         if isinstance(expert_ids, torch.Tensor):
             tokens = int(expert_ids.shape[0]) if expert_ids.dim() >= 2 else int(expert_ids.numel())
-            ids = expert_ids.detach().reshape(-1).to("cpu", torch.int64).numpy()
+            ids = expert_ids.detach().reshape(-1).cpu().numpy()
         else:
             arr = np.asarray(expert_ids)
             tokens = int(arr.shape[0]) if arr.ndim >= 2 else int(arr.size)
-            ids = arr.reshape(-1).astype(np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
-            bad = int(ids[(ids < 0) | (ids >= self.num_experts)][0])
-            raise UsageError(f"expert id {bad} is outside 0..{self.num_experts - 1}; the router and the pack disagree")
+            ids = arr.reshape(-1)
+        if ids.dtype.kind not in "iu":
+            raise UsageError(f"expert ids must be integers, got {ids.dtype}")
         return ids, tokens
+
+    def _count(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """-> (unique experts, routings per expert). bincount: a few us, where np.unique sorts."""
+        try:
+            counts = np.bincount(ids, minlength=self.num_experts)
+        except (ValueError, TypeError):  # negative ids (bincount refuses them) or a dtype it cannot take
+            raise UsageError(f"expert id {int(ids.min())} is outside 0..{self.num_experts - 1}; the router and the "
+                             "pack disagree") from None
+        if len(counts) > self.num_experts:
+            raise UsageError(f"expert id {len(counts) - 1} is outside 0..{self.num_experts - 1}; the router and the "
+                             "pack disagree")
+        uniq = np.flatnonzero(counts)
+        return uniq, counts[uniq]
 
     def _is_prefill(self, tokens: int, prefill: bool | None) -> bool:
         return bool(prefill) if prefill is not None else tokens > self.prefill_tokens
@@ -277,7 +289,7 @@ class ExpertStore:
         ids, tokens = self._ids(expert_ids)
         is_prefill = self._is_prefill(num_tokens if num_tokens is not None else tokens, prefill)
         self._enter(layer, is_prefill)
-        uniq, counts = np.unique(ids, return_counts=True)
+        uniq, counts = self._count(ids)
         if is_prefill:
             self._call_pins = set()
         self._make_resident(layer, uniq, counts, is_prefill)
@@ -294,17 +306,17 @@ class ExpertStore:
         ids, tokens = self._ids(expert_ids)
         is_prefill = self._is_prefill(num_tokens if num_tokens is not None else tokens, prefill)
         self._enter(layer, is_prefill)
-        uniq, counts = np.unique(ids, return_counts=True)
+        uniq, counts = self._count(ids)
         shape = tuple(expert_ids.shape) if hasattr(expert_ids, "shape") else np.asarray(expert_ids).shape
         # Resident experts first (they cost nothing), then the missing ones, as many as fit per chunk.
-        resident = self.pool.res[layer, uniq] >= 0
+        resident = self.pool.res[layer][uniq] >= 0
         order = np.concatenate([np.nonzero(resident)[0], np.nonzero(~resident)[0]])
         uniq, counts = uniq[order], counts[order]
         start = 0
         while start < len(uniq):
             if is_prefill:
                 self._call_pins = set()
-            rest_slots = self.pool.res[layer, uniq[start:]]
+            rest_slots = self.pool.res[layer][uniq[start:]]
             rest_slots = rest_slots[rest_slots >= 0]
             n_res = len(rest_slots)
             # Rows of this chunk that are already resident get pinned, so they are no room for the others.
@@ -316,7 +328,7 @@ class ExpertStore:
             self._make_resident(layer, part, pc, is_prefill)
             self.pool.publish()
             in_chunk = np.isin(ids, part)
-            slots = np.where(in_chunk, self.pool.res[layer, ids], -1).astype(np.int32)
+            slots = np.where(in_chunk, self.pool.res[layer][ids], -1).astype(np.int32)
             yield (torch.from_numpy(in_chunk.reshape(shape)).to(self.device),
                    torch.from_numpy(slots.reshape(shape)).to(self.device))
             start += take
@@ -329,11 +341,11 @@ class ExpertStore:
         ids, _ = self._ids(expert_ids)
         if not 0 <= layer < self.num_layers:
             raise UsageError(f"layer {layer} is outside 0..{self.num_layers - 1} (MoE layers of the pack)")
-        uniq = np.unique(ids)
-        missing = uniq[self.pool.res[layer, uniq] < 0]
+        uniq, _ = self._count(ids)
+        missing = uniq[self.pool.res[layer][uniq] < 0]
         if not len(missing):
             return 0
-        missing = missing[np.argsort(-self.score[layer, missing], kind="stable")]  # hottest first
+        missing = missing[np.argsort(-self.score[layer][missing], kind="stable")]  # hottest first
         slots = self.pool.take_free(len(missing))
         rest = missing[len(slots):]
         if len(rest):
@@ -360,7 +372,7 @@ class ExpertStore:
         if isinstance(expert_ids, torch.Tensor) and expert_ids.device == self.device and self._cuda:
             return self.pool.residency[layer].index_select(0, expert_ids.reshape(-1).long()).view(expert_ids.shape)
         shape = tuple(expert_ids.shape) if hasattr(expert_ids, "shape") else np.asarray(expert_ids).shape
-        out = torch.from_numpy(self.pool.res[layer, ids].reshape(shape).copy())
+        out = torch.from_numpy(self.pool.res[layer][ids].reshape(shape).copy())
         return out.to(self.device, non_blocking=True) if self._cuda else out
 
     def _pinned_mask(self) -> np.ndarray:
@@ -406,23 +418,34 @@ class ExpertStore:
 
     def _make_resident(self, layer: int, uniq: np.ndarray, counts: np.ndarray, is_prefill: bool) -> None:
         c = self.prefill if is_prefill else self.decode
-        slots = self.pool.res[layer, uniq]
+        slots = self.pool.res[layer][uniq]  # row view first: 1-D fancy indexing is the cheap kind
+        total = int(counts.sum())
+        if len(slots) and slots.min() >= 0:  # all hits: the common decode case, kept short
+            c.calls += 1
+            c.routings += total
+            c.routing_hits += total
+            if not is_prefill:
+                self.score[layer][uniq] += self._inc * counts
+                self._pin_step[slots] = self._step_id
+            else:
+                self._call_pins.update(slots.tolist())
+            self._last_use[slots] = self._step_id
+            return
         hit = slots >= 0
-        c.calls += 1
-        c.routings += int(counts.sum())
-        c.routing_hits += int(counts[hit].sum())
         missing = uniq[~hit]
+        self._pin(slots[hit], is_prefill)  # what this call already has cannot be chosen as a victim
+        targets = self._choose_slots(layer, len(missing), is_prefill)  # may raise: nothing counted yet
+        c.calls += 1
+        c.routings += total
+        c.routing_hits += int(counts[hit].sum())
         if not is_prefill:  # prefill feeds no decode heat: a long prompt must not look hot
-            self.score[layer, uniq] += self._inc * counts
-        # Pin what this call already has, so choosing victims cannot take it.
-        self._pin(slots[hit], is_prefill)
+            self.score[layer][uniq] += self._inc * counts
         if len(missing):
             c.misses += len(missing)
             self._step_missed = True
-            targets = self._choose_slots(layer, len(missing), is_prefill)
             self._fetch_into(layer, missing, targets)
             self._pin(np.asarray(targets, dtype=np.int64), is_prefill)
-        self._last_use[self.pool.res[layer, uniq]] = self._step_id
+        self._last_use[self.pool.res[layer][uniq]] = self._step_id
 
     def _pin(self, slots: np.ndarray, is_prefill: bool) -> None:
         if is_prefill:

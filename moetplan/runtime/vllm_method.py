@@ -150,7 +150,7 @@ def _store_kpis() -> dict[str, Any]:
         # Every routed expert is in the device pool: every routing is a hit, no step waits on a fetch.
         out.update(token_hit_rate=1.0, misses_per_step=0.0, zero_miss_step_share=1.0)
         return out
-    store = next((st.store for st in _LAYERS.values() if st.store is not None), None)
+    store = _TIERED.store if _TIERED is not None else None
     if store is not None:
         kp = getattr(store, "kpis", None) or getattr(store, "stats", None)
         try:
@@ -182,7 +182,10 @@ def writer() -> records.RecordWriter | None:
     s = _SETTINGS
     if _WRITER is None and s is not None and s.plan_path:
         path = os.environ.get("MOETPLAN_RUN_RECORD") or str(records.run_record_path(s.plan_path, _tp_rank()))
-        _WRITER = records.RecordWriter(path, _make_record, s.record_interval_s)
+        st = stats()
+        _WRITER = records.RecordWriter(path, _make_record, s.record_interval_s,
+                                       version=lambda: (st.moe_calls, st.warmup_calls, st.layers))
+        _WRITER.start_flusher()
         atexit.register(_WRITER.write)
     return _WRITER
 
@@ -252,41 +255,42 @@ class LayerState:
         return self._forward_2bit(x, topk_weights, topk_ids)
 
     def _forward_2bit(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        pool, slot_of = self.rows, self.slot_of
-        if self.store is not None:
-            pool, slot_of = _store_ensure(self.store, self.moe_index, topk_ids)
-        assert pool is not None and slot_of is not None
-        ops = _ops()
-        if ops is not None:
-            return ops.moe_forward(
-                x, topk_ids, topk_weights, pool, slot_of, self.layout, swiglu_limit=self.swiglu_limit
-            )
-        from moetplan.runtime.format import unpack_expert_row
+        from moetplan.runtime.ops import moe_forward
 
-        layout = self.layout
-
-        def weights(e: int):
-            return unpack_expert_row(pool[int(slot_of[e])], layout, torch.float32)
-
-        return moe_reference(x, topk_weights, topk_ids, weights, self.swiglu_limit)
+        if self.store is None:
+            return moe_forward(x, topk_ids, topk_weights, self.rows, self.slot_of, self.layout,
+                               swiglu_limit=self.swiglu_limit)
+        return _store_forward(self, x, topk_weights, topk_ids)
 
 
-def _ops():
-    """moetplan.runtime.ops when it provides moe_forward (CUDA kernels or its torch reference), else None."""
+def _store_forward(st: LayerState, x: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """Tiered experts: make this layer's routed experts resident in the slot pool, then compute from it.
+
+    A call that needs more rows than the cache may hold (a long prefill) is computed in chunks: each chunk's
+    experts are resident while it is computed, the other pairs count with weight 0 (routed to a resident
+    expert so the op reads valid rows).
+    """
+    from moetplan.runtime.ops import moe_forward
+    from moetplan.runtime.store import StoreCapacityError
+
+    store = st.store.get()
+    layer = st.moe_index
     try:
-        from moetplan.runtime import ops  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return ops if hasattr(ops, "moe_forward") else None
-
-
-def _store_ensure(store: Any, moe_index: int, topk_ids: torch.Tensor):
-    """Ask the tiered store for this layer's routed experts; returns (pool, slot_of)."""
-    ids = torch.unique(topk_ids.reshape(-1))
-    res = store.ensure(moe_index, ids)
-    if isinstance(res, tuple):
-        return res[0], res[1]
-    return store.pool, res
+        store.ensure(layer, topk_ids)
+        return moe_forward(x, topk_ids, topk_weights, store.data, store.residency[layer], st.layout,
+                           swiglu_limit=st.swiglu_limit)
+    except StoreCapacityError:
+        pass
+    out = torch.zeros_like(x)
+    for mask, _slots in store.ensure_chunks(layer, topk_ids):
+        mask = mask.to(topk_ids.device)
+        stand_in = topk_ids[mask][0]
+        ids = torch.where(mask, topk_ids, stand_in)
+        wts = torch.where(mask, topk_weights, torch.zeros_like(topk_weights))
+        out += moe_forward(x, ids, wts, store.data, store.residency[layer], st.layout,
+                           swiglu_limit=st.swiglu_limit)
+    return out
 
 
 _LAYERS: dict[int, LayerState] = {}
@@ -560,10 +564,135 @@ def register_method() -> type:
     return MoetplanConfig
 
 
-def _attach_store(st: LayerState, rows: torch.Tensor, s: RuntimeSettings) -> Any:
-    """Hand a layer's rows to the tiered store (host / nvme tiers)."""
-    raise ConfigError(
-        f"expert_tier '{s.expert_tier}' needs moetplan.runtime.store, which this build does not provide yet; "
-        "plan with expert_tier=resident (`--set expert_tier=resident`)"
-    )
+def _attach_store(st: LayerState, rows: torch.Tensor, s: RuntimeSettings) -> "TieredExperts":
+    """Hand a layer's rows to the process's tiered store (built once every MoE layer has loaded)."""
+    global _TIERED
+    if _TIERED is None:
+        _TIERED = TieredExperts(s)
+    _TIERED.add(st.moe_index, rows, st.layout)
+    return _TIERED
 
+
+class TieredExperts:
+    """The expert store behind every MoE layer of this worker when experts are not resident.
+
+    vLLM processes layers one at a time, but the store's backing (pinned host copy, or the pack file) covers all
+    MoE layers, so rows are collected at load and the store is built at the first forward.
+    """
+
+    def __init__(self, s: RuntimeSettings):
+        self.s = s
+        self.rows: dict[int, torch.Tensor] = {}
+        self.layout: Any = None
+        self.store: Any = None
+        self.pack_path: str | None = None
+
+    def add(self, moe_index: int, rows: torch.Tensor, layout: Any) -> None:
+        self.rows[moe_index] = rows
+        self.layout = layout
+
+    def get(self) -> Any:
+        if self.store is None:
+            self.store = self._build()
+        return self.store
+
+    def _build(self) -> Any:
+        import numpy as np
+
+        from moetplan.runtime.backing import ArrayRowSource, PackArenaStore, PinnedHostStore
+        from moetplan.runtime.store import ExpertStore
+
+        L = len(self.rows)
+        if sorted(self.rows) != list(range(L)):
+            raise ConfigError(f"MoE layers {sorted(self.rows)} did not all load; cannot build the expert store")
+        E, stride = self.rows[0].shape
+        s = self.s
+        if s.cache_slots <= 0:
+            raise ConfigError(
+                f"expert_tier '{s.expert_tier}' needs gpu_expert_cache_slots > 0 in the plan; re-plan "
+                "(`moetplan plan`) or pin a cache size (--set gpu_expert_cache_gib=...)"
+            )
+        data = np.concatenate([self.rows[i].numpy() for i in range(L)])
+        if s.expert_tier == "host":
+            backing = PinnedHostStore(ArrayRowSource(data, L, E))
+        else:
+            pack = _write_and_open_pack(data, L, E, self.layout, s)
+            self.pack_path = str(pack.path)
+            arena = int(s.host_arena_gib * 2**30 // stride)
+            backing = PackArenaStore(pack, max(1, arena))
+        self.rows.clear()  # the backing holds its own copy
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        store = ExpertStore(backing, s.cache_slots, device=device, prefill_tokens=s.decode_batch_tokens)
+        log.info("moetplan: store %s tier=%s slots=%d layers=%d experts=%d", type(backing).__name__,
+                 s.expert_tier, s.cache_slots, L, E)
+        return store
+
+
+_TIERED: TieredExperts | None = None
+
+
+def _model_dir() -> str | None:
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return get_current_vllm_config().model_config.model
+    except Exception:
+        return None
+
+
+def _pack_identity() -> tuple[str, str]:
+    """(model key, identity) of the checkpoint being served, for pack file names and staleness checks."""
+    from moetplan.runtime.packs import checkpoint_identity, model_key_for
+
+    model = _model_dir() or "model"
+    if os.path.isdir(model):
+        return model_key_for(model), checkpoint_identity(model)
+    return model_key_for(model), f"hub:{model}"
+
+
+def _pack_dir(s: RuntimeSettings) -> str:
+    if not s.pack_dir:
+        raise ConfigError("expert_tier 'nvme' needs placement.pack_dir in the plan; plan with --pack-dir DIR")
+    return s.pack_dir
+
+
+def open_valid_pack(s: RuntimeSettings, layout: Any, num_experts: int) -> Any:
+    """The finished pack of this checkpoint / TP rank / layout in the plan's pack_dir, or None (reason logged)."""
+    if not s.pack_dir or not os.path.isdir(s.pack_dir):
+        return None
+    from moetplan.runtime.packs import Pack, StalePackError
+
+    key, ident = _pack_identity()
+    try:
+        pack = Pack.open(s.pack_dir, model_key=key, tp=layout.tp, tp_rank=_tp_rank(), fmt="2bit",
+                         expect_identity=ident, expect_layout=layout)
+    except (StalePackError, ConfigError) as e:
+        log.info("moetplan: pack not used (%s); quantizing at load", e)
+        return None
+    if pack.num_experts != num_experts:
+        log.info("moetplan: pack %s has %d experts per layer, model has %d; quantizing at load",
+                 pack.path, pack.num_experts, num_experts)
+        return None
+    return pack
+
+
+def _write_and_open_pack(data: Any, L: int, E: int, layout: Any, s: RuntimeSettings) -> Any:
+    """Make sure a finished pack of these rows exists (written here when missing or stale) and open it."""
+    from moetplan.runtime.packs import Pack, PackWriter, StalePackError
+
+    key, ident = _pack_identity()
+    pack_dir = _pack_dir(s)
+    try:
+        return Pack.open(pack_dir, model_key=key, tp=layout.tp, tp_rank=_tp_rank(), fmt="2bit",
+                         expect_identity=ident, expect_layout=layout)
+    except StalePackError as e:
+        log.info("moetplan: pack (re)build: %s", e)
+    with PackWriter(pack_dir, key, _tp_rank(), layout.tp, layout, L, E, ident,
+                    source={"written_by": "moetplan runtime at load"}) as w:
+        for layer in range(L):
+            for e in range(E):
+                w.write_row(layer, e, data[layer * E + e])
+        w.commit()
+    log.info("moetplan: pack written %s (%d layers x %d experts)", w.path, L, E)
+    return Pack.open(pack_dir, model_key=key, tp=layout.tp, tp_rank=_tp_rank(), fmt="2bit",
+                     expect_identity=ident, expect_layout=layout)

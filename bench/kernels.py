@@ -1,0 +1,375 @@
+"""Kernel benchmark (issue 8, item 4): MoE decode and prefill through moetplan.runtime.ops on one CUDA GPU.
+
+In one run:
+  1. the device's streaming-read bandwidth: a large torch.sum over several GB, and a CUDA graph of back-to-back
+     sums over 40 MiB slices of a larger buffer;
+  2. decode at 1, 2, 4, 8 tokens for the DeepSeek-V4-Flash, GLM-5.2 and Kimi-K2.7-Code expert shapes: all MoE
+     layers of a step back to back in one CUDA graph, every layer with its own expert rows (cycled over enough
+     distinct layers that the data is many times the L2), bytes read, bandwidth as a share of (1); plus the naive
+     torch bf16 baseline (gather + einsum) and the torch 2-bit reference on the same routing;
+  3. prefill tokens/s at 512..8192-token chunks against a torch bf16 grouped matmul over the same experts.
+
+    PYTHONPATH=. python3 bench/kernels.py --out bench/results/kernels_h200.json [--quick]
+
+Results are written (atomically) after every section, so a run cut short keeps what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moetplan.runtime import kernels, ops  # noqa: E402
+from moetplan.runtime.format import RowLayout  # noqa: E402
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+def model_shapes() -> list[dict[str, Any]]:
+    """Expert geometry per model: from hwdb when its loader exists, else this table (copied from
+    ../shared/facts/models.yaml: hidden_size, moe_intermediate_size, num_experts_per_tok, n_routed_experts,
+    moe_layers)."""
+    names = {"deepseek-v4-flash": "DeepSeek-V4-Flash", "glm-5.2": "GLM-5.2", "kimi-k2.7-code": "Kimi-K2.7-Code"}
+    try:  # pragma: no cover - depends on the hwdb loader landing
+        from moetplan.models import hwdb_models  # type: ignore
+
+        out = []
+        for mid, name in names.items():
+            s = hwdb_models.model_spec(mid)
+            out.append(dict(name=name, H=s.hidden_size, I=s.moe_intermediate_size, k=s.num_experts_per_tok,
+                            E=s.n_routed_experts, L=s.moe_layers, source="hwdb"))
+        return out
+    except Exception:
+        table = [  # source: ../shared/facts/models.yaml (fallback table, used when the hwdb loader is absent)
+            dict(name="DeepSeek-V4-Flash", H=4096, I=2048, k=6, E=256, L=43),
+            dict(name="GLM-5.2", H=6144, I=2048, k=8, E=256, L=75),
+            dict(name="Kimi-K2.7-Code", H=7168, I=2048, k=8, E=384, L=60),
+        ]
+        return [dict(t, source="bench table (models.yaml)") for t in table]
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def machine_info() -> dict[str, Any]:
+    p = torch.cuda.get_device_properties(0)
+    info: dict[str, Any] = {
+        "gpu": p.name, "sm_count": p.multi_processor_count, "capability": f"{p.major}.{p.minor}",
+        "memory_gib": round(p.total_memory / GIB, 1), "l2_mib": round(getattr(p, "L2_cache_size", 0) / MIB, 1),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "host": platform.node(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        q = "driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit"
+        info["nvidia_smi"] = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
+                                            capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception as e:  # pragma: no cover
+        info["nvidia_smi"] = f"unavailable: {e}"
+    return info
+
+
+def time_events(fn: Callable[[], None], reps: int, warmup: int = 3) -> dict[str, float]:
+    """Median / min milliseconds of `fn` over `reps` event-timed runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return {"median_ms": ts[len(ts) // 2], "min_ms": ts[0], "reps": reps}
+
+
+def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up: allocations and lazy init outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def random_pool(layout: RowLayout, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Random codes (every byte is a valid code) with realistic scale bytes; random, never zeros."""
+    pool = torch.randint(0, 256, (n, layout.stride), dtype=torch.uint8, device="cuda", generator=gen)
+    for name in ("w13_s", "w2_s"):
+        off, size = getattr(layout, f"{name}_off"), getattr(layout, f"{name}_size")
+        pool[:, off:off + size] = torch.randint(116, 124, (n, size), dtype=torch.uint8, device="cuda",
+                                                generator=gen)
+    return pool
+
+
+def routing(T: int, k: int, E: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.rand(T, E, device="cuda", generator=gen)
+    w, ids = scores.topk(k, dim=-1)
+    return ids, torch.softmax(w, dim=-1).float()
+
+
+# ------------------------------------------------------------------------------------------------ 1. bandwidth
+
+
+def read_bandwidth(quick: bool) -> dict[str, Any]:
+    n_bytes = (4 if quick else 8) * GIB
+    buf = torch.rand(n_bytes // 4, device="cuda", dtype=torch.float32)
+    out = torch.empty((), device="cuda")
+    t = time_events(lambda: torch.sum(buf, out=out), reps=10)
+    big = {"bytes": n_bytes, **t, "gbps": n_bytes / (t["median_ms"] * 1e-3) / 1e9}
+    # Graph of back-to-back 40 MiB slice sums: the access pattern of a decode step (many medium reads).
+    sl = 40 * MIB // 4
+    nsl = buf.numel() // sl
+    outs = torch.empty(nsl, device="cuda")
+
+    def slices():
+        for i in range(nsl):
+            torch.sum(buf[i * sl:(i + 1) * sl], out=outs[i])
+
+    g = capture(slices)
+    t2 = time_events(g.replay, reps=10)
+    sliced = {"slices": nsl, "slice_bytes": sl * 4, **t2,
+              "gbps": nsl * sl * 4 / (t2["median_ms"] * 1e-3) / 1e9}
+    del buf
+    torch.cuda.empty_cache()
+    return {"large_sum": big, "graph_40mib_slices": sliced, "reference_gbps": max(big["gbps"], sliced["gbps"])}
+
+
+# ------------------------------------------------------------------------------------------------ 2. decode
+
+
+def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator, quick: bool) -> dict[str, Any]:
+    H, I, k, E, L = m["H"], m["I"], m["k"], m["E"], m["L"]
+    lay = RowLayout.for_expert(H, I, fmt="2bit")
+    # Distinct data per layer, cycled over NL layers whose rows total >= 6 GiB (100x the H200's L2).
+    layers = []
+    probe_ids = [routing(T, k, E, gen) for _ in range(4)]
+    used_avg = sum(len(torch.unique(i)) for i, _ in probe_ids) / 4
+    per_layer = used_avg * lay.stride
+    NL = int(min(L, max(4, math.ceil((3 if quick else 6) * GIB / per_layer))))
+    for _ in range(NL):
+        ids, w = routing(T, k, E, gen)
+        used = torch.unique(ids)
+        slot_of = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+        slot_of[used] = torch.arange(len(used), dtype=torch.int32, device="cuda")
+        layers.append(dict(ids=ids, w=w, slot_of=slot_of, pool=random_pool(lay, len(used), gen), used=len(used)))
+    x = (torch.randn(T, H, device="cuda", generator=gen) * 0.3).to(torch.bfloat16)
+    outs = [torch.empty_like(x) for _ in range(NL)]
+
+    def step():
+        for li in range(L):
+            d = layers[li % NL]
+            ops.moe_forward(x, d["ids"], d["w"], d["pool"], d["slot_of"], lay, out=outs[li % NL])
+
+    g = capture(step)
+    t = time_events(g.replay, reps=5 if quick else 10)
+    bytes_step = sum(layers[li % NL]["used"] for li in range(L)) * lay.payload_bytes
+    per_layer_us = t["median_ms"] * 1e3 / L
+    res: dict[str, Any] = {
+        "model": m["name"], "tokens": T, "layers_in_step": L, "distinct_layers": NL,
+        "experts_read_per_layer": bytes_step / L / lay.payload_bytes,
+        "bytes_per_layer": bytes_step / L, "step_ms": t["median_ms"], "per_layer_us": per_layer_us,
+        "gbps": bytes_step / (t["median_ms"] * 1e-3) / 1e9,
+    }
+    res["share_of_read_bw"] = res["gbps"] / ref_gbps
+    del g
+    # Torch 2-bit reference (dequantize + fp32 matmul), eager, a few layers.
+    nref = min(NL, 3)
+
+    def ref_layers():
+        for li in range(nref):
+            d = layers[li]
+            ops.moe_forward_reference(x, d["ids"], d["w"], d["pool"], d["slot_of"], lay, out=outs[li])
+
+    tr = time_events(ref_layers, reps=2, warmup=1)
+    res["torch_2bit_reference_per_layer_us"] = tr["median_ms"] * 1e3 / nref
+    # Naive bf16: gather the routed experts' bf16 weights and einsum (the FACTS.md baseline).
+    nb = int(min(L, max(2, math.ceil((6 if quick else 12) * GIB / (used_avg * 3 * H * I * 2)))))
+    bl = []
+    for li in range(nb):
+        d = layers[li % NL]
+        bl.append(dict(
+            w13=(torch.randn(d["used"], 2 * I, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16),
+            w2=(torch.randn(d["used"], H, I, device="cuda", generator=gen) * 0.02).to(torch.bfloat16),
+            idx=d["slot_of"][d["ids"]].long(), w=d["w"], used=d["used"]))
+
+    def naive_step():
+        for li in range(L):
+            d = bl[li % nb]
+            w13 = d["w13"][d["idx"]]  # [T, k, 2I, H]
+            h = torch.einsum("th,tkih->tki", x, w13)
+            a = torch.nn.functional.silu(h[..., :I]) * h[..., I:]
+            y = torch.einsum("tki,tkhi->tkh", a, d["w2"][d["idx"]])
+            outs[0].copy_(torch.einsum("tk,tkh->th", d["w"].to(y.dtype), y))
+
+    try:
+        gn = capture(naive_step)
+        tn = time_events(gn.replay, reps=3 if quick else 5)
+        bf16_bytes = sum(bl[li % nb]["used"] for li in range(L)) * 3 * H * I * 2
+        res["naive_bf16"] = {"per_layer_us": tn["median_ms"] * 1e3 / L,
+                             "effective_gbps": bf16_bytes / (tn["median_ms"] * 1e-3) / 1e9,
+                             "distinct_layers": nb}
+        del gn
+    except torch.OutOfMemoryError as e:  # pragma: no cover
+        res["naive_bf16"] = {"error": str(e)[:200]}
+    del bl, layers
+    torch.cuda.empty_cache()
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ 3. prefill
+
+
+def grouped_bf16(m, gen):
+    """All experts of one layer in bf16 and a grouped matmul over token groups (torch._grouped_mm if present)."""
+    H, I, E = m["H"], m["I"], m["E"]
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    return w13, w2
+
+
+def prefill_case(m, T, lay, pool, slot_of, w13, w2, gen, quick) -> dict[str, Any]:
+    H, I, k, E = m["H"], m["I"], m["k"], m["E"]
+    ids, w = routing(T, k, E, gen)
+    x = (torch.randn(T, H, device="cuda", generator=gen) * 0.3).to(torch.bfloat16)
+    out = torch.empty_like(x)
+    res: dict[str, Any] = {"model": m["name"], "tokens": T}
+    g = capture(lambda: ops.moe_forward(x, ids, w, pool, slot_of, lay, out=out))
+    t = time_events(g.replay, reps=3 if quick else 5)
+    res["moet_ms"] = t["median_ms"]
+    res["moet_tok_s"] = T / (t["median_ms"] * 1e-3)
+    res["moet_weight_bytes"] = E * lay.payload_bytes
+    del g
+    # bf16 grouped matmul: tokens sorted by expert, one GEMM group per expert.
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x[order // k]
+    ws = w.reshape(-1)[order]
+    outb = torch.zeros(T, H, device="cuda", dtype=torch.float32)
+    has_grouped = hasattr(torch, "_grouped_mm")
+
+    def bf16_layer():
+        if has_grouped:
+            h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+            a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+            y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+        else:
+            cl = counts.tolist()
+            ys, s = [], 0
+            for e in range(E):
+                if cl[e]:
+                    h = xs[s:s + cl[e]] @ w13[e].T
+                    ys.append((torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ w2[e].T)
+                    s += cl[e]
+            y = torch.cat(ys)
+        outb.index_add_(0, order // k, (y.float() * ws.unsqueeze(-1)))
+
+    try:
+        gb = capture(bf16_layer) if has_grouped else None
+        tb = time_events(gb.replay if gb is not None else bf16_layer, reps=3 if quick else 5)
+        res["bf16_grouped_ms"] = tb["median_ms"]
+        res["bf16_grouped_tok_s"] = T / (tb["median_ms"] * 1e-3)
+        res["bf16_method"] = "torch._grouped_mm (graph)" if has_grouped else "per-expert matmul loop"
+        res["bf16_weight_bytes"] = E * 3 * H * I * 2
+        res["speedup_vs_bf16"] = tb["median_ms"] / t["median_ms"]
+    except Exception as e:
+        res["bf16_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/kernels_h200.json")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions and smaller buffers")
+    ap.add_argument("--tokens", default="1,2,4,8")
+    ap.add_argument("--prefill", default="512,2048,8192")
+    ap.add_argument("--models", default="", help="comma-separated subset of model names")
+    ap.add_argument("--sections", default="bw,decode,prefill")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    mod = kernels.get_module()
+    res: dict[str, Any] = {"benchmark": "moetplan kernels (issue 8)", "machine": machine_info(),
+                           "command": " ".join(["python3"] + sys.argv), "kernels_built": mod is not None,
+                           "fallback_reason": kernels.fallback_reason(),
+                           "prefill_pairs_per_expert": ops.PREFILL_PAIRS_PER_EXPERT}
+    if mod is None:
+        print(f"kernels unavailable: {kernels.fallback_reason()}", file=sys.stderr)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    models = [m for m in model_shapes() if not args.models or m["name"] in args.models.split(",")]
+    res["models"] = models
+    secs = args.sections.split(",")
+    ref = 4000.0
+    if "bw" in secs:
+        res["read_bandwidth"] = read_bandwidth(args.quick)
+        ref = res["read_bandwidth"]["reference_gbps"]
+        print(f"read bandwidth: large sum {res['read_bandwidth']['large_sum']['gbps']:.0f} GB/s, "
+              f"40 MiB slices {res['read_bandwidth']['graph_40mib_slices']['gbps']:.0f} GB/s", flush=True)
+        atomic_write_json(out, res)
+    if "decode" in secs:
+        res["decode"] = []
+        for m in models:
+            for T in [int(v) for v in args.tokens.split(",")]:
+                r = decode_case(m, T, ref, gen, args.quick)
+                res["decode"].append(r)
+                atomic_write_json(out, res)
+                nb = r.get("naive_bf16", {})
+                print(f"decode {m['name']:18s} T={T}: {r['per_layer_us']:7.1f} us/layer  {r['gbps']:6.0f} GB/s "
+                      f"({100 * r['share_of_read_bw']:.0f}% of read BW)  bf16 naive "
+                      f"{nb.get('per_layer_us', float('nan')):7.1f} us  torch-2bit "
+                      f"{r['torch_2bit_reference_per_layer_us']:8.0f} us", flush=True)
+    if "prefill" in secs:
+        res["prefill"] = []
+        for m in models:
+            lay = RowLayout.for_expert(m["H"], m["I"], fmt="2bit")
+            pool = random_pool(lay, m["E"], gen)
+            slot_of = torch.arange(m["E"], dtype=torch.int32, device="cuda")
+            w13, w2 = grouped_bf16(m, gen)
+            for T in [int(v) for v in args.prefill.split(",")]:
+                r = prefill_case(m, T, lay, pool, slot_of, w13, w2, gen, args.quick)
+                res["prefill"].append(r)
+                atomic_write_json(out, res)
+                print(f"prefill {m['name']:18s} T={T}: moet {r['moet_tok_s']:9.0f} tok/s  bf16 "
+                      f"{r.get('bf16_grouped_tok_s', float('nan')):9.0f} tok/s "
+                      f"{r.get('bf16_error', '')}", flush=True)
+            del pool, w13, w2
+            torch.cuda.empty_cache()
+    res["finished"] = True
+    atomic_write_json(out, res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

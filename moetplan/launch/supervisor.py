@@ -1,0 +1,316 @@
+"""Start, watch and stop a vLLM server process tree: health, load progress from its log, no orphans.
+
+The server runs in its own session (process group), its output goes to a log file that this module follows.
+Stopping sends SIGTERM to the group (vLLM's API server then ends its engine and workers), waits, SIGKILLs what
+is left, and checks every PID it ever saw in the tree with psutil, so a caller can assert that nothing remains.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from moetplan.errors import MoetplanError
+
+
+class ServerDiedError(MoetplanError):
+    """The server exited before it became healthy; message holds the diagnosis, `tail` the last log lines."""
+
+    def __init__(self, message: str, tail: list[str], returncode: int | None):
+        super().__init__(message)
+        self.tail = tail
+        self.returncode = returncode
+
+
+class ServerTimeoutError(MoetplanError):
+    def __init__(self, message: str, tail: list[str]):
+        super().__init__(message)
+        self.tail = tail
+
+
+# --------------------------------------------------------------------------- log lines -> progress / diagnosis
+
+_PROGRESS: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"Initializing a V1 LLM engine|Initializing an? .*engine"), "engine: starting"),
+    (re.compile(r"Starting to load model"), "weights: loading"),
+    (re.compile(r"Loading weights took ([\d.]+) ?s"), "weights: loaded in {0}s"),
+    (re.compile(r"moetplan: pack (.*)"), "packs: {0}"),
+    (re.compile(r"moetplan: (\S+) experts=(\d+) source=(\S+) format=(\S+) tier=(\S+)"),
+     "experts: {0} ({1} experts, {2} -> {3}, {4})"),
+    (re.compile(r"Model loading took ([\d.]+) ?GiB"), "weights: {0} GiB in memory"),
+    (re.compile(r"KV cache size: ([\d,]+) tokens"), "kv cache: {0} tokens"),
+    (re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)"), "warm-up: done in {0}s"),
+    (re.compile(r"Capturing CUDA graph"), "warm-up: capturing CUDA graphs"),
+    (re.compile(r"Starting vLLM (API )?server"), "server: starting HTTP"),
+    (re.compile(r"Application startup complete"), "server: up"),
+]
+
+_DIAGNOSES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"CUDA out of memory|OutOfMemoryError|torch\.OutOfMemoryError|No available memory for the cache"
+                r"|insufficient memory|Cannot allocate memory|MemoryError|oom-kill|Killed", re.I),
+     "out of memory: lower context / max_num_seqs / gpu_memory_utilization, or re-plan with a smaller expert "
+     "cache (`moetplan plan --set ...`)"),
+    (re.compile(r"memlock|RLIMIT_MEMLOCK|cudaHostRegister|PinnedMemoryError|mlock", re.I),
+     "pinned memory refused (memlock limit): raise it (`ulimit -l unlimited`, or LimitMEMLOCK in the service) "
+     "or plan a smaller host arena"),
+    (re.compile(r"no kernel image is available|not compiled for|undefined symbol|"
+                r"operator \S+ does not exist|Could not run '[^']+' with arguments|NotImplementedError.*kernel",
+                re.I),
+     "missing kernel for this device or build: install the vLLM build for this machine "
+     "(`pip install moetplan[cpu]` or `moetplan[cuda]`)"),
+    (re.compile(r"Address already in use|error while attempting to bind", re.I),
+     "port in use: pick another with --port"),
+    (re.compile(r"PackageNotFoundError.*vllm|No module named 'vllm'", re.I),
+     "vLLM is not installed in this Python: `pip install moetplan[cpu]` or `moetplan[cuda]`"),
+    (re.compile(r"MOETPLAN_PLAN", re.I), "the runtime could not read the plan: check the MOETPLAN_PLAN path"),
+    (re.compile(r"StalePackError|Pack .* is stale|unfinished", re.I),
+     "expert packs are stale or unfinished: rebuild them with `moetplan quantize`"),
+    (re.compile(r"Repository Not Found|HF_HUB_OFFLINE|LocalEntryNotFoundError|OfflineModeIsEnabled", re.I),
+     "checkpoint not found locally (offline): download it first or point the plan at a local folder"),
+]
+
+
+def progress_event(line: str) -> str | None:
+    """A short load-progress message for a vLLM log line, or None."""
+    for pat, fmt in _PROGRESS:
+        m = pat.search(line)
+        if m:
+            return fmt.format(*m.groups())
+    return None
+
+
+def diagnose(lines: list[str]) -> str | None:
+    """One-line diagnosis of a failed start from its last log lines, where one is known."""
+    text = "\n".join(lines)
+    for pat, msg in _DIAGNOSES:
+        if pat.search(text):
+            return msg
+    return None
+
+
+# --------------------------------------------------------------------------- the process
+
+
+class LogFollower:
+    """Reads the lines appended to a log file since the last call (keeps a tail for diagnoses)."""
+
+    def __init__(self, path: Path, keep: int = 200):
+        self.path = path
+        self._pos = 0
+        self._partial = ""
+        self.tail: deque[str] = deque(maxlen=keep)
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._pos)
+                data = f.read()
+                self._pos = f.tell()
+        except FileNotFoundError:
+            return []
+        if not data:
+            return []
+        text = self._partial + data.decode("utf-8", "replace").replace("\r", "\n")
+        lines = text.split("\n")
+        self._partial = lines.pop()
+        lines = [ln for ln in lines if ln.strip()]
+        self.tail.extend(lines)
+        return lines
+
+
+@dataclass
+class StopReport:
+    returncode: int | None
+    pids_seen: list[int]
+    leftover: list[int]
+    killed: bool
+
+
+class Server:
+    """One vLLM server process tree."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: str | os.PathLike[str],
+                 host: str = "127.0.0.1", port: int = 8000, cwd: str | None = None):
+        self.argv, self.env, self.host, self.port, self.cwd = argv, env, host, int(port), cwd
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = LogFollower(self.log_path)
+        # psutil handles remember each process's start time, so a recycled PID is never mistaken for ours.
+        self._seen: dict[int, psutil.Process] = {}
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, env={**os.environ, **self.env}, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        finally:
+            logf.close()  # the child holds its own descriptor
+        self._remember({self.proc.pid})
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tree_pids(self) -> set[int]:
+        """PIDs of the server, its descendants and its process group now (and remembers them)."""
+        if self.proc is None:
+            return set()
+        pids: set[int] = set()
+        try:
+            root = psutil.Process(self.proc.pid)
+            pids.add(root.pid)
+            pids.update(c.pid for c in root.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(p.pid) == pgid:
+                    pids.add(p.pid)
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                continue
+        self._remember(pids)
+        return pids
+
+    def _remember(self, pids: set[int]) -> None:
+        for pid in pids:
+            if pid not in self._seen:
+                try:
+                    self._seen[pid] = psutil.Process(pid)
+                except psutil.NoSuchProcess:
+                    continue
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(self.url + "/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def served_models(self, timeout: float = 5.0) -> list[str]:
+        import httpx
+
+        try:
+            data = httpx.get(self.url + "/v1/models", timeout=timeout).json()
+            return [m["id"] for m in data.get("data", [])]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return []
+
+    def wait_ready(self, timeout: float = 600.0, on_line: Callable[[str], None] | None = None,
+                   on_progress: Callable[[str], None] | None = None, poll_s: float = 0.5) -> float:
+        """Follow the log until /health answers 200; returns seconds waited. Raises ServerDiedError/TimeoutError."""
+        t0 = time.monotonic()
+        next_health = t0
+        while True:
+            self._pump(on_line, on_progress)
+            if self.proc is None or self.proc.poll() is not None:
+                self._pump(on_line, on_progress)
+                tail = list(self.log.tail)[-40:]
+                rc = self.proc.returncode if self.proc else None
+                diag = diagnose(tail)
+                msg = f"the vLLM server exited with code {rc} while loading"
+                raise ServerDiedError(f"{msg}: {diag}" if diag else f"{msg} (log: {self.log_path})", tail, rc)
+            now = time.monotonic()
+            if now >= next_health:
+                self.tree_pids()
+                if self.healthy(timeout=1.0):
+                    self._pump(on_line, on_progress)
+                    return now - t0
+                next_health = now + 1.0
+            if now - t0 > timeout:
+                raise ServerTimeoutError(
+                    f"the server did not become healthy within {timeout:.0f}s (log: {self.log_path}); "
+                    "raise --timeout for big checkpoints", list(self.log.tail)[-40:])
+            time.sleep(poll_s)
+
+    def _pump(self, on_line: Callable[[str], None] | None, on_progress: Callable[[str], None] | None) -> None:
+        for ln in self.log.new_lines():
+            if on_line:
+                on_line(ln)
+            if on_progress:
+                ev = progress_event(ln)
+                if ev:
+                    on_progress(ev)
+
+    def follow(self, on_line: Callable[[str], None] | None = None) -> list[str]:
+        """New log lines since the last call (for --logs streaming)."""
+        lines = self.log.new_lines()
+        if on_line:
+            for ln in lines:
+                on_line(ln)
+        return lines
+
+    def stop(self, timeout: float = 30.0) -> StopReport:
+        """SIGTERM the group, wait, SIGKILL stragglers; then verify by PID that none of the tree remains."""
+        if self.proc is None:
+            return StopReport(None, [], [], False)
+        self.tree_pids()
+        procs = list(self._seen.values())
+        killed = False
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        # Children may outlive the API server by a moment while they flush; give them the rest of the budget.
+        deadline = time.monotonic() + max(2.0, timeout / 3)
+        while _alive(procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _alive(procs)
+        if left or self.proc.poll() is None:
+            killed = True
+            _signal_group(self.proc.pid, signal.SIGKILL)
+            for p in left:
+                try:
+                    p.kill()  # psutil checks the start time first: never a recycled PID
+                except psutil.Error:
+                    pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            end = time.monotonic() + 5
+            while _alive(procs) and time.monotonic() < end:
+                time.sleep(0.1)
+        return StopReport(self.proc.returncode, sorted(p.pid for p in procs),
+                          sorted(p.pid for p in _alive(procs)), killed)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Processes still running (zombies, dead but not yet reaped by their parent, do not count)."""
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return out

@@ -1,0 +1,268 @@
+"""The routed-expert MoE op: one call computes a layer's routed experts for all (token, expert) pairs of a step.
+
+    out[t] = sum_j topk_weights[t, j] * W2_e( silu(G_e x_t) * (U_e x_t) ),   e = topk_ids[t, j]
+
+reading expert rows (docs/FORMAT.md) out of the slot pool through the layer's residency row. An expert whose FP4
+reserve copy is resident (fp4_slot_of[e] >= 0) is computed from that copy, otherwise from its 2-bit row.
+
+Two implementations, one contract:
+- the torch reference (dequantize each used expert once, matmul in float32): runs everywhere and is the oracle;
+- the CUDA kernels (csrc/moe_kernels.cu via moetplan.runtime.kernels) when they are built and x is on a GPU.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from moetplan.errors import UsageError
+from moetplan.runtime import kernels
+from moetplan.runtime.format import BLOCK, CODE_VALUES, RowLayout, e2m1_values
+
+# Average pairs per expert from which the tensor-core prefill tiles (32 pairs per pass, bf16 intermediate) beat
+# the precise decode tiles (8 pairs per pass, hi/lo split operands). Measured by bench/kernels.py.
+PREFILL_PAIRS_PER_EXPERT = 8
+# Cap on the fp32 per-pair partial buffer [T*k, H] of one kernel call; longer prefills are chunked over tokens.
+PARTIAL_BYTES_CAP = 1 << 30
+
+
+class ResidencyError(UsageError):
+    """A routed expert has no resident row in this layer's slot pool."""
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+
+def _check_inputs(x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of, fp4_layout, out):
+    if x.ndim != 2 or x.shape[1] != layout.hidden:
+        raise UsageError(f"x must be [T, {layout.hidden}] (the layout's hidden size), got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise UsageError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise UsageError(f"topk_ids must be [T, k] with T={x.shape[0]}, got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point:
+        raise UsageError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise UsageError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    _check_pool(pool, slot_of, layout, "pool", "slot_of")
+    given = [v is not None for v in (fp4_pool, fp4_slot_of, fp4_layout)]
+    if any(given) and not all(given):
+        raise UsageError("fp4_pool, fp4_slot_of and fp4_layout go together: pass all three or none")
+    if all(given):
+        _check_pool(fp4_pool, fp4_slot_of, fp4_layout, "fp4_pool", "fp4_slot_of")
+        if (fp4_layout.hidden, fp4_layout.inter_per_rank) != (layout.hidden, layout.inter_per_rank):
+            raise UsageError(f"fp4_layout (H={fp4_layout.hidden}, Ir={fp4_layout.inter_per_rank}) does not match "
+                             f"layout (H={layout.hidden}, Ir={layout.inter_per_rank}); build both for the same shard")
+        if fp4_slot_of.numel() != slot_of.numel():
+            raise UsageError(f"fp4_slot_of has {fp4_slot_of.numel()} experts, slot_of {slot_of.numel()}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("pool", pool), ("slot_of", slot_of)):
+        if t.device != x.device:
+            raise UsageError(f"{name} is on {t.device} but x is on {x.device}; move them to one device")
+    if out is not None and (tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise UsageError(f"out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}")
+
+
+def _check_pool(pool, slot_of, layout, pname, sname):
+    if not isinstance(layout, RowLayout):
+        raise UsageError(f"layout for {pname} must be a moetplan.runtime.format.RowLayout")
+    if pool.dtype != torch.uint8 or pool.ndim != 2 or pool.shape[1] != layout.stride:
+        raise UsageError(f"{pname} must be uint8 [S, {layout.stride}] (the {layout.fmt} row stride), "
+                         f"got {pool.dtype} {tuple(pool.shape)}")
+    if slot_of.ndim != 1 or slot_of.dtype.is_floating_point:
+        raise UsageError(f"{sname} must be an integer vector [E] (expert -> slot, -1 = not resident)")
+
+
+def _missing_message(missing: list[int], where: str) -> str:
+    return (f"Routed expert(s) {missing[:8]} have no resident row in {where} (slot -1); the tiered store must "
+            f"fetch them into the slot pool before this layer runs")
+
+
+# ------------------------------------------------------------------------------------------------ reference path
+
+_LUT_CACHE: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def _lut(kind: str, device: torch.device) -> torch.Tensor:
+    """Byte -> weights tables built from format.py's code values, and UE8M0 byte -> 2^(b-127), per device."""
+    key = (kind, str(device))
+    t = _LUT_CACHE.get(key)
+    if t is None:
+        b = torch.arange(256, dtype=torch.int64)
+        if kind == "2bit":
+            vals = torch.tensor(CODE_VALUES, dtype=torch.float32)
+            t = vals[torch.stack([(b >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)]
+        elif kind == "fp4":
+            vals = e2m1_values(torch.float32)
+            t = vals[torch.stack([b & 15, b >> 4], dim=-1)]
+        else:  # scales; 255 is NaN in UE8M0 and never written by the quantizer
+            t = torch.tensor([math.ldexp(1.0, int(i) - 127) for i in range(255)] + [float("nan")],
+                             dtype=torch.float32)
+        t = t.to(device)
+        _LUT_CACHE[key] = t
+    return t
+
+
+def dequantize_rows(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
+    """(codes [.., N, K/wpb], scales [.., N, K/32]) -> float32 [.., N, K] on the tensors' device."""
+    vals = _lut(fmt, q.device)[q.long()]  # [.., N, K/wpb, wpb]
+    w = vals.reshape(*q.shape[:-1], -1)
+    sc = _lut("scale", q.device)[s.long()]
+    return (w.view(*w.shape[:-1], -1, BLOCK) * sc.unsqueeze(-1)).reshape(w.shape)
+
+
+def _sections(row: torch.Tensor, layout: RowLayout):
+    shapes = layout.shapes()
+    out = []
+    for name in ("w13_q", "w13_s", "w2_q", "w2_s"):
+        off = getattr(layout, f"{name}_off")
+        n, m = shapes[name]
+        out.append(row[off:off + n * m].view(n, m))
+    return out
+
+
+def expert_weights(row: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert row -> float32 (w13 [2Ir, H], w2 [H, Ir])."""
+    q13, s13, q2, s2 = _sections(row, layout)
+    return dequantize_rows(q13, s13, layout.fmt), dequantize_rows(q2, s2, layout.fmt)
+
+
+def _swiglu(h: torch.Tensor, ir: int, limit: float | None) -> torch.Tensor:
+    gate, up = h[:, :ir], h[:, ir:]
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+def moe_forward_reference(x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool=None, fp4_slot_of=None,
+                          fp4_layout=None, swiglu_limit=None, out=None) -> torch.Tensor:
+    """Float32 oracle: pairs grouped by expert, each used expert dequantized once; deterministic on any device."""
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    ir = layout.inter_per_rank
+    flat_e = topk_ids.reshape(-1).long()
+    P = flat_e.numel()
+    E = slot_of.numel()
+    if P and (int(flat_e.min()) < 0 or int(flat_e.max()) >= E):
+        raise UsageError(f"topk_ids has expert ids outside [0, {E}); the router and the residency row disagree")
+    use4 = torch.zeros_like(flat_e, dtype=torch.bool) if fp4_slot_of is None else fp4_slot_of.long()[flat_e] >= 0
+    key = flat_e + E * use4.long()
+    order = torch.argsort(key, stable=True)
+    keys, counts = torch.unique_consecutive(key[order], return_counts=True)
+    xf = x.float()
+    y = torch.zeros(P, H, dtype=torch.float32, device=x.device)
+    start = 0
+    for kk, c in zip(keys.tolist(), counts.tolist()):
+        pairs = order[start:start + c]
+        start += c
+        e, is4 = kk % E, kk >= E
+        lay, pl, so = (fp4_layout, fp4_pool, fp4_slot_of) if is4 else (layout, pool, slot_of)
+        slot = int(so[e])
+        if slot < 0 or slot >= pl.shape[0]:
+            raise ResidencyError(_missing_message([e], "fp4_pool" if is4 else "pool") if slot < 0 else
+                                 f"slot {slot} of expert {e} is outside the pool's {pl.shape[0]} rows")
+        w13, w2 = expert_weights(pl[slot], lay)
+        act = _swiglu(xf[pairs // k] @ w13.T, ir, swiglu_limit)
+        y[pairs] = act @ w2.T
+    res = (y.view(T, k, H) * topk_weights.float().unsqueeze(-1)).sum(dim=1)
+    if out is None:
+        return res.to(x.dtype)
+    out.copy_(res)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ CUDA path
+
+
+def _perm8(t: torch.Tensor) -> torch.Tensor:
+    """[R, K] -> the kernels' B order: within each 8 weights [0, 4, 1, 5, 2, 6, 3, 7]."""
+    r, k = t.shape
+    return t.view(r, k // 8, 2, 4).transpose(-1, -2).reshape(r, k)
+
+
+def _check_residency() -> bool:
+    return os.environ.get("MOETPLAN_CHECK_RESIDENCY", "1") != "0"
+
+
+def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of, fp4_layout,
+              swiglu_limit, out) -> torch.Tensor:
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    ir = layout.inter_per_rank
+    E = slot_of.numel()
+    dev = x.device
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if T == 0:
+        return out
+    slot32 = slot_of.to(torch.int32).contiguous()
+    f4slot32 = None if fp4_slot_of is None else fp4_slot_of.to(torch.int32).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    chunk = max(1, PARTIAL_BYTES_CAP // (k * H * 4))
+    capturing = torch.cuda.is_current_stream_capturing()
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        ids = topk_ids[t0:t1].reshape(-1).to(torch.int64).contiguous()
+        P = ids.numel()
+        M = min(P, E)
+        order = torch.empty(P, dtype=torch.int32, device=dev)
+        seg = torch.empty(3, 2 * M, dtype=torch.int32, device=dev)
+        nseg = torch.empty(2, dtype=torch.int32, device=dev)
+        flag = torch.zeros(1, dtype=torch.int32, device=dev)
+        mod.route(ids, slot32, f4slot32, order, seg[0], seg[1], seg[2], nseg, flag)
+        prefill = P >= PREFILL_PAIRS_PER_EXPERT * E
+        xs = x[t0:t1]
+        xh = xs.to(torch.bfloat16)
+        xl = None if prefill else _perm8((xs.float() - xh.float()).to(torch.bfloat16))
+        xh = _perm8(xh)
+        act_hi = torch.empty(P, ir, dtype=torch.bfloat16, device=dev)
+        act_lo = None if prefill else torch.empty(P, ir, dtype=torch.bfloat16, device=dev)
+        partial = torch.empty(P, H, dtype=torch.float32, device=dev)
+        lim = float(swiglu_limit) if swiglu_limit is not None else 0.0
+        fmts = [(0, pool, slot32, layout)] + ([] if fp4_pool is None else [(1, fp4_pool, f4slot32, fp4_layout)])
+        for f, pl, so, lay in fmts:
+            code = 0 if lay.fmt == "2bit" else 1
+            sl = slice(f * M, (f + 1) * M)
+            common = (seg[0, sl], seg[1, sl], seg[2, sl], nseg[f:f + 1], order, k)
+            mod.stage(code, True, prefill, pl, so, lay.w13_q_off, lay.w13_s_off, 2 * ir, H, *common, xh, xl, True,
+                      act_hi, act_lo, None, lim, swiglu_limit is not None, flag)
+            mod.stage(code, False, prefill, pl, so, lay.w2_q_off, lay.w2_s_off, H, ir, *common, act_hi, act_lo,
+                      False, None, None, partial, lim, swiglu_limit is not None, flag)
+        if not capturing and _check_residency():
+            bad = int(flag.item())
+            if bad != 0:
+                raise ResidencyError(_missing_message([bad - 1], "pool") if bad > 0 else
+                                     f"topk_ids has expert ids outside [0, {E})")
+        mod.combine(partial, weights[t0:t1].contiguous(), out[t0:t1], k)
+    return out
+
+
+def kernel_supports(layout: RowLayout, x: torch.Tensor) -> bool:
+    """Shapes the CUDA kernels take: K and N multiples of 32 (always true for valid layouts), x on CUDA."""
+    return x.is_cuda and layout.hidden % 32 == 0 and layout.inter_per_rank % 32 == 0
+
+
+# ------------------------------------------------------------------------------------------------ the op
+
+
+def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pool: torch.Tensor,
+                slot_of: torch.Tensor, layout: RowLayout, fp4_pool: torch.Tensor | None = None,
+                fp4_slot_of: torch.Tensor | None = None, fp4_layout: RowLayout | None = None,
+                swiglu_limit: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed-expert MoE for one layer; returns [T, H] in x's dtype (written into `out` when given).
+
+    Raises ResidencyError when a routed expert has no slot (checked after the kernels, once per call, unless a
+    CUDA graph is being captured or MOETPLAN_CHECK_RESIDENCY=0).
+    """
+    _check_inputs(x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of, fp4_layout, out)
+    if x.is_cuda:
+        mod = kernels.get_module()
+        if mod is not None and kernel_supports(layout, x):
+            if not x.is_contiguous():
+                x = x.contiguous()
+            return _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of,
+                             fp4_layout, swiglu_limit, out)
+        kernels.note_fallback()
+    return moe_forward_reference(x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of,
+                                 fp4_layout, swiglu_limit, out)

@@ -1,0 +1,231 @@
+"""Calibration: checked-in constants meet the error bar, the fit is reproducible, `moetplan calibrate` round trip."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from moetplan import hwdb
+from moetplan.cost_model import load_calibration, predict
+from moetplan.cost_model.calibration import (
+    PARAMS,
+    Calibration,
+    FitRow,
+    Prior,
+    fit_linear,
+    linear_value,
+    user_calibration_path,
+)
+from moetplan.cost_model.command import calibrate_command
+from moetplan.cost_model.dataset import load_reference
+from moetplan.cost_model.fitting import evaluate, fit, summarize
+from moetplan.errors import ConfigError, UsageError
+from moetplan.plan.schema import Placement
+
+
+@pytest.fixture(autouse=True)
+def _isolated_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOETPLAN_CONFIG_DIR", str(tmp_path / "config"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_reference()
+
+
+def test_reference_table_loads_every_row(reference):
+    assert len(reference) == 11
+    assert {m.model.id for m in reference} == {"deepseek-v4-flash", "glm-5.2", "kimi-k2.7-code"}
+    assert sum(1 for m in reference if m.prefill_tok_s) == 6
+
+
+def test_checked_in_constants_meet_the_error_bar(reference):
+    calib = load_calibration(user=False)
+    assert calib.held_out and set(calib.held_out).isdisjoint(calib.fitted_on)
+    results = evaluate(reference, calib, set(calib.held_out))
+    s = summarize(results)
+    assert s["rows"] == 17
+    assert s["median_abs_error"] <= 0.15
+    # Rows the fit never saw are judged too (TP2, GLM with MTP, Kimi batched, a bigger cache on NVMe).
+    assert s["median_abs_error_held_out_rows"] <= 0.25
+
+
+def test_checked_in_constants_are_what_the_fit_gives(reference):
+    calib = load_calibration(user=False)
+    refit = fit(reference, set(calib.held_out))
+    fam = "sm120"
+    for p in PARAMS:
+        scope, name = p.split(".", 1)
+        got = getattr(refit.families[fam] if scope == "family" else refit.links, name)
+        want = getattr(calib.families[fam] if scope == "family" else calib.links, name)
+        assert got == pytest.approx(want, rel=2e-3), f"{p}: rerun bench/calibrate.py --write"
+
+
+def test_fit_linear_recovers_known_factors():
+    truth = {"family.dense_bw_eff": 0.6, "family.step_overhead_ms": 2.5, "link.fetch_latency_us": 800.0}
+    priors = {p: Prior(v * 1.4, 1.0, "") for p, v in truth.items()}
+    rows = []
+    for i in range(1, 7):
+        coefs = {"family.dense_bw_eff": 3.0 * i, "family.step_overhead_ms": 1.0, "link.fetch_latency_us": float((7 - i) ** 2)}
+        t = sum(c * linear_value(p, truth[p]) for p, c in coefs.items())
+        rows.append(FitRow(f"r{i}", coefs, 0.0, t))
+    got = fit_linear(rows, priors, list(truth), meas_sigma=0.001)
+    for p, v in truth.items():
+        assert got[p] == pytest.approx(v, rel=0.01)
+
+
+def _run_record(path, placement: Placement, decode: float, prefill: float | None = None):
+    measured = {"decode_tok_s": decode}
+    if prefill:
+        measured.update(prefill_tok_s=prefill, prefill_prompt_tokens=8192)
+    path.write_text(json.dumps({"kind": "run", "schema_version": "1.0", "model_id": "deepseek-v4-flash",
+                                "placement": placement.model_dump(), "measured": measured}))
+    return path
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command()(calibrate_command)
+    return app
+
+
+def test_calibrate_round_trip(tmp_path):
+    ds4, hw = hwdb.model_spec("deepseek-v4-flash"), hwdb.box_profile("rtx-5090x1")
+    h200 = hwdb.inline_profile("1xh200", host_ram_gib=256)
+    other_before = predict(ds4, h200, Placement()).decode_tok_s
+    runs = []
+    truth = {}
+    for cache in (8.0, 11.0, 14.0):
+        pl = Placement(expert_tier="host", gpu_expert_cache_gib=cache, context=32768, mtp=2, mtp_acceptance=2.7)
+        p = predict(ds4, hw, pl)
+        # This machine is slower than the reference box: 60% of the predicted decode, 70% of prefill.
+        truth[cache] = 0.6 * p.decode_tok_s
+        runs.append(_run_record(tmp_path / f"run{cache:g}.json", pl, truth[cache], 0.7 * p.prefill_tok_s))
+    res = CliRunner().invoke(_app(), [*map(str, runs), "--box", "rtx-5090x1", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["before"]["median_abs_error"] > 0.3
+    assert out["after"]["median_abs_error"] < 0.1
+    assert out["written_to"] == str(user_calibration_path())
+
+    calib = load_calibration(hw)
+    assert calib.overrides_from == str(user_calibration_path())
+    for cache, want in truth.items():
+        pl = Placement(expert_tier="host", gpu_expert_cache_gib=cache, context=32768, mtp=2, mtp_acceptance=2.7)
+        assert predict(ds4, hw, pl, calib).decode_tok_s == pytest.approx(want, rel=0.12)
+    # Another GPU family keeps the checked-in factors.
+    assert predict(ds4, h200, Placement()).decode_tok_s == pytest.approx(other_before)
+    # Without the user layer, the checked-in factors are untouched.
+    assert load_calibration(hw, user=False).links == Calibration.model_validate(
+        load_calibration(hw, user=False).model_dump()).links
+
+
+def test_calibrate_table_output_and_dry_run(tmp_path):
+    pl = Placement(expert_tier="host", gpu_expert_cache_gib=11, context=32768, mtp=2, mtp_acceptance=2.7)
+    run = _run_record(tmp_path / "run.json", pl, 20.0)
+    res = CliRunner().invoke(_app(), [str(run), "--box", "rtx-5090x1", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "median |error|" in res.output and "not written" in res.output
+    assert not user_calibration_path().exists()
+
+
+def test_calibrate_errors_name_the_fix(tmp_path):
+    res = CliRunner().invoke(_app(), [str(tmp_path / "missing.json"), "--box", "rtx-5090x1"])
+    assert isinstance(res.exception, UsageError) and "moetplan bench" in str(res.exception)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kind": "run", "model_id": "deepseek-v4-flash", "placement": {}, "measured": {}}))
+    res = CliRunner().invoke(_app(), [str(bad), "--box", "rtx-5090x1"])
+    assert isinstance(res.exception, UsageError) and "decode_tok_s" in str(res.exception)
+    res = CliRunner().invoke(_app(), [str(bad)])
+    assert isinstance(res.exception, UsageError) and "--box" in str(res.exception)
+
+
+def test_malformed_user_calibration_names_the_file():
+    path = user_calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("families:\n  sm120:\n    dense_bw_eff: fast\n")
+    with pytest.raises(ConfigError, match="calibration.yaml"):
+        load_calibration()
+
+
+def test_calibrate_is_registered_in_the_cli():
+    from moetplan.cli import app
+
+    names = {c.name for c in app.registered_commands}
+    assert "calibrate" in names
+
+
+def test_calibrate_fits_miss_correlation_from_runtime_kpis(tmp_path):
+    """A run whose runtime reports the zero-miss step share pins the correlation the tok/s alone cannot."""
+    glm, hw = hwdb.model_spec("glm-5.2"), hwdb.box_profile("rtx-pro-6000x4")
+    pl = Placement(tp=4, expert_tier="host", gpu_expert_cache_gib=44, context=16384, mtp=0)
+    base = load_calibration(hw)
+    rho_true = 0.05
+    truth = base.model_copy(update={"routing": base.routing.model_copy(update={"miss_correlation": rho_true})})
+    p = predict(glm, hw, pl, truth)
+    assert 0.05 < p.zero_miss_step_share < 0.95  # the share is informative at this cache size
+    rec = {"kind": "run", "model_id": "glm-5.2", "placement": pl.model_dump(),
+           "measured": {"decode_tok_s": p.decode_tok_s},
+           "runtime": {"zero_miss_step_share": p.zero_miss_step_share, "token_hit_rate": p.token_hit_rate}}
+    run = tmp_path / "glm.json"
+    run.write_text(json.dumps(rec))
+    res = CliRunner().invoke(_app(), [str(run), "--box", "rtx-pro-6000x4", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["miss_correlation"]["after"] == pytest.approx(rho_true, rel=0.15)
+    zm = out["miss_correlation"]["zero_miss_step_share"][0]
+    assert abs(zm["predicted_after"] - zm["measured"]) < abs(zm["predicted_before"] - zm["measured"]) + 1e-9
+    assert load_calibration(hw).routing.miss_correlation == pytest.approx(out["miss_correlation"]["after"])
+
+
+def _cpu_plan(tmp_path):
+    """A plan for a tiny MoE on a host without GPU (vLLM's CPU backend), as the end-to-end runs use."""
+    from moetplan.models.spec import Attention, ModelSpec
+    from moetplan.plan.schema import HostInfo, HardwareProfile, MemoryLedger, Plan, save_json
+
+    model = ModelSpec(id="local:tiny-moe", name="tiny", num_layers=4, moe_layers=4, hidden_size=256,
+                      moe_intermediate_size=128, n_routed_experts=16, top_k=2, vocab_size=4096,
+                      max_position_embeddings=4096, attention=Attention(kind="gqa", num_heads=4, num_kv_heads=2,
+                                                                         head_dim=64),
+                      kv_bytes_per_token={"bf16": 4096.0, "fp8": 2048.0}, kv_shards_with_tp=True,
+                      non_routed_params_b=0.004, dense_precision="bf16")
+    hw = HardwareProfile(gpus=[], host=HostInfo(ram_gib=24, cores=2, dram_gbps=10.0))
+    pl = Placement(context=2048, kv_dtype="bf16")
+    plan = Plan(model=model, hardware=hw, placement=pl, memory=MemoryLedger(), prediction=predict(model, hw, pl))
+    save_json(plan, tmp_path / "plan.json")
+    return model, hw, pl, plan
+
+
+def test_cpu_host_is_one_rank_with_its_own_family(tmp_path):
+    model, hw, pl, plan = _cpu_plan(tmp_path)
+    calib = load_calibration(hw)
+    assert calib.family(hw) == calib.families["cpu"]
+    assert plan.prediction.decode_tok_s > 0 and plan.prediction.prefill_tok_s > 0
+    with pytest.raises(UsageError, match="CPU serving is one rank"):
+        predict(model, hw, pl.model_copy(update={"tp": 2}))
+
+
+def test_calibrate_reads_bench_records_on_a_cpu_run(tmp_path):
+    """`moetplan bench` records (prefill_by_len, batch_curve) against the CPU-served tiny model, via its plan."""
+    model, hw, pl, plan = _cpu_plan(tmp_path)
+    measured = {
+        "decode_tok_s": 0.5 * plan.prediction.decode_tok_s, "ttft_prompt_tokens": 40,
+        "prefill_by_len": {"128": 300.0, "512": 420.0}, "prefill_prompt_tokens": {"128": 131, "512": 515},
+        "prefill_tok_s": 420.0, "prefill_len": 512,
+        "batch_curve": {"1": 0.5 * plan.prediction.decode_tok_s, "4": 1.6 * plan.prediction.decode_tok_s},
+        "aggregate_tok_s": 1.6 * plan.prediction.decode_tok_s, "aggregate_concurrency": 4,
+    }
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"kind": "run", "plan_path": "plan.json", "measured": measured}))
+    res = CliRunner().invoke(_app(), [str(run), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["family"] == "cpu"
+    assert {r["row"] for r in out["rows"]} == {"run.json:decode", "run.json:prefill@128", "run.json:prefill@512",
+                                                "run.json:aggregate@4"}
+    assert out["after"]["median_abs_error"] < out["before"]["median_abs_error"]
+    # The GPU families are untouched by a CPU refit.
+    assert load_calibration(hwdb.box_profile("rtx-5090x1")).family(hwdb.box_profile("rtx-5090x1")) == \
+        load_calibration(user=False).families["sm120"]

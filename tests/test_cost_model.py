@@ -1,0 +1,272 @@
+"""Cost model physics: each term scales as its bytes/counts say, routing locality, correlated misses."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from moetplan.cost_model import coverage, predict
+from moetplan.cost_model.calibration import Calibration, FamilyFactors
+from moetplan.cost_model.coverage import (
+    bb_zero_prob,
+    curve_for,
+    expected_union,
+    miss_stats,
+)
+from moetplan.cost_model.terms import ALLREDUCE, DENSE, EXPERTS, KV, MISS_HOST, MISS_NVME, decode_step
+from moetplan.models.spec import Attention, ModelSpec
+from moetplan.plan.schema import GPUInfo, HardwareProfile, HostInfo, Placement, StorageInfo
+
+
+def toy_model(**over) -> ModelSpec:
+    base = dict(
+        id="toy", name="Toy MoE", num_layers=12, moe_layers=12, hidden_size=1024, moe_intermediate_size=512,
+        n_routed_experts=64, top_k=4, vocab_size=1000, max_position_embeddings=65536,
+        attention=Attention(kind="mla", num_heads=8, head_dim=128), kv_bytes_per_token={"fp8": 2000.0},
+        non_routed_params_b=0.5, dense_precision="bf16", coverage_points=[(0.2, 0.9)],
+        mtp_layers=1, mtp_acceptance={1: 1.8, 2: 2.4},
+    )
+    base.update(over)
+    return ModelSpec(**base)
+
+
+def toy_hw(n: int = 1, bw: float = 1000.0, h2d: float = 25.0) -> HardwareProfile:
+    gpus = [GPUInfo(index=i, name="Test GPU", vram_gib=24, mem_bw_gbps=bw, compute_capability="8.9", pcie_gen=4,
+                    pcie_width=16, h2d_pinned_gbps=h2d) for i in range(n)]
+    return HardwareProfile(gpus=gpus, host=HostInfo(ram_gib=64),
+                           storage=StorageInfo(seq_read_gbps=3.0, rand_read_gbps=2.0))
+
+
+CAL = Calibration(families={"default": FamilyFactors()})
+
+
+def term(step, name: str) -> float:
+    return next(ms for t, ms in step.term_ms(CAL, None) if t.name == name)
+
+
+def test_dense_bytes_double_time_doubles():
+    hw, pl = toy_hw(), Placement()
+    a = decode_step(toy_model(), hw, pl, CAL)
+    b = decode_step(toy_model(non_routed_params_b=1.0), hw, pl, CAL)
+    # The embedding table (1000 x 1024) is not read; it is 0.2% of the dense bytes here.
+    assert term(b, DENSE) / term(a, DENSE) == pytest.approx(2.0, rel=0.01)
+    assert term(b, EXPERTS) == pytest.approx(term(a, EXPERTS))
+
+
+def test_expert_bytes_double_time_doubles():
+    hw, pl = toy_hw(), Placement()
+    a = decode_step(toy_model(), hw, pl, CAL)
+    b = decode_step(toy_model(moe_intermediate_size=1024), hw, pl, CAL)
+    assert term(b, EXPERTS) / term(a, EXPERTS) == pytest.approx(2.0, rel=1e-9)
+    assert term(b, DENSE) == pytest.approx(term(a, DENSE))
+
+
+def test_memory_bandwidth_halved_reads_double():
+    pl = Placement()
+    a = decode_step(toy_model(), toy_hw(bw=1000), pl, CAL)
+    b = decode_step(toy_model(), toy_hw(bw=500), pl, CAL)
+    for name in (DENSE, EXPERTS, KV):
+        assert term(b, name) / term(a, name) == pytest.approx(2.0, rel=1e-9)
+
+
+def test_kv_term_scales_with_context_and_sparse_caps_it():
+    hw = toy_hw()
+    a = decode_step(toy_model(), hw, Placement(context=16384), CAL)
+    b = decode_step(toy_model(), hw, Placement(context=32768), CAL)
+    assert term(b, KV) / term(a, KV) == pytest.approx(2.0, rel=0.01)
+    sparse = toy_model(attention=Attention(kind="mla_sparse", num_heads=8, head_dim=128, index_topk=2048))
+    s1 = decode_step(sparse, hw, Placement(context=65536), CAL)
+    s2 = decode_step(sparse, hw, Placement(context=131072 // 2 * 2), CAL)
+    dense_kv = decode_step(toy_model(), hw, Placement(context=65536), CAL)
+    assert term(s1, KV) < 0.5 * term(dense_kv, KV)  # top-k + indexer, not the whole context
+    assert term(s2, KV) >= term(s1, KV)
+
+
+def test_more_cache_fewer_misses_monotone():
+    model, hw = toy_model(), toy_hw()
+    full = model.routed_gib("2bit")
+    prev = None
+    for share in np.linspace(0.02, 0.98, 25):
+        pl = Placement(expert_tier="host", gpu_expert_cache_gib=float(share * full))
+        p = predict(model, hw, pl, CAL)
+        if prev is not None:
+            assert p.misses_per_step <= prev.misses_per_step + 1e-9
+            assert p.zero_miss_step_share >= prev.zero_miss_step_share - 1e-9
+            assert p.token_hit_rate >= prev.token_hit_rate - 1e-12
+            assert p.decode_tok_s >= prev.decode_tok_s - 1e-9
+        prev = p
+    assert prev.misses_per_step < 0.5  # nearly everything cached
+
+
+def test_resident_has_no_miss_term_and_tiered_does():
+    model, hw = toy_model(), toy_hw()
+    res = predict(model, hw, Placement(), CAL)
+    assert res.misses_per_step is None and res.zero_miss_step_share is None
+    host = predict(model, hw, Placement(expert_tier="host", gpu_expert_cache_gib=0.05), CAL)
+    nvme = predict(model, hw, Placement(expert_tier="nvme", gpu_expert_cache_gib=0.05, host_arena_gib=0.05), CAL)
+    assert any(t.name == MISS_HOST for t in host.terms)
+    assert any(t.name == MISS_NVME for t in nvme.terms)
+    assert host.decode_tok_s < res.decode_tok_s
+
+
+def test_miss_bytes_double_when_link_halves():
+    model = toy_model()
+    pl = Placement(expert_tier="host", gpu_expert_cache_gib=0.05)
+    fast = decode_step(model, toy_hw(h2d=25.0), pl, CAL)
+    slow = decode_step(model, toy_hw(h2d=12.5), pl, CAL)
+    f = next(t for t in fast.terms if t.name == MISS_HOST)
+    s = next(t for t in slow.terms if t.name == MISS_HOST)
+    assert s.parts["link.h2d_eff"] == pytest.approx(2 * f.parts["link.h2d_eff"])
+    assert s.parts["link.fetch_latency_us"] == pytest.approx(f.parts["link.fetch_latency_us"])
+
+
+def test_union_grows_with_concurrency_sublinearly():
+    model, hw = toy_model(), toy_hw()
+    unions = [decode_step(model, hw, Placement(max_num_seqs=64), CAL, c).union_per_layer for c in (1, 2, 4, 8, 16)]
+    assert unions[0] == pytest.approx(model.top_k, rel=1e-6)  # one token reads exactly its top-k
+    for a, b in zip(unions, unions[1:]):
+        assert a < b < 2 * a
+    assert unions[-1] <= model.n_routed_experts
+    agg = [predict(model, hw, Placement(max_num_seqs=64, concurrency=c), CAL).aggregate_tok_s for c in (1, 4, 16)]
+    assert agg[0] < agg[1] < agg[2]
+    assert agg[2] < 16 * agg[0]
+
+
+def test_union_is_not_k_times_tokens():
+    curve = curve_for(toy_model(), CAL.routing)
+    u = expected_union(curve, 64, 4, tokens_eff=8)
+    assert 4 < u < 32
+
+
+def test_tp_allreduce_only_with_tp():
+    model = toy_model()
+    one = decode_step(model, toy_hw(2), Placement(tp=1), CAL)
+    two = decode_step(model, toy_hw(2), Placement(tp=2), CAL)
+    assert not any(t.name == ALLREDUCE for t in one.terms)
+    ar = next(t for t in two.terms if t.name == ALLREDUCE)
+    assert ar.parts["family.allreduce_latency_us"] == 2 * model.num_layers * (2 - 1)
+    assert term(two, DENSE) == pytest.approx(term(one, DENSE) / 2)
+
+
+def test_mtp_tokens_per_step_from_acceptance():
+    model, hw = toy_model(), toy_hw()
+    assert predict(model, hw, Placement(mtp=2), CAL).tokens_per_step == pytest.approx(2.4)
+    assert predict(model, hw, Placement(mtp=2, mtp_acceptance=2.9), CAL).tokens_per_step == pytest.approx(2.9)
+    assert predict(model, hw, Placement(), CAL).tokens_per_step == 1.0
+    with_mtp = decode_step(model, hw, Placement(mtp=2), CAL)
+    assert with_mtp.union_per_layer > decode_step(model, hw, Placement(), CAL).union_per_layer
+
+
+def test_prediction_fields_consistent():
+    model, hw = toy_model(), toy_hw()
+    p = predict(model, hw, Placement(mtp=1), CAL)
+    assert p.step_ms == pytest.approx(sum(t.ms for t in p.terms), rel=1e-3)
+    assert sum(t.share for t in p.terms) == pytest.approx(1.0, abs=1e-3)
+    assert p.decode_tok_s == pytest.approx(p.tokens_per_step / p.step_ms * 1e3, rel=1e-3)
+    assert p.bottleneck == max(p.terms, key=lambda t: t.ms).name
+    assert p.prefill_tok_s > 0 and p.ttft_ms > p.step_ms
+
+
+def test_bad_kv_dtype_names_the_fix():
+    from moetplan.errors import UsageError
+
+    with pytest.raises(UsageError, match="kv_dtype"):
+        predict(toy_model(), toy_hw(), Placement(kv_dtype="nvfp4"), CAL)
+
+
+def test_too_few_gpus_is_a_usage_error():
+    from moetplan.errors import UsageError
+
+    with pytest.raises(UsageError, match="tp x pp"):
+        predict(toy_model(), toy_hw(1), Placement(tp=2), CAL)
+
+
+# --------------------------------------------------------------------------- routing locality
+
+
+@pytest.mark.parametrize("points,tol", [
+    ([(0.19, 0.96)], 0.005),  # DeepSeek-V4-Flash
+    ([(0.20, 0.89), (0.51, 0.91)], 0.02),  # GLM-5.2: not jointly concave-consistent, so a compromise
+])
+def test_coverage_curve_passes_through_published_points(points, tol):
+    model = toy_model(coverage_points=points)
+    for x, y in points:
+        assert coverage(model, x, CAL) == pytest.approx(y, abs=tol)
+
+
+def test_coverage_curve_shape():
+    for pts in ([(0.19, 0.96)], [(0.20, 0.89), (0.51, 0.91)], []):
+        model = toy_model(coverage_points=pts)
+        xs = np.linspace(0, 1, 101)
+        ys = np.array([coverage(model, x, CAL) for x in xs])
+        assert ys[0] == pytest.approx(0.0, abs=1e-12) and ys[-1] == pytest.approx(1.0, abs=1e-12)
+        assert np.all(np.diff(ys) >= -1e-12)  # monotone
+        assert np.all(np.diff(ys, 2) <= 1e-9)  # concave: hottest experts cached first
+
+
+def test_default_curve_is_flatter_than_measured():
+    measured = toy_model(coverage_points=[(0.19, 0.96)])
+    unmeasured = toy_model(coverage_points=[])
+    assert coverage(unmeasured, 0.19, CAL) < coverage(measured, 0.19, CAL) - 0.05
+
+
+# --------------------------------------------------------------------------- correlated misses
+
+
+def test_bb_zero_prob_matches_simulation():
+    rng = np.random.default_rng(7)
+    n, mu, rho = 100, 0.02, 0.05
+    s = (1 - rho) / rho
+    q = rng.beta(mu * s, (1 - mu) * s, size=200_000)
+    sim = float(np.mean(rng.binomial(n, q) == 0))
+    assert bb_zero_prob(n, mu, rho) == pytest.approx(sim, abs=0.01)
+    assert bb_zero_prob(n, mu, 0.0) == pytest.approx((1 - mu) ** n)
+
+
+def test_glm_example_independent_vs_correlated():
+    # FACTS.md: a GLM step routes ~600 (token, expert) pairs; 99.9% token hits leave ~45% of steps with a miss
+    # if misses were independent.
+    independent = 1 - bb_zero_prob(600, 0.001, 0.0)
+    assert independent == pytest.approx(0.45, abs=0.01)
+    correlated = 1 - bb_zero_prob(600, 0.001, 0.01)
+    assert correlated < independent - 0.1
+    # Stronger correlation, fewer miss steps (the mean miss count is the same).
+    assert 1 - bb_zero_prob(600, 0.001, 0.05) < correlated
+
+
+def test_correlation_keeps_mean_misses_and_lowers_miss_steps():
+    model = toy_model(n_routed_experts=256, top_k=8, moe_layers=75, num_layers=78,
+                      coverage_points=[(0.2, 0.89), (0.51, 0.91)])
+    curve = curve_for(model, CAL.routing)
+    ind = miss_stats(curve, 256, 8, 75, 1.0, 0.9, 0.0)
+    cor = miss_stats(curve, 256, 8, 75, 1.0, 0.9, 0.01)
+    assert cor.misses_per_step == pytest.approx(ind.misses_per_step)
+    assert ind.p_step_miss == pytest.approx(ind.p_step_miss_independent, rel=1e-6)
+    assert cor.p_step_miss < ind.p_step_miss
+    assert cor.layers_with_miss < ind.layers_with_miss
+    # Steps that do miss fetch more experts each: misses cluster.
+    assert cor.misses_per_step / cor.p_step_miss > ind.misses_per_step / ind.p_step_miss
+    assert math.isfinite(cor.p_step_miss)
+
+
+def test_gate_recomputes_cost_their_share_of_the_step():
+    from moetplan.cost_model.terms import GATE
+    from moetplan.plan.schema import Gate
+
+    model, hw = toy_model(), toy_hw()
+    base = Placement(fp4_reserve_gib=0.02)
+    off = predict(model, hw, base, CAL)
+    on = predict(model, hw, base.model_copy(update={"gate": Gate(enabled=True)}), CAL)
+    assert off.gate_fire_share is None and on.gate_fire_share == CAL.routing.gate_fire_share
+    assert on.step_ms == pytest.approx(off.step_ms * (1 + CAL.routing.gate_fire_share), rel=1e-3)
+    assert any(t.name == GATE for t in on.terms)
+
+
+def test_zero_rates_and_dense_models_are_usage_errors():
+    from moetplan.errors import UsageError
+
+    with pytest.raises(UsageError, match="zero rate"):
+        predict(toy_model(), toy_hw(bw=0.0), Placement(), CAL)
+    with pytest.raises(UsageError, match="no routed experts"):
+        predict(toy_model(n_routed_experts=0), toy_hw(), Placement(), CAL)

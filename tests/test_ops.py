@@ -1,0 +1,357 @@
+"""CPU tests of the MoE op layer: the torch reference path, its inputs and errors, and an emulation of the
+kernels' register decode (the bit tricks in csrc/moe_kernels.cu) checked against the format's values."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moetplan.errors import UsageError
+from moetplan.runtime import kernels, ops
+from moetplan.runtime.format import (
+    RowLayout,
+    dequantize_2bit,
+    dequantize_fp4,
+    pack_expert_row,
+    quantize_2bit,
+    quantize_fp4,
+    row_views,
+    unpack_expert_row,
+)
+
+
+def _rng(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _pool(layout: RowLayout, n_slots: int, seed: int) -> torch.Tensor:
+    """Random but valid rows: any code byte is a valid code; scales in a realistic UE8M0 range."""
+    g = _rng(seed)
+    pool = torch.randint(0, 256, (n_slots, layout.stride), generator=g, dtype=torch.uint8)
+    for name in ("w13_s", "w2_s"):
+        off, size = getattr(layout, f"{name}_off"), getattr(layout, f"{name}_size")
+        pool[:, off:off + size] = torch.randint(118, 128, (n_slots, size), generator=g, dtype=torch.uint8)
+    return pool
+
+
+def _naive(x, ids, w, pool, slot_of, layout, fp4_pool=None, fp4_slot_of=None, fp4_layout=None, limit=None):
+    """Float64, one pair at a time, through format.py's own unpacker: independent of ops.py's grouping and LUTs."""
+    T, H = x.shape
+    out = torch.zeros(T, H, dtype=torch.float64)
+    ir = layout.inter_per_rank
+    for t in range(T):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if fp4_slot_of is not None and int(fp4_slot_of[e]) >= 0:
+                w13, w2 = unpack_expert_row(fp4_pool[int(fp4_slot_of[e])], fp4_layout, torch.float64)
+            else:
+                w13, w2 = unpack_expert_row(pool[int(slot_of[e])], layout, torch.float64)
+            h = w13 @ x[t].double()
+            gate, up = h[:ir], h[ir:]
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            out[t] += float(w[t, j]) * (w2 @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def _routing(T, k, E, seed):
+    g = _rng(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, k, generator=g), dim=-1)
+    return ids, w
+
+
+def _rel(a, b):
+    return float(torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double()))
+
+
+# ------------------------------------------------------------------------------------------------ dequantization
+
+
+@pytest.mark.parametrize("fmt", ["2bit", "fp4"])
+def test_dequantize_rows_matches_format(fmt):
+    g = _rng(1)
+    w = torch.randn(48, 256, generator=g) * 0.02
+    q, s = (quantize_2bit if fmt == "2bit" else quantize_fp4)(w)
+    ref = (dequantize_2bit if fmt == "2bit" else dequantize_fp4)(q, s, torch.float32)
+    got = ops.dequantize_rows(q, s, fmt)
+    assert torch.equal(got, ref)
+
+
+def test_expert_weights_matches_unpack():
+    lay = RowLayout.for_expert(128, 64, fmt="2bit")
+    g = _rng(2)
+    row = pack_expert_row(torch.randn(128, 128, generator=g), torch.randn(128, 64, generator=g), lay)
+    w13, w2 = ops.expert_weights(row, lay)
+    r13, r2 = unpack_expert_row(row, lay, torch.float32)
+    assert torch.equal(w13, r13) and torch.equal(w2, r2)
+
+
+# ------------------------------------------------------------------------------------------------ the reference op
+
+
+@pytest.mark.parametrize("T,k,E", [(1, 6, 16), (5, 8, 16), (24, 4, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_matches_naive(T, k, E, dtype):
+    lay = RowLayout.for_expert(128, 64, fmt="2bit")
+    pool = _pool(lay, E + 3, seed=T * 10 + k)
+    slot_of = torch.randperm(E + 3, generator=_rng(5))[:E].to(torch.int32)
+    ids, w = _routing(T, k, E, seed=T)
+    x = (torch.randn(T, 128, generator=_rng(7)) * 0.5).to(dtype)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert got.dtype == dtype and got.shape == (T, 128)
+    ref = _naive(x, ids, w, pool, slot_of, lay)
+    assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_reference_fp4_reserve_and_clamp():
+    lay2 = RowLayout.for_expert(96, 64, fmt="2bit")
+    lay4 = RowLayout.for_expert(96, 64, fmt="fp4")
+    E = 12
+    pool = _pool(lay2, E, seed=1)
+    fpool = _pool(lay4, 4, seed=2)
+    slot_of = torch.arange(E, dtype=torch.int32)
+    f4 = torch.full((E,), -1, dtype=torch.int32)
+    f4[torch.tensor([1, 4, 7, 9])] = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    ids, w = _routing(9, 6, E, seed=3)
+    x = torch.randn(9, 96, generator=_rng(4))
+    for limit in (None, 0.02):
+        got = ops.moe_forward(x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, swiglu_limit=limit)
+        ref = _naive(x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, limit=limit)
+        assert _rel(got, ref) < 1e-5
+    # The FP4 copy really is used: dropping it changes the result.
+    plain = ops.moe_forward(x, ids, w, pool, slot_of, lay2)
+    assert _rel(plain, got) > 1e-3
+
+
+def test_clamp_changes_result_when_active():
+    lay = RowLayout.for_expert(64, 32)
+    pool = _pool(lay, 4, seed=9)
+    ids, w = _routing(3, 2, 4, seed=1)
+    x = torch.randn(3, 64, generator=_rng(1)) * 4
+    a = ops.moe_forward(x, ids, w, pool, torch.arange(4), lay)
+    b = ops.moe_forward(x, ids, w, pool, torch.arange(4), lay, swiglu_limit=1e-3)
+    assert _rel(a, b) > 0.1
+
+
+def test_duplicate_experts_and_out_param():
+    lay = RowLayout.for_expert(64, 32)
+    pool = _pool(lay, 3, seed=3)
+    ids = torch.tensor([[0, 0], [2, 0], [2, 2], [1, 0]])  # an expert twice for one token is summed twice
+    w = torch.tensor([[0.5, 0.25], [1.0, 2.0], [0.1, 0.2], [0.3, 0.7]])
+    x = torch.randn(4, 64, generator=_rng(2))
+    out = torch.full((4, 64), float("nan"))
+    res = ops.moe_forward(x, ids, w, pool, torch.tensor([2, 0, 1], dtype=torch.int32), lay, out=out)
+    assert res is out and torch.isfinite(out).all()
+    ref = _naive(x, ids, w, pool, torch.tensor([2, 0, 1]), lay)
+    assert _rel(out, ref) < 1e-5
+
+
+def test_reference_deterministic():
+    lay = RowLayout.for_expert(128, 64)
+    pool = _pool(lay, 16, seed=4)
+    ids, w = _routing(32, 8, 16, seed=4)
+    x = torch.randn(32, 128, generator=_rng(4))
+    a = ops.moe_forward(x, ids, w, pool, torch.arange(16), lay)
+    b = ops.moe_forward(x, ids, w, pool, torch.arange(16), lay)
+    assert torch.equal(a, b)
+
+
+def test_zero_tokens():
+    lay = RowLayout.for_expert(64, 32)
+    pool = _pool(lay, 2, seed=1)
+    out = ops.moe_forward(torch.zeros(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), pool,
+                          torch.arange(2), lay)
+    assert out.shape == (0, 64)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def test_missing_expert_raises_residency_error():
+    lay = RowLayout.for_expert(64, 32)
+    pool = _pool(lay, 2, seed=1)
+    with pytest.raises(ops.ResidencyError, match=r"\[2\].*fetch them"):
+        ops.moe_forward(torch.randn(1, 64), torch.tensor([[0, 2]]), torch.ones(1, 2), pool,
+                        torch.tensor([0, 1, -1]), lay)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(x=torch.randn(2, 32)), "x must be"),
+        (dict(x=torch.randn(2, 64).double()), "bfloat16, float16 or float32"),
+        (dict(ids=torch.zeros(3, 2, dtype=torch.long)), "topk_ids must be"),
+        (dict(ids=torch.zeros(2, 2)), "integer"),
+        (dict(w=torch.ones(2, 3)), "topk_weights"),
+        (dict(pool=torch.zeros(2, 100, dtype=torch.uint8)), "row stride"),
+        (dict(ids=torch.tensor([[0, 5], [1, 1]])), r"outside \[0, 2\)"),
+        (dict(out=torch.zeros(2, 64, dtype=torch.bfloat16)), "out must be"),
+        (dict(fp4_only=True), "go together"),
+    ],
+)
+def test_bad_inputs_name_the_problem(change, match):
+    lay = RowLayout.for_expert(64, 32)
+    args = dict(x=torch.randn(2, 64), ids=torch.zeros(2, 2, dtype=torch.long), w=torch.ones(2, 2),
+                pool=_pool(lay, 2, seed=0), out=None)
+    fp4_only = change.pop("fp4_only", False)
+    args.update(change)
+    with pytest.raises(UsageError, match=match):
+        ops.moe_forward(args["x"], args["ids"], args["w"], args["pool"], torch.arange(2), lay,
+                        fp4_pool=args["pool"] if fp4_only else None, out=args["out"])
+
+
+def test_fp4_layout_must_match():
+    lay = RowLayout.for_expert(64, 32)
+    lay4 = RowLayout.for_expert(64, 64, fmt="fp4")
+    with pytest.raises(UsageError, match="does not match"):
+        ops.moe_forward(torch.randn(1, 64), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1),
+                        _pool(lay, 1, 0), torch.arange(1), lay, _pool(lay4, 1, 0), torch.arange(1), lay4)
+
+
+# ------------------------------------------------------------------------------------------------ kernel emulation
+# The CUDA decode builds bf16 values with byte permutes and exponent arithmetic; these tests run the same integer
+# formulas in numpy over every scale byte, so a wrong mask or shift fails here, without a GPU.
+
+
+def _byte_perm(x: int, y: int, s: int) -> int:
+    src = (x & 0xFFFFFFFF) | ((y & 0xFFFFFFFF) << 32)
+    out = 0
+    for i in range(4):
+        sel = (s >> (4 * i)) & 0xF
+        assert sel < 8, "the kernel never uses the sign-replicate mode"
+        out |= ((src >> (8 * sel)) & 0xFF) << (8 * i)
+    return out
+
+
+def _bf16_bits_to_float(bits: int) -> float:
+    return float(np.array([bits << 16], dtype=np.uint32).view(np.float32)[0])
+
+
+def _decode_2bit(w: int, b: int) -> list[tuple[float, float]]:
+    h = b >> 1
+    table = (h * 0x01010101 + 0x81800100) & 0xFFFFFFFF
+    low = (b & 1) << 7
+    shifts = [("l", 4), ("l", 2), ("n", 0), ("r", 2), ("r", 12), ("r", 14), ("r", 16), ("r", 18)]
+    regs = []
+    for d, n in shifts:
+        v = (w << n) if d == "l" else (w >> n)
+        regs.append(_byte_perm(table, low, ((v & 0x3030) | 0x0404)))
+    return [(_bf16_bits_to_float(r & 0xFFFF), _bf16_bits_to_float(r >> 16)) for r in regs]
+
+
+def test_decode_2bit_emulation_all_scales():
+    g = np.random.default_rng(0)
+    lo = [0, 1, 2, 3, 8, 9, 10, 11]  # register r holds weights (lo[r], lo[r] + 4)
+    from moetplan.runtime.format import CODE_VALUES
+
+    # b=0 (2^-127) decodes +-1 to zero and b>=253 overflows +-4 (as in float32): documented, never quantized
+    # from real weights (|w| would have to be ~1e-38 or ~1e38).
+    for b in range(1, 253):
+        for w in [int(v) for v in g.integers(0, 2**32, 3)] + [0, 0xFFFFFFFF]:
+            regs = _decode_2bit(w, b)
+            for r, (a, c) in enumerate(regs):
+                for j, got in ((lo[r], a), (lo[r] + 4, c)):
+                    code = (w >> (2 * j)) & 3
+                    assert got == math.ldexp(CODE_VALUES[code], b - 127), (b, w, r, j)
+
+
+def test_decode_fp4_emulation_all_scales():
+    vals = torch.tensor(list(range(16)), dtype=torch.int64)
+    from moetplan.runtime.format import e2m1_values
+
+    e2m1 = e2m1_values(torch.float64)
+    for b in range(0, 255):
+        for w in (0x76543210, 0xFEDCBA98, 0x0F1E2D3C):
+            for j in range(4):
+                n = w >> (4 * j)
+                bits = ((n << 6) & 0x01C001C0) | ((n << 12) & 0x80008000)
+                pair = torch.tensor([bits & 0xFFFF, bits >> 16], dtype=torch.int32).to(torch.int16)
+                v = pair.view(torch.bfloat16)
+                e = b - 1
+                if e <= 127:
+                    m = torch.tensor(2.0**e, dtype=torch.bfloat16)
+                    v = v * m
+                else:
+                    v = (v * torch.tensor(2.0**126, dtype=torch.bfloat16)) * torch.tensor(2.0 ** (b - 127),
+                                                                                        dtype=torch.bfloat16)
+                for half, idx in ((0, j), (1, j + 4)):
+                    nib = (w >> (4 * idx)) & 15
+                    want = float(e2m1[nib]) * 2.0 ** (b - 127)
+                    got = float(v[half])
+                    # bf16 keeps the exact value except where it underflows bf16's subnormal range
+                    if (abs(want) >= 2.0**-133 or want == 0) and abs(want) < 2.0**127:
+                        assert got == want, (b, hex(w), j, half)
+    assert vals.numel() == 16
+
+
+def test_perm8_matches_kernel_positions():
+    k = 64
+    t = torch.arange(k, dtype=torch.float32).view(1, k)
+    p = ops._perm8(t)[0]
+
+    def perm_pos(i):  # the kernel's perm_pos()
+        return (i & ~7) + 2 * (i & 3) + ((i >> 2) & 1)
+
+    for i in range(k):
+        assert int(p[perm_pos(i)]) == i
+    assert sorted(p.tolist()) == list(range(k))
+
+
+# ------------------------------------------------------------------------------------------------ kernels module
+
+
+def test_cpu_falls_back_with_reason(monkeypatch, caplog):
+    kernels.reset_for_tests()
+    assert kernels.get_module() is None or torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        assert "CUDA" in (kernels.fallback_reason() or "")
+        with caplog.at_level("WARNING", logger="moetplan.kernels"):
+            kernels.note_fallback()
+            kernels.note_fallback()
+        assert sum("reference path" in r.message for r in caplog.records) == 1
+    kernels.reset_for_tests()
+
+
+def test_kernels_off_env(monkeypatch):
+    kernels.reset_for_tests()
+    monkeypatch.setenv("MOETPLAN_KERNELS", "off")
+    assert kernels.get_module() is None
+    assert kernels.fallback_reason() == "MOETPLAN_KERNELS=off"
+    kernels.reset_for_tests()
+
+
+def test_arch_normalisation_and_flags():
+    assert kernels.normalize_archs(["sm_90", "8.6", "120"]) == ["12.0", "8.6", "9.0"] or \
+        sorted(kernels.normalize_archs(["sm_90", "8.6", "120"])) == ["12.0", "8.6", "9.0"]
+    assert kernels.normalize_archs(["all"]) == list(kernels.SUPPORTED_ARCHS)
+    with pytest.raises(UsageError, match="Unsupported CUDA arch '7.5'"):
+        kernels.normalize_archs(["sm_75"])
+    flags = kernels.gencode_flags(["8.0", "12.0"])
+    assert "-gencode=arch=compute_80,code=sm_80" in flags
+    assert "-gencode=arch=compute_120,code=compute_120" in flags  # PTX of the newest target for future chips
+
+
+def test_build_key_changes_with_archs():
+    assert kernels.build_key(["9.0"]) != kernels.build_key(["8.0"])
+    assert kernels.source_dir().joinpath("moe_kernels.cu").is_file()
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the no-CUDA-torch message")
+def test_build_kernels_command_fails_clearly_without_cuda_torch():
+    from moetplan.cli import app
+
+    res = CliRunner().invoke(app, ["build-kernels", "--json", "--arch", "9.0"])
+    assert res.exit_code != 0
+    assert "no CUDA support" in res.output
+
+
+def test_row_views_agree_with_sections():
+    lay = RowLayout.for_expert(64, 32, fmt="fp4")
+    row = _pool(lay, 1, 3)[0]
+    a = row_views(row, lay)
+    b = ops._sections(row, lay)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
