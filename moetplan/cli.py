@@ -23,6 +23,7 @@ from moetplan.runtime.quantize_ckpt import quantize_command; app.command("quanti
 from moetplan.cost_model.command import calibrate_command; app.command("calibrate")(calibrate_command)  # noqa: E402,E702
 from moetplan.launch.run import run_command; app.command("run")(run_command)  # noqa: E402,E702
 from moetplan.runtime.kernels import build_kernels_command; app.command("build-kernels")(build_kernels_command)  # noqa: E402,E702
+from moetplan.runtime.trace import replay_command; app.command("replay")(replay_command)  # noqa: E402,E702
 # --- end registrations ---
 
 

@@ -316,3 +316,21 @@ def test_runtime_kpis_come_from_the_server_record_and_metrics(tmp_path: Path) ->
     with fake() as srv:
         rec = run_bench(srv.url, plan=plan_path, **{**FAST, "probes": False, "needle_lens": ()})
     assert rec.runtime == {}
+
+
+def test_keepalives_without_tokens_count_as_a_stall() -> None:
+    t0 = time.monotonic()
+    with fake(modes={"trickle"}, fail_after_chunks=1, fail_filter=lambda b: b["max_tokens"] == 16) as srv:
+        rec = run_bench(srv.url, **{**FAST, "timeout": 0.4, "probes": False, "needle_lens": ()})
+    assert time.monotonic() - t0 < 20
+    assert any(e.startswith("decode_tok_s") and "no tokens for 0.4 s although the connection is alive" in e
+               for e in rec.errors)
+    assert set(rec.measured["prefill_by_len"]) == {"128", "512"}  # max_tokens=1 requests are unaffected
+
+
+def test_error_event_mid_stream_is_reported() -> None:
+    with fake(modes={"error_event"}, fail_after_chunks=1) as srv:
+        rec = run_bench(srv.url, **{**FAST, "probes": False, "needle_lens": ()})
+    assert any(e.startswith("decode_tok_s") and "server error mid-stream: engine died (fake)" in e
+               for e in rec.errors)
+    assert "decode_tok_s" not in rec.measured and rec.measured["prefill_by_len"]

@@ -27,7 +27,7 @@ def test_every_metric_gets_a_row_with_its_error() -> None:
     r = rows_by_metric(rows)
     assert r["decode_tok_s"]["error_pct"] == pytest.approx(-20.0)
     assert r["prefill_tok_s"]["error_pct"] == pytest.approx(20.0) and "2048" in r["prefill_tok_s"]["note"]
-    assert r["ttft_ms"]["error_pct"] == pytest.approx(25.0)
+    assert r["ttft_ms"]["error_pct"] == pytest.approx(25.0) and r["ttft_ms"]["note"] == ""
     assert r["token_hit_rate"]["error_pct"] == pytest.approx(-10.0) and r["token_hit_rate"]["source"] == "runtime"
     assert r["zero_miss_step_share"]["error_pct"] == 0.0
     assert r["misses_per_step"]["error_pct"] == pytest.approx(50.0)
@@ -79,4 +79,5 @@ def test_bench_record_compares_against_its_plan() -> None:
         assert r[metric]["measured"] == pytest.approx(
             run.measured["batch_curve"]["2"] if metric == "aggregate_tok_s" else run.measured[metric])
         assert r[metric]["error_pct"] is not None
+    assert r["ttft_ms"]["note"] == f"at ~{run.measured['ttft_prompt_tokens']} prompt tokens"
     assert placement_mismatches(plan, run) == []

@@ -37,6 +37,7 @@ def test_glm_on_four_pro6000_resident_is_memory_bandwidth_bound_on_expert_reads(
     reads = sum(t.ms for t in single.terms if t.name in (DENSE, EXPERTS))
     assert reads > next(t.ms for t in single.terms if t.name == ALLREDUCE)
     assert 60 < single.decode_tok_s < 160  # vLLM-Moet: 105 tok/s
+    assert single.bottleneck.startswith("memory bandwidth") and EXPERTS in single.bottleneck
     batched = predict(glm, hw, Placement(tp=4, context=131072, mtp=2, max_num_seqs=4, concurrency=4))
     assert batched.bottleneck == EXPERTS
     assert batched.aggregate_tok_s > single.decode_tok_s

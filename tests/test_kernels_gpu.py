@@ -72,9 +72,9 @@ SHAPES = [(4096, 2048), (6144, 2048), (7168, 2048), (7168, 1024), (6144, 512), (
 
 @pytest.mark.parametrize("H,I", SHAPES)
 @pytest.mark.parametrize("k", [6, 8])
-@pytest.mark.parametrize("T", [1, 2, 5, 8, 64])
+@pytest.mark.parametrize("T", [1, 3, 8, 64])
 def test_decode_matches_reference(mod, H, I, k, T):
-    x, ids, w, pool, slot_of, lay, _ = _case(H, I, k, T, E=64 if T == 64 else 32, seed=H + I + k + T)
+    x, ids, w, pool, slot_of, lay, _ = _case(H, I, k, T, E=128 if T == 64 else 32, seed=H + I + k + T)
     got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
     ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
     assert got.dtype == x.dtype
@@ -111,6 +111,13 @@ def test_prefill_matches_reference(mod, T, E):
     got = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
     ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
     assert _rel(got, ref.float()) < PREFILL_TOL
+
+
+def test_int32_ids_and_fp16_x(mod):
+    x, ids, w, pool, slot_of, lay, extra = _case(6144, 1024, 8, 5, fmt_mix=True, dtype=torch.float16, seed=4)
+    got = ops.moe_forward(x, ids.to(torch.int32), w, pool, slot_of, lay, **extra)
+    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
+    assert got.dtype == torch.float16 and _rel(got, ref.float()) < 2e-3
 
 
 def test_deterministic_run_to_run(mod):

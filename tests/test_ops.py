@@ -288,17 +288,14 @@ def test_decode_fp4_emulation_all_scales():
     assert vals.numel() == 16
 
 
-def test_perm8_matches_kernel_positions():
-    k = 64
-    t = torch.arange(k, dtype=torch.float32).view(1, k)
-    p = ops._perm8(t)[0]
-
-    def perm_pos(i):  # the kernel's perm_pos()
-        return (i & ~7) + 2 * (i & 3) + ((i >> 2) & 1)
-
-    for i in range(k):
-        assert int(p[perm_pos(i)]) == i
-    assert sorted(p.tolist()) == list(range(k))
+def test_b_operand_pairing_matches_decode():
+    """load_b8 (bf16): registers (x[j], x[j+4]) for j = 0..3, the pairing the code decode produces."""
+    xs = [0x1000 + i for i in range(8)]  # 8 bf16 bit patterns, distinct
+    v = [xs[0] | xs[1] << 16, xs[2] | xs[3] << 16, xs[4] | xs[5] << 16, xs[6] | xs[7] << 16]
+    regs = [_byte_perm(v[0], v[2], 0x5410), _byte_perm(v[0], v[2], 0x7632),
+            _byte_perm(v[1], v[3], 0x5410), _byte_perm(v[1], v[3], 0x7632)]
+    for j, r in enumerate(regs):
+        assert (r & 0xFFFF, r >> 16) == (xs[j], xs[j + 4])
 
 
 # ------------------------------------------------------------------------------------------------ kernels module

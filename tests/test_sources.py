@@ -67,6 +67,21 @@ def test_fp8_fast_matches_reference(scale_kind):
     np.testing.assert_array_equal(fast.numpy(), ref)
     _agree_values(fast[:, :64].contiguous())
     _agree_values(fast[:40].contiguous())
+    _direct_fp8_agrees(w, scale, ref)
+
+
+def _direct_fp8_agrees(w: np.ndarray, scale: np.ndarray, ref: np.ndarray, zero_mode: str = "auto") -> None:
+    """The direct FP8 path (code thresholds, no float64 weights) == the reference on the exact values."""
+    n, k = w.shape
+    s32 = S.fp8_scale_per_block32(scale, n, k)
+    q, sb, mode = S.fp8_quantize(w, s32, "2bit", zero_mode)
+    cr, sr = F.quantize_2bit_reference(ref, zero_mode)
+    np.testing.assert_array_equal(sb.numpy(), sr)
+    np.testing.assert_array_equal(q.numpy(), cr)
+    n4, s4, _ = S.fp8_quantize(w, s32, "fp4")
+    nr, s4r = F.quantize_fp4_reference(ref)
+    np.testing.assert_array_equal(n4.numpy(), nr)
+    np.testing.assert_array_equal(s4.numpy(), s4r)
 
 
 def test_fp8_zeros_are_balanced():
@@ -76,6 +91,13 @@ def test_fp8_zeros_are_balanced():
     v = S.dequantize_fp8(w, np.ones((1, 1), np.float32))
     assert F.resolve_zero_mode(v) == "balanced"
     _agree_values(v)
+    _direct_fp8_agrees(w, np.ones((1, 1), np.float32), v.numpy())
+    assert S.fp8_quantize(w, S.fp8_scale_per_block32(np.ones(1, np.float32), 32, 64))[2] == "balanced"
+    with pytest.raises(ConfigError, match="positive"):
+        S.fp8_quantize(w, -torch.ones(32, 2, dtype=torch.float64))
+    w[3, 5] = 0xFF
+    with pytest.raises(ConfigError, match="NaN"):
+        S.fp8_quantize(w, torch.ones(32, 2, dtype=torch.float64))
 
 
 def test_nvfp4_fast_matches_reference():

@@ -54,7 +54,7 @@ def assert_kernel_view_correct(store: ExpertStore) -> None:
 op = st.tuples(st.integers(0, 3), st.integers(0, L - 1), st.lists(st.integers(0, E - 1), min_size=1, max_size=6))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["host", "pagecache", "arena"]), slots=st.integers(6, 14),
        ops=st.lists(op, min_size=1, max_size=40))
 def test_property_bytes_bound_and_pins(kind, slots, ops):
@@ -119,14 +119,33 @@ def test_step_pins_hold_and_overflow_is_a_clear_error():
     store = ExpertStore(_backing("host"), 5)
     store.ensure(0, [[0, 1]])
     store.ensure(1, [[2, 3]])
+    calls = store.stats()["decode"]["calls"]
     with pytest.raises(StoreCapacityError) as ei:
         store.ensure(2, [[4, 5]])  # 4 pinned + 2 new > 5 slots
+    assert store.stats()["decode"]["calls"] == calls  # a refused call is not counted as served
     msg = str(ei.value)
     assert "gpu_expert_cache_gib" in msg and "max_num_seqs" in msg and "4 pinned" in msg
     assert {(0, 0), (0, 1), (1, 2), (1, 3)} <= store.resident()
     assert_kernel_view_correct(store)
     store.ensure(0, [[4, 5]])  # layer restarts: new step, old pins released, room again
     assert {(0, 4), (0, 5)} <= store.resident()
+    assert_kernel_view_correct(store)
+
+
+def test_refused_layer_can_be_retried_in_chunks_within_the_same_step():
+    """The op's fallback: ensure() refuses, ensure_chunks() on the same layer computes it; still one step."""
+    store = ExpertStore(_backing("host"), 4, protected_share=0.0)
+    store.ensure(0, [[0, 1]])
+    with pytest.raises(StoreCapacityError):
+        store.ensure(1, [[2, 3, 4]])
+    served = []
+    for mask, slots in store.ensure_chunks(1, np.array([[2, 3, 4]])):
+        served += np.array([2, 3, 4])[mask.numpy()[0]].tolist()
+        assert (slots.numpy()[mask.numpy()] >= 0).all()
+    assert sorted(served) == [2, 3, 4]
+    store.ensure(2, [[0]])  # the step goes on at the next layer
+    store.begin_step()
+    assert store.stats()["decode"]["steps"] + store.stats()["prefill"]["steps"] == 1
     assert_kernel_view_correct(store)
 
 

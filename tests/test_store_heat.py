@@ -95,3 +95,27 @@ def test_rebuilt_pack_changes_identity(pack):
     fresh = ExpertStore(PinnedHostStore(FileRowSource(pack, L, E, S), pin=False), 6)
     assert fresh.backing.identity != store.backing.identity
     assert restore_heat(fresh, progress=False) == 0
+
+
+def test_heat_keeper_saves_periodically_and_survives_a_bad_disk(pack, tmp_path, monkeypatch, caplog):
+    from moetplan.runtime import heat as heat_mod
+    from moetplan.runtime.heat import HeatKeeper
+
+    store = ExpertStore(PinnedHostStore(FileRowSource(pack, L, E, S), pin=False), 6)
+    keeper = HeatKeeper(store, every_s=0.0).attach()  # every_s=0: periodic saving off
+    store.ensure(0, [[1]])
+    store.begin_step()
+    assert keeper.saves == 0 and not heat_path(pack).exists()
+    keeper.every_s = 1e-9  # due at every step
+    store.ensure(0, [[2]])
+    store.begin_step()
+    assert keeper.saves == 1 and load_heat(heat_path(pack)).hot_sets()[0][:2] == [2, 1]
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(heat_mod, "atomic_write_text", full_disk)
+    caplog.set_level(logging.WARNING, logger="moetplan.store")
+    store.ensure(0, [[3]])
+    store.begin_step()  # no exception reaches the model runner
+    assert keeper.saves == 2 and "could not save" in caplog.text

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moetplan.errors import UsageError
-from moetplan.runtime.trace import Trace, fit_skew, main, replay, replay_curve, synthetic_trace
+from moetplan.runtime.trace import Trace, fit_skew, replay, replay_command, replay_curve, run_replay, synthetic_trace
 
 
 def test_synthetic_trace_shape_determinism_and_distinct_topk():
@@ -96,13 +96,48 @@ def test_save_load_round_trip_and_bad_files(tmp_path):
         synthetic_trace(2, 4, 5, 10)
 
 
-def test_command_line_json_and_table(tmp_path, capsys):
+def _cli():
+    import typer
+
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(replay_command)
+    return app
+
+
+def test_command_line_json_and_table(tmp_path):
+    from typer.testing import CliRunner
+
     out = tmp_path / "curve.json"
-    assert main(["--layers", "3", "--experts", "16", "--top-k", "2", "--steps", "40", "--shares", "0.2,0.5",
-                 "--json", "--out", str(out)]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    r = CliRunner().invoke(_cli(), ["--layers", "3", "--experts", "16", "--top-k", "2", "--steps", "40",
+                                    "--shares", "0.2,0.5", "--json", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
     assert json.loads(out.read_text()) == doc
-    assert [r["slots"] for r in doc["curve"]] == [10, 24] and doc["trace"]["experts"] == 16
-    assert main(["--layers", "3", "--experts", "16", "--top-k", "2", "--steps", "20"]) == 0
-    assert "zero-miss" in capsys.readouterr().out
-    assert main(["--trace", str(tmp_path / "missing.npz")]) == 2
+    assert [row["slots"] for row in doc["curve"]] == [10, 24] and doc["trace"]["experts"] == 16
+    r = CliRunner().invoke(_cli(), ["--layers", "3", "--experts", "16", "--top-k", "2", "--steps", "20"])
+    assert r.exit_code == 0 and "zero-miss" in r.stdout
+    r = CliRunner().invoke(_cli(), ["--trace", str(tmp_path / "missing.npz")])
+    assert isinstance(r.exception, UsageError) and "does not exist" in str(r.exception)
+    r = CliRunner().invoke(_cli(), ["--shares", "0.2,x"])
+    assert isinstance(r.exception, UsageError) and "--shares" in str(r.exception)
+
+
+def test_model_shape_comes_from_hwdb_and_skew_is_fitted():
+    from moetplan import hwdb
+
+    spec = hwdb.model_spec("deepseek-v4-flash")
+    doc = run_replay(model="deepseek-v4-flash", steps=12, shares=(0.19,), warmup=4)
+    t = doc["trace"]
+    assert (t["layers"], t["experts"], t["top_k"]) == (spec.moe_layers, spec.n_routed_experts, spec.top_k)
+    assert tuple(t["skew_fitted_to"]) == tuple(spec.coverage_points[0]) and t["skew"] > 0
+
+
+def test_registered_as_moetplan_replay():
+    from typer.testing import CliRunner
+
+    from moetplan.cli import app
+
+    r = CliRunner().invoke(app, ["replay", "--layers", "2", "--experts", "8", "--top-k", "2", "--steps", "10",
+                                 "--shares", "0.5", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["curve"][0]["slots"] == 8

@@ -162,5 +162,5 @@ def calibrate_command(
     con.print(f"median |error|: {mb:.1%} -> {ma:.1%}")
     for (r, m, pb), (_, _, pa) in zip(zm_before, zm_after):
         con.print(f"{r}: zero-miss step share measured {m:.0%}, predicted {pb:.0%} -> {pa:.0%} "
-                  f"(miss correlation {current.routing.miss_correlation:g} -> {new.routing.miss_correlation:g})")
+                  f"(miss correlation {current.routing.miss_correlation:.3g} -> {new.routing.miss_correlation:.3g})")
     con.print("not written (--dry-run)" if dry_run else f"written to {target}")

@@ -34,8 +34,7 @@ def _terms(step: DecodeStep, calib: Calibration, hw: HardwareProfile) -> tuple[l
     total = sum(ms for _, ms in rows)
     terms = [Term(name=t.name, ms=round(ms, 4), share=round(ms / total, 4) if total > 0 else 0.0,
                   note=t.note.strip() or None) for t, ms in rows]
-    bottleneck = max(rows, key=lambda r: r[1])[0].name if rows else ""
-    return terms, total, bottleneck
+    return terms, total, bottleneck_of(terms)
 
 
 def predict(model: ModelSpec, hw: HardwareProfile, placement: Placement,
@@ -102,6 +101,23 @@ RESOURCE = {
     "GPU interconnect": (ALLREDUCE, PIPELINE),
     "fixed overheads": (LAYER_OVH, STEP_OVH),
 }
+
+
+def bottleneck_of(terms: list[Term]) -> str:
+    """The resource that most of the step waits on. Dense, expert and KV reads share one memory bus, so they are
+    judged together: a step is memory-bandwidth bound when their sum is the largest, even if a single other term
+    (say the all-reduce) is larger than each of them alone. One dominant term keeps its own name."""
+    if not terms:
+        return ""
+    groups = [(res, sorted((t for t in terms if t.name in names), key=lambda t: -t.ms))
+              for res, names in RESOURCE.items()]
+    named = {n for names in RESOURCE.values() for n in names}
+    groups += [(t.name, [t]) for t in terms if t.name not in named]
+    res, ts = max(groups, key=lambda g: sum(t.ms for t in g[1]))
+    total = sum(t.ms for t in ts)
+    if len(ts) == 1 or ts[0].ms >= 0.8 * total:
+        return ts[0].name
+    return f"{res}: " + " + ".join(t.name for t in ts if t.ms >= 0.2 * total)
 
 
 def resource_split(terms: list[Term]) -> str:

@@ -230,7 +230,7 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
         t = TermSpec(DRAFT, note=f"{k_spec} draft pass(es)/step, {acc:.2f} tokens emitted/step")
         if model.mtp_layers > 0:
             mtp_params = model.mtp_params_b * 1e9
-            experts_in = model.n_routed_experts * model.expert_params
+            experts_in = model.mtp_layers * model.n_routed_experts * model.expert_params
             if mtp_params > experts_in:
                 mtp_params -= experts_in  # published MTP sizes include the layer's routed experts
             if mtp_params <= 0:

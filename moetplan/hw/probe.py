@@ -80,6 +80,7 @@ def run_probe(pack_dir: str | os.PathLike[str] | None = None, quick: bool = True
         gpu_report = query_gpus()
         host_report = query_host(try_cuda=bool(gpu_report.gpus))
     details["memlock_hard_bytes"] = host_report.memlock_hard_bytes
+    phase_s = details["phase_s"] = {"gpus_host": round(time.perf_counter() - t0, 2)}
     details["pinned_test"] = host_report.pinned_test
 
     profile = HardwareProfile(
@@ -98,8 +99,10 @@ def run_probe(pack_dir: str | os.PathLike[str] | None = None, quick: bool = True
         profile.storage = st.info
         details.update(test_file_mib=st.test_file_bytes // 1024**2, seq_mib_read=st.seq_bytes_read // 1024**2,
                        rand_reads=st.rand_reads, rand_queue_depth=st.rand_queue_depth)
+        phase_s["storage"] = round(time.perf_counter() - t0 - sum(phase_s.values()), 2)
     if profile.gpus:
         _measure_transfers(profile, quick, progress, details)
+        phase_s["transfers"] = round(time.perf_counter() - t0 - sum(phase_s.values()), 2)
     elif not gpu_report.warnings:
         profile.warnings.append("no GPU found")
     profile.measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -103,6 +103,10 @@ def filesystem_warnings(fs_type: str | None, path: str) -> list[str]:
     if base in RAM_FS:
         return [f"pack dir {path} is on {fs_type} (RAM): packs there eat the RAM the host tier needs and vanish on "
                 "reboot; use a directory on an NVMe drive"]
+    if base == "zfs":
+        return [f"pack dir {path} is on ZFS: before OpenZFS 2.3 O_DIRECT is accepted but reads still come from the "
+                "ARC cache, so measured rates can be RAM speed; trust the full probe's larger file, and note the ARC "
+                "competes with the host expert tier for RAM"]
     if base in NETWORK_FS or base == "fuse" or fs_type.lower().startswith("fuse"):
         return [f"pack dir {path} is on {fs_type} (network/FUSE filesystem): expert misses would travel over it; "
                 "use a local NVMe directory for --pack-dir"]
@@ -390,7 +394,8 @@ def probe_storage(pack_dir: str | os.PathLike[str] | None = None, quick: bool = 
         import psutil
 
         ram_bytes = psutil.virtual_memory().total
-    direct_expected = bool(getattr(os, "O_DIRECT", 0)) and (fs_type or "").split(".")[0] not in RAM_FS
+    # ZFS may honour O_DIRECT only on paper (ARC), so size its file like a buffered one.
+    direct_expected = bool(getattr(os, "O_DIRECT", 0)) and (fs_type or "").split(".")[0] not in (*RAM_FS, "zfs")
     target = _target_size(budget, quick, direct_expected, free, ram_bytes, warnings)
     if target < MIN_TEST_BYTES:
         warnings.append(f"only {free / MIB:.0f} MiB free in {path}: too little for a read test, disk rates not "

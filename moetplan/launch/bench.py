@@ -144,8 +144,11 @@ class BenchClient:
     async def aclose(self) -> None:
         await self._client.aclose()
 
+    async def get(self, path: str, timeout: float | None = None) -> httpx.Response:
+        return await self._client.get(path, timeout=timeout or self.timeout)
+
     async def get_json(self, path: str, timeout: float | None = None) -> tuple[Any, httpx.Headers]:
-        resp = await self._client.get(path, timeout=timeout or self.timeout)
+        resp = await self.get(path, timeout)
         resp.raise_for_status()
         return resp.json(), resp.headers
 
@@ -320,7 +323,7 @@ def machine_info() -> dict[str, Any]:
 
 
 async def _server_info(client: BenchClient, want_model: str | None) -> tuple[dict[str, Any], str | None, str | None]:
-    """(server info, model id to use, error). Reads /v1/models, plus /version and /metrics when they exist."""
+    """(server info, model id to use, error). Reads /v1/models, and vLLM's /version when there is one."""
     info: dict[str, Any] = {"url": client.url}
     try:
         data, headers = await client.get_json("/v1/models")
@@ -356,7 +359,7 @@ async def _server_info(client: BenchClient, want_model: str | None) -> tuple[dic
 async def runtime_metrics(client: BenchClient) -> dict[str, float]:
     """Gauges the moetplan runtime exports on /metrics as `moetplan_<kpi>` (Prometheus text), if any."""
     try:
-        resp = await client._client.get("/metrics", timeout=min(5.0, client.timeout))
+        resp = await client.get("/metrics", timeout=min(5.0, client.timeout))
         if resp.status_code != 200:
             return {}
     except httpx.HTTPError:

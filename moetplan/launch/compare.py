@@ -74,6 +74,8 @@ def compare(plan: Plan, run: RunRecord) -> list[CompareRow]:
             (measured, source), note = _lookup(run, metric), ""
         if metric == "prefill_tok_s" and source == "measured" and "prefill_len" in run.measured:
             note = f"at {run.measured['prefill_len']} prompt tokens"
+        if metric == "ttft_ms" and source == "measured" and "ttft_prompt_tokens" in run.measured:
+            note = f"at ~{run.measured['ttft_prompt_tokens']} prompt tokens"
         if measured is None:
             note = note or "not measured by this run"
         elif predicted is None:

@@ -15,6 +15,8 @@ be checked against known ones. Failure modes (`FakeServerConfig.modes`) exercise
   drop          close the connection mid-stream (no terminating chunk) after `fail_after_chunks` tokens
   malformed     send a broken SSE data line after `fail_after_chunks` tokens, then carry on
   stall         stop sending after `fail_after_chunks` tokens until the client gives up (or the server stops)
+  trickle       like stall, but keep the connection busy with SSE keep-alive comments and no tokens
+  error_event   send an OpenAI-style `{"error": ...}` event mid-stream (as vLLM does when the engine fails)
   wrong         wrong answers to the needle and arithmetic prompts
   repeat        degenerate looping text instead of varied words (the classic 2-bit failure)
   no_usage      never send `usage` (clients must fall back to counting chunks)
@@ -38,7 +40,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 FAILURE_MODES = frozenset(
-    {"drop", "malformed", "stall", "wrong", "repeat", "no_usage", "reject_extras", "http_500"}
+    {"drop", "malformed", "stall", "trickle", "error_event", "wrong", "repeat", "no_usage", "reject_extras",
+     "http_500"}
 )
 _NON_OPENAI_FIELDS = ("ignore_eos", "stream_options")
 
@@ -238,7 +241,7 @@ class _Handler(BaseHTTPRequestHandler):
             t0, emitted = time.perf_counter(), 0
             groups = [tokens[i:i + step] for i in range(0, len(tokens), step)]
             for n, group in enumerate(groups):
-                if n == cfg.fail_after_chunks and modes & {"drop", "stall", "malformed"}:
+                if n == cfg.fail_after_chunks and modes & {"drop", "stall", "trickle", "error_event", "malformed"}:
                     if "drop" in modes:
                         self.close_connection = True
                         self.connection.shutdown(socket.SHUT_RDWR)
@@ -246,6 +249,18 @@ class _Handler(BaseHTTPRequestHandler):
                     if "stall" in modes:
                         self._sleep(cfg.stall_s)
                         self.close_connection = True
+                        return
+                    if "trickle" in modes:
+                        end = time.monotonic() + cfg.stall_s
+                        while time.monotonic() < end and self._sleep(0.05):
+                            self._chunk(": keep-alive\n\n")
+                        self.close_connection = True
+                        return
+                    if "error_event" in modes:
+                        err = {"error": {"message": "engine died (fake)", "type": "InternalServerError", "code": 500}}
+                        self._chunk(f"data: {json.dumps(err)}\n\n")
+                        self._chunk("data: [DONE]\n\n")
+                        self.wfile.write(b"0\r\n\r\n")
                         return
                     self._chunk('data: {"choices": [{"index": 0, "text": "oops\n\n')
                 # Pace against a schedule, not per token, so sleep overshoot does not add up: the stream
@@ -323,10 +338,19 @@ class FakeOpenAIServer:
         self.stop()
 
 
-def main() -> None:  # pragma: no cover - manual use: python -m moetplan.launch.fake_server [modes...]
-    import sys
+def main(argv: list[str] | None = None) -> None:  # pragma: no cover - manual use
+    """`python -m moetplan.launch.fake_server [--decode-tok-s N] [modes...]`: print the URL, serve until Ctrl-C."""
+    import argparse
 
-    cfg = FakeServerConfig(modes=set(sys.argv[1:]))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("modes", nargs="*", help=f"failure modes: {', '.join(sorted(FAILURE_MODES))}")
+    ap.add_argument("--decode-tok-s", type=float, default=FakeServerConfig.decode_tok_s)
+    ap.add_argument("--prefill-tok-s", type=float, default=FakeServerConfig.prefill_tok_s)
+    ap.add_argument("--tokens-per-chunk", type=int, default=1)
+    ap.add_argument("--max-model-len", type=int, default=FakeServerConfig.max_model_len)
+    a = ap.parse_args(argv)
+    cfg = FakeServerConfig(modes=set(a.modes), decode_tok_s=a.decode_tok_s, prefill_tok_s=a.prefill_tok_s,
+                           tokens_per_chunk=a.tokens_per_chunk, max_model_len=a.max_model_len)
     srv = FakeOpenAIServer(cfg).start()
     print(srv.url, flush=True)
     try:

@@ -54,13 +54,14 @@ _PROGRESS: list[tuple[re.Pattern[str], str]] = [
 ]
 
 _DIAGNOSES: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"CUDA out of memory|OutOfMemoryError|torch\.OutOfMemoryError|No available memory for the cache"
-                r"|insufficient memory|Cannot allocate memory|MemoryError|oom-kill|Killed", re.I),
-     "out of memory: lower context / max_num_seqs / gpu_memory_utilization, or re-plan with a smaller expert "
-     "cache (`moetplan plan --set ...`)"),
+    # memlock first: its errors mention memory too (PinnedMemoryError)
     (re.compile(r"memlock|RLIMIT_MEMLOCK|cudaHostRegister|PinnedMemoryError|mlock", re.I),
      "pinned memory refused (memlock limit): raise it (`ulimit -l unlimited`, or LimitMEMLOCK in the service) "
      "or plan a smaller host arena"),
+    (re.compile(r"CUDA out of memory|OutOfMemoryError|torch\.OutOfMemoryError|No available memory for the cache"
+                r"|insufficient memory|Cannot allocate memory|\bMemoryError|oom-kill|\bKilled\b", re.I),
+     "out of memory: lower context / max_num_seqs / gpu_memory_utilization, or re-plan with a smaller expert "
+     "cache (`moetplan plan --set ...`)"),
     (re.compile(r"no kernel image is available|not compiled for|undefined symbol|"
                 r"operator \S+ does not exist|Could not run '[^']+' with arguments|NotImplementedError.*kernel",
                 re.I),

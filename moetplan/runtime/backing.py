@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -62,6 +62,12 @@ def pinned_error(nbytes: int, what: str, cause: BaseException | None = None) -> 
     )
 
 
+def _anon_map(nbytes: int) -> mmap.mmap:
+    # Private, not Python's default MAP_SHARED: shared anonymous memory is shmem-backed (no transparent huge
+    # pages, counted as Shmem); private memory is plain process memory.
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 # Registered (page-locked) anonymous mappings by base address -> (mapping, bytes); unregistered by `unpin`.
 _REGISTERED: dict[int, tuple[mmap.mmap, int]] = {}
 
@@ -72,7 +78,7 @@ def _pin_alloc(nbytes: int) -> torch.Tensor:
     Not torch.empty(pin_memory=True): torch's caching host allocator rounds every pinned block up to a power of
     two, so a 73 GiB host store would try to lock 128 GiB. Tests monkeypatch this function.
     """
-    mm = mmap.mmap(-1, nbytes)
+    mm = _anon_map(nbytes)
     t = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
     rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1 = cudaHostRegisterPortable
     if rc != 0:
@@ -108,7 +114,7 @@ def host_buffer(rows: int, stride: int, *, pin: bool, what: str) -> torch.Tensor
     else:
         # An anonymous mapping is page aligned, unlike torch.empty (64-byte aligned).
         try:
-            mm = mmap.mmap(-1, nbytes)
+            mm = _anon_map(nbytes)
         except (OSError, ValueError) as e:
             raise MoetplanError(f"Could not allocate {nbytes / 2**30:.2f} GiB of host RAM for the {what}: {e}") from e
         buf = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
@@ -353,17 +359,21 @@ class PinnedHostStore(BackingStore):
 
     tier = "host"
 
-    def __init__(self, source: Any, *, pin: bool | None = None, progress: Callable[[int, int], None] | None = None,
+    def __init__(self, source: Any, *, pin: bool | None = None, progress: bool | None = None,
                  load_batch_rows: int = 64):
+        from moetplan.runtime.heat import progress_bar
+
         super().__init__(source)
         self.pinned = torch.cuda.is_available() if pin is None else pin
         n = self.num_layers * self.num_experts
         self.rows = host_buffer(n, self.stride, pin=self.pinned, what="pinned host expert store")
-        for start in range(0, n, load_batch_rows):
-            idx = list(range(start, min(n, start + load_batch_rows)))
-            self.source.read_rows(idx, self.rows[start: start + len(idx)], o_direct=False)
-            if progress:
-                progress(min(n, start + load_batch_rows), n)
+        # O_DIRECT: a whole-pack load through the page cache would hold a second copy of every byte in RAM.
+        with progress_bar(n, "loading experts into host RAM", enabled=progress) as advance:
+            for start in range(0, n, load_batch_rows):
+                idx = [self.source.row_index(r // self.num_experts, r % self.num_experts)
+                       for r in range(start, min(n, start + load_batch_rows))]
+                self.source.read_rows(idx, self.rows[start: start + len(idx)], o_direct=True)
+                advance(len(idx))
 
     def _row(self, layer: int, expert: int) -> int:
         return layer * self.num_experts + expert

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Literal
@@ -268,37 +269,55 @@ def _source_bits(w: torch.Tensor) -> tuple[torch.Tensor, _Domain]:
     return w.contiguous().view(dom.int_dtype), dom
 
 
-def _quantize_into(w: torch.Tensor, fmt: str, zero_mode: ZeroMode, q_out: torch.Tensor,
-                   s_out: torch.Tensor) -> str:
-    """Quantize w [N, K] into q_out ([N, K/4] 2-bit or [N, K/2] e2m1) and s_out [N, K/32]; returns the zero mode.
+def _exponents(amax_bits: torch.Tensor, dom: _Domain) -> torch.Tensor:
+    """Block exponent e (int32, clamped) from the bit pattern of the block max |w| (non-negative, finite)."""
+    ef = (amax_bits >> dom.mant_bits).to(torch.int32)
+    e = ef - (dom.bias + 3) + ((amax_bits & ((1 << dom.mant_bits) - 1)) >= dom.mant_threshold).to(torch.int32)
+    return e.clamp_(E_MIN, E_MAX)  # all-zero and subnormal-max blocks land on -127
 
-    Comparisons are written as `(threshold - a) >> (bits - 1)` (-1 where a > threshold, else 0): both sides are
+
+# BlockRule(r0, amax_bits [m, K/32]) -> (e int32 [m, K/32], 2-bit threshold [m, K/32], FP4 thresholds [m, K/32, 7]),
+# thresholds in the element bit domain: an element is "above" when its magnitude bits exceed the threshold.
+BlockRule = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _ieee_rule(dom: _Domain, device: torch.device) -> BlockRule:
+    four_t, mids_t = _thresholds(dom, device)
+
+    def rule(r0: int, amax: torch.Tensor):
+        if int(amax.max()) >= dom.inf_bits:
+            r, blk = (amax >= dom.inf_bits).nonzero()[0].tolist()
+            raise ConfigError(f"Weight has NaN/Inf (row {r0 + r}, block {blk}); the checkpoint is corrupt")
+        e = _exponents(amax, dom)
+        idx = (e + 127).long()
+        return e, four_t[idx], mids_t[idx]
+
+    return rule
+
+
+def _quantize_core(bits: torch.Tensor, top: int, rule: BlockRule, fmt: str, zero_mode: ZeroMode,
+                   q_out: torch.Tensor, s_out: torch.Tensor) -> str:
+    """The element pass shared by all sources: `bits` are signed ints whose bit `top` is the sign and whose lower
+    bits order magnitudes. Returns the zero mode used.
+
+    Comparisons are written as `(threshold - a) >> top` (-1 where a > threshold, else 0): both sides are
     non-negative, so the difference cannot overflow, and integer arithmetic vectorises where bool compares do not.
     """
     _check_zero_mode(zero_mode)
-    n, k = _check_shape(w)
-    bits, dom = _source_bits(w)
-    four_t, mids_t = _thresholds(dom, bits.device)
-    top = dom.mant_bits + dom.exp_bits  # sign bit position
+    n, k = _check_shape(bits)
     rows = max(1, _CHUNK_ELEMS // k)
     col_odd = -(torch.arange(k, device=bits.device, dtype=bits.dtype) & 1)  # -1 at odd columns
-    neg_zero = -(1 << top)  # the bit pattern of -0.0 as a signed int
+    neg_zero = -(1 << top)  # the bit pattern of -0 as a signed int
+    abs_mask = (1 << top) - 1
     mode = "signed" if zero_mode == "auto" else zero_mode
     zeros = neg_zeros = 0
     for r0 in range(0, n, rows):
         b = bits[r0:r0 + rows]
         m = b.shape[0]
-        a = b & dom.abs_mask
+        a = b & abs_mask
         ab = a.view(m, k // BLOCK, BLOCK)
-        amax = ab.amax(dim=-1)
-        if int(amax.max()) >= dom.inf_bits:
-            r, blk = (amax >= dom.inf_bits).nonzero()[0].tolist()
-            raise ConfigError(f"Weight has NaN/Inf (row {r0 + r}, block {blk}); the checkpoint is corrupt")
-        ef = (amax >> dom.mant_bits).to(torch.int32)
-        e = ef - (dom.bias + 3) + ((amax & ((1 << dom.mant_bits) - 1)) >= dom.mant_threshold).to(torch.int32)
-        e.clamp_(E_MIN, E_MAX)  # all-zero and subnormal-max blocks land on -127
+        e, four_thr, mids = rule(r0, ab.amax(dim=-1))
         s_out[r0:r0 + m] = (e + 127).to(torch.uint8)
-        idx = (e + 127).long()
         sgn = b >> top  # -1 where the sign bit is set (including -0), else 0
         if mode == "balanced" or zero_mode == "auto":
             has_zero = int(a.min()) == 0
@@ -308,18 +327,26 @@ def _quantize_into(w: torch.Tensor, fmt: str, zero_mode: ZeroMode, q_out: torch.
             if has_zero and mode == "balanced":
                 sgn = torch.where(a == 0, col_odd, sgn)  # K is even: flat-index parity is column parity
         if fmt == "2bit":
-            four = (four_t[idx].unsqueeze(-1) - ab) >> top
+            four = (four_thr.unsqueeze(-1) - ab) >> top
             code = (sgn & 2) | (four.view(m, k) & 1)
             q_out[r0:r0 + m] = _pack_crumbs(code.to(torch.uint8))
         else:
-            mids = mids_t[idx]
             nib = sgn & 8
             for j in range(len(E2M1_MIDPOINTS)):
                 nib = nib - ((mids[..., j:j + 1] - ab) >> top).view(m, k)
             q_out[r0:r0 + m] = _pack_nibbles(nib.to(torch.uint8))
     if zero_mode == "auto" and fmt == "2bit" and _mode_from_counts(zeros, neg_zeros) == "balanced":
-        return _quantize_into(w, fmt, "balanced", q_out, s_out)  # rare: redo with the zeros' signs alternating
+        return _quantize_core(bits, top, rule, fmt, "balanced", q_out, s_out)  # rare: zeros' signs alternate
     return mode
+
+
+def _quantize_into(w: torch.Tensor, fmt: str, zero_mode: ZeroMode, q_out: torch.Tensor,
+                   s_out: torch.Tensor) -> str:
+    """Quantize float w [N, K] into q_out ([N, K/4] 2-bit or [N, K/2] e2m1) and s_out [N, K/32]."""
+    _check_shape(w)
+    bits, dom = _source_bits(w)
+    return _quantize_core(bits, dom.mant_bits + dom.exp_bits, _ieee_rule(dom, bits.device), fmt, zero_mode,
+                          q_out, s_out)
 
 
 # --------------------------------------------------------------------------- 2-bit, fast path

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -133,6 +134,35 @@ def restore_heat(store: "ExpertStore", path: str | os.PathLike[str] | None = Non
     return n
 
 
+class HeatKeeper:
+    """Saves the store's heat every `every_s` seconds (after a step closes) and on `save()`/exit, so a killed
+    server still restarts warm. `attach()` hooks it into the store's step boundary."""
+
+    def __init__(self, store: "ExpertStore", path: str | os.PathLike[str] | None = None, every_s: float = 300.0):
+        self.store, self.every_s = store, float(every_s)
+        self.path = Path(path) if path is not None else default_heat_path(store)
+        self._last = time.monotonic()
+        self.saves = 0
+
+    def attach(self) -> "HeatKeeper":
+        self.store.step_hooks.append(self._on_step)
+        return self
+
+    def _on_step(self, store: "ExpertStore") -> None:
+        if self.every_s > 0 and time.monotonic() - self._last >= self.every_s:
+            self.save()
+
+    def save(self) -> Path:
+        try:
+            return save_heat(self.store, self.path)
+        except OSError as e:  # a full or read-only disk must not take the server down: heat is an optimisation
+            log.warning("could not save expert heat to %s: %s", self.path, e)
+            return self.path
+        finally:
+            self._last = time.monotonic()
+            self.saves += 1
+
+
 @contextlib.contextmanager
 def progress_bar(total: int, label: str, *, enabled: bool | None = None) -> Iterator[Callable[[int], None]]:
     """A rich progress bar when on a terminal (or enabled=True); silent otherwise (enabled=False / non-tty)."""
@@ -148,4 +178,4 @@ def progress_bar(total: int, label: str, *, enabled: bool | None = None) -> Iter
         yield lambda n: bar.advance(task, n)
 
 
-__all__ = ["HEAT_VERSION", "HeatSet", "heat_path", "load_heat", "progress_bar", "restore_heat", "save_heat"]
+__all__ = ["HEAT_VERSION", "HeatKeeper", "HeatSet", "heat_path", "load_heat", "progress_bar", "restore_heat", "save_heat"]

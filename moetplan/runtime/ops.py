@@ -175,10 +175,16 @@ def moe_forward_reference(x, topk_ids, topk_weights, pool, slot_of, layout, fp4_
 # ------------------------------------------------------------------------------------------------ CUDA path
 
 
-def _perm8(t: torch.Tensor) -> torch.Tensor:
-    """[R, K] -> the kernels' B order: within each 8 weights [0, 4, 1, 5, 2, 6, 3, 7]."""
-    r, k = t.shape
-    return t.view(r, k // 8, 2, 4).transpose(-1, -2).reshape(r, k)
+_FLAGS: dict[str, torch.Tensor] = {}
+
+
+def _error_flag(dev: torch.device) -> torch.Tensor:
+    """Per-device sticky residency error flag (expert+1, or -1 for an id out of range); reset when reported."""
+    key = str(dev)
+    f = _FLAGS.get(key)
+    if f is None:
+        f = _FLAGS[key] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return f
 
 
 def _check_residency() -> bool:
@@ -198,43 +204,43 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
         return out
     slot32 = slot_of.to(torch.int32).contiguous()
     f4slot32 = None if fp4_slot_of is None else fp4_slot_of.to(torch.int32).contiguous()
+    ids_all = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int64)
     weights = topk_weights.to(torch.float32).contiguous()
-    chunk = max(1, PARTIAL_BYTES_CAP // (k * H * 4))
-    capturing = torch.cuda.is_current_stream_capturing()
+    flag = _error_flag(dev)
+    lim = float(swiglu_limit) if swiglu_limit is not None else 0.0
+    fmts = [(0, pool, slot32, layout)] + ([] if fp4_pool is None else [(1, fp4_pool, f4slot32, fp4_layout)])
+    chunk = max(1, PARTIAL_BYTES_CAP // (k * max(H, ir) * 4))
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
-        ids = topk_ids[t0:t1].reshape(-1).to(torch.int64).contiguous()
+        ids = ids_all[t0:t1].reshape(-1).contiguous()
         P = ids.numel()
-        M = min(P, E)
-        order = torch.empty(P, dtype=torch.int32, device=dev)
-        seg = torch.empty(3, 2 * M, dtype=torch.int32, device=dev)
-        nseg = torch.empty(2, dtype=torch.int32, device=dev)
-        flag = torch.zeros(1, dtype=torch.int32, device=dev)
-        mod.route(ids, slot32, f4slot32, order, seg[0], seg[1], seg[2], nseg, flag)
-        prefill = P >= PREFILL_PAIRS_PER_EXPERT * E
-        xs = x[t0:t1]
-        xh = xs.to(torch.bfloat16)
-        xl = None if prefill else _perm8((xs.float() - xh.float()).to(torch.bfloat16))
-        xh = _perm8(xh)
-        act_hi = torch.empty(P, ir, dtype=torch.bfloat16, device=dev)
-        act_lo = None if prefill else torch.empty(P, ir, dtype=torch.bfloat16, device=dev)
+        routed = P > mod.scan_max_pairs() or P >= PREFILL_PAIRS_PER_EXPERT * E
+        seg: list = [None] * 5
+        if routed:
+            M = min(P, E)
+            order = torch.empty(P, dtype=torch.int32, device=dev)
+            segs = torch.empty(3, 2 * M, dtype=torch.int32, device=dev)
+            nseg = torch.empty(2, dtype=torch.int32, device=dev)
+            mod.route(ids, slot32, f4slot32, order, segs[0], segs[1], segs[2], nseg, flag)
+        act = torch.empty(P, ir, dtype=torch.float32, device=dev)
         partial = torch.empty(P, H, dtype=torch.float32, device=dev)
-        lim = float(swiglu_limit) if swiglu_limit is not None else 0.0
-        fmts = [(0, pool, slot32, layout)] + ([] if fp4_pool is None else [(1, fp4_pool, f4slot32, fp4_layout)])
+        xs = x[t0:t1]
         for f, pl, so, lay in fmts:
             code = 0 if lay.fmt == "2bit" else 1
-            sl = slice(f * M, (f + 1) * M)
-            common = (seg[0, sl], seg[1, sl], seg[2, sl], nseg[f:f + 1], order, k)
-            mod.stage(code, True, prefill, pl, so, lay.w13_q_off, lay.w13_s_off, 2 * ir, H, *common, xh, xl, True,
-                      act_hi, act_lo, None, lim, swiglu_limit is not None, flag)
-            mod.stage(code, False, prefill, pl, so, lay.w2_q_off, lay.w2_s_off, H, ir, *common, act_hi, act_lo,
-                      False, None, None, partial, lim, swiglu_limit is not None, flag)
-        if not capturing and _check_residency():
-            bad = int(flag.item())
-            if bad != 0:
-                raise ResidencyError(_missing_message([bad - 1], "pool") if bad > 0 else
-                                     f"topk_ids has expert ids outside [0, {E})")
+            if routed:
+                sl = slice(f * M, (f + 1) * M)
+                seg = [segs[0, sl], segs[1, sl], segs[2, sl], nseg[f:f + 1], order]
+            mod.stage(code, True, pl, so, f4slot32, lay.w13_q_off, lay.w13_s_off, 2 * ir, H, ids, *seg, k, xs, act,
+                      None, lim, swiglu_limit is not None, flag)
+            mod.stage(code, False, pl, so, f4slot32, lay.w2_q_off, lay.w2_s_off, H, ir, ids, *seg, k, act, None,
+                      partial, lim, swiglu_limit is not None, flag)
         mod.combine(partial, weights[t0:t1].contiguous(), out[t0:t1], k)
+    if not torch.cuda.is_current_stream_capturing() and _check_residency():
+        bad = int(flag.item())
+        if bad != 0:
+            flag.zero_()
+            raise ResidencyError(_missing_message([bad - 1], "pool") if bad > 0 else
+                                 f"topk_ids has expert ids outside [0, {E})")
     return out
 
 
@@ -259,8 +265,8 @@ def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if x.is_cuda:
         mod = kernels.get_module()
         if mod is not None and kernel_supports(layout, x):
-            if not x.is_contiguous():
-                x = x.contiguous()
+            if not x.is_contiguous() or x.data_ptr() % 16:
+                x = x.contiguous() if not x.is_contiguous() else x.clone()  # 16-byte loads need aligned rows
             return _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of,
                              fp4_layout, swiglu_limit, out)
         kernels.note_fallback()

@@ -5,6 +5,7 @@ resumes: rows already committed and matching their checksum are not redone; a st
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -98,8 +99,18 @@ def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1
                         zero_mode: str = "auto", model_key: str | None = None, verify: bool = True,
                         report: bool = True, on_layer: Callable[[dict[str, Any]], None] | None = None,
                         on_start: Callable[[dict[str, Any]], None] | None = None,
-                        layer_delay_s: float = 0.0) -> dict[str, Any]:
-    """Quantize every routed expert of `model_dir` into packs under `pack_dir`; returns a JSON-able summary."""
+                        layer_delay_s: float = 0.0, workers: int | None = None) -> dict[str, Any]:
+    """Quantize every routed expert of `model_dir` into packs under `pack_dir`; returns a JSON-able summary.
+
+    `workers` threads quantize different experts at once (torch ops release the GIL; each runs single-threaded
+    so small per-chunk ops do not fight over cores); at most 2 x workers experts are in flight.
+    """
+    import threading
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
     from moetplan.runtime.checkpoint import CheckpointExperts
     from moetplan.runtime.format import QUANTIZER_VERSION, RowLayout
     from moetplan.runtime.packs import PackWriter, checkpoint_identity, model_key_for
@@ -115,6 +126,19 @@ def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1
     source = {"path": str(Path(model_dir).resolve()), "format": ck.kind, "checkpoint_layers": ck.layers,
               "hidden": ck.hidden, "moe_intermediate_size": ck.inter}
     writers = [PackWriter(pack_dir, key, r, tp, layout, L, E, identity, zero_mode, source) for r in range(tp)]
+    workers = max(1, workers or os.cpu_count() or 1)
+    load_lock = threading.Lock()
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="quantize")
+
+    def one_expert(li: int, e: int, ranks: list[int]):
+        with load_lock:
+            src = ck.load_expert(li, e)
+        st: dict[int, list[dict]] | None = {} if report else None
+        rows = list(_expert_rows(src, layout, ranks, zero_mode, st))
+        return e, sum(x.nbytes for x in src.values()), rows, st
+
     try:
         rebuilt = {str(w.path): w.rebuilt_reason for w in writers if w.rebuilt_reason}
         bad_rows: dict[str, list[int]] = {}
@@ -136,13 +160,20 @@ def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1
             experts = sorted(set().union(*missing.values()))
             stats: dict[int, list[dict]] | None = {} if report else None  # per rank
             layer_in = 0
-            for e in experts:
-                src = ck.load_expert(li, e)
-                layer_in += sum(s.nbytes for s in src.values())
-                ranks = [r for r in range(tp) if e in missing[r]]
-                for r, row in _expert_rows(src, layout, ranks, zero_mode, stats):
+            pending: deque = deque()
+            queue = deque(experts)
+            while queue or pending:
+                while queue and len(pending) < 2 * workers:
+                    e = queue.popleft()
+                    pending.append(pool.submit(one_expert, li, e, [r for r in range(tp) if e in missing[r]]))
+                e, nbytes, rows, st = pending.popleft().result()
+                layer_in += nbytes
+                for r, row in rows:
                     writers[r].write_row(li, e, row)
                     rows_written += 1
+                if stats is not None:
+                    for r, lst in (st or {}).items():
+                        stats.setdefault(r, []).extend(lst)
             secs = time.perf_counter() - tl
             for r, w in enumerate(writers):
                 summary = _summarize((stats or {}).get(r, []))
@@ -172,8 +203,11 @@ def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1
             "input_gib_per_s": in_bytes / 2**30 / q_seconds if q_seconds > 0 else None,
             "errors": _merge_summaries([e for e in layer_errors if e]),
         }
+        result["workers"] = workers
         return result
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(prev_threads)
         for w in writers:
             w.close()
         ck.close()
@@ -217,6 +251,8 @@ def quantize_command(
     zero_mode: str = typer.Option("auto", "--zero-mode", help="auto | signed | balanced (zero-sign balancing)"),
     model_key: str = typer.Option(None, "--model-key", help="Pack file name prefix (default: the folder name)"),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Re-check finished rows' checksums on resume"),
+    report: bool = typer.Option(True, "--report/--no-report", help="Compute the per-tensor error report"),
+    workers: int = typer.Option(0, "--workers", help="Experts quantized in parallel (0 = one per CPU core)"),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON"),
     layer_delay: float = typer.Option(0.0, "--layer-delay", hidden=True),
 ) -> None:
@@ -253,8 +289,8 @@ def quantize_command(
     try:
         with progress:
             result = quantize_checkpoint(model, pack_dir, tp=tp, fmt="fp4" if fp4 else "2bit", zero_mode=zero_mode,
-                                         model_key=model_key, verify=verify, on_layer=on_layer, on_start=on_start,
-                                         layer_delay_s=layer_delay)
+                                         model_key=model_key, verify=verify, report=report, on_layer=on_layer,
+                                         on_start=on_start, layer_delay_s=layer_delay, workers=workers or None)
     except KeyboardInterrupt:
         err.print(f"[yellow]interrupted[/]: {state['done']} layer(s) are in the pack; rerun the same command to resume")
         raise typer.Exit(130) from None

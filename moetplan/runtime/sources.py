@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from moetplan.errors import ConfigError
-from moetplan.runtime.format import BLOCK, E2M1_GRID, ZeroMode, _pack_crumbs, _unpack_nibbles, e2m1_values
+from moetplan.runtime.format import (BLOCK, E2M1_GRID, E2M1_MIDPOINTS, ZeroMode, _unpack_nibbles,
+                                     e2m1_values)
 
 FP8_BLOCK = 128
 NVFP4_BLOCK = 16
@@ -61,14 +62,89 @@ def _expand_fp8_scale(scale: torch.Tensor, n: int, k: int, name: str) -> torch.T
     )
 
 
-def dequantize_fp8(weight, scale, name: str = "weight") -> torch.Tensor:
-    """e4m3 weight [N, K] x f32 scale (DeepSeek `weight_scale_inv` multiplies) -> float64 [N, K], exact."""
+def dequantize_fp8(weight, scale, name: str = "weight", dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """e4m3 weight [N, K] x f32 scale (DeepSeek `weight_scale_inv` multiplies) -> float64 [N, K], exact.
+
+    (dtype=float32 rounds the product: good for error statistics, not for quantizing.)"""
     b = _as_bytes(weight)
     if bool(((b == _E4M3_NAN[0]) | (b == _E4M3_NAN[1])).any()):
         raise ConfigError(f"{name}: FP8 weight holds NaN codes; the checkpoint is corrupt")
     n, k = b.shape
-    w = b.view(torch.float8_e4m3fn).to(torch.float64)
-    return w * _expand_fp8_scale(_as_torch(scale).to(b.device), n, k, name)
+    w = b.view(torch.float8_e4m3fn).to(dtype)
+    return w * _expand_fp8_scale(_as_torch(scale).to(b.device), n, k, name).to(dtype)
+
+
+# --------------------------------------------------------------------------- FP8 straight to 2-bit / FP4
+
+# Finite e4m3 magnitudes by 7-bit code (0x00..0x7E): increasing in the code, so code order is value order.
+_E4M3_MAGS = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
+
+
+def fp8_scale_per_block32(scale, n: int, k: int, name: str = "weight") -> torch.Tensor:
+    """Any FP8 scale layout (tensor / channel / 128x128 block) -> one float64 scale per block of 32: [N, K/32]."""
+    s = _as_torch(scale).to(torch.float64)
+    kb = k // BLOCK
+    bn, bk = math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK)
+    if s.numel() == 1:
+        return s.reshape(1, 1).expand(n, kb).contiguous()
+    if tuple(s.shape) in ((n,), (n, 1)):
+        return s.reshape(n, 1).expand(n, kb).contiguous()
+    if tuple(s.shape) == (bn, bk):  # a block of 32 along K never straddles two 128-blocks
+        return s.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK // BLOCK, 1)[:, :kb].contiguous()
+    raise ConfigError(
+        f"{name}: FP8 scale shape {tuple(s.shape)} fits neither per-tensor, per-channel [{n}] nor "
+        f"block-128 [{bn}, {bk}] for a [{n}, {k}] weight; check the checkpoint's quantization_config"
+    )
+
+
+def _code_threshold(t: torch.Tensor, s: torch.Tensor, mags: torch.Tensor) -> torch.Tensor:
+    """Largest e4m3 magnitude code c with mags[c] * s <= t (-1 if none), exactly: the products are exact in
+    float64, so the searchsorted guess on the rounded ratio t / s is corrected by one exact comparison each way."""
+    c = torch.searchsorted(mags, t / s, right=True)  # count of magnitudes <= t/s (may be off by one)
+    last = len(mags)
+    c = c - ((c > 0) & (mags[(c - 1).clamp(min=0)] * s > t)).long()
+    c = c + ((c < last) & (mags[c.clamp(max=last - 1)] * s <= t)).long()
+    return (c - 1).to(torch.int8)
+
+
+def fp8_quantize(weight, scale32: torch.Tensor, fmt: str = "2bit", zero_mode: ZeroMode = "auto",
+                 name: str = "weight"):
+    """e4m3 weight [N, K] with positive per-block-32 scales [N, K/32] -> (codes, scale bytes, zero mode), bit-identical
+    to dequantize_fp8 + quantize_2bit / quantize_fp4 but without materialising float64 weights: a block of 32 shares
+    one scale S, so |q * S| > T is decided on the e4m3 code against a per-block code threshold."""
+    from moetplan.runtime.format import (_DOMAINS, _pow2_table, _exponents, _quantize_core, _check_shape)
+
+    b = _as_bytes(weight)
+    n, k = _check_shape(b)
+    s32 = scale32.to(device=b.device, dtype=torch.float64)
+    if tuple(s32.shape) != (n, k // BLOCK):
+        raise ConfigError(f"{name}: per-block scale shape {tuple(s32.shape)}, expected [{n}, {k // BLOCK}]")
+    if not bool(((s32 > 0) & torch.isfinite(s32)).all()):
+        raise ConfigError(f"{name}: FP8 scales must be positive and finite for the direct path; "
+                          "use dequantize_fp8 + quantize_2bit")
+    mags = _E4M3_MAGS.to(b.device)
+    dom = _DOMAINS[torch.float64]
+    pw = _pow2_table(torch.float64, b.device)
+    mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float64, device=b.device)
+
+    def rule(r0: int, amax_code: torch.Tensor):
+        if int(amax_code.max()) >= 0x7F:
+            r, blk = (amax_code >= 0x7F).nonzero()[0].tolist()
+            raise ConfigError(f"{name}: FP8 weight holds NaN codes (row {r0 + r}, block {blk}); the checkpoint is corrupt")
+        sc = s32[r0:r0 + amax_code.shape[0]]
+        amax = mags[amax_code.long()] * sc  # exact
+        e = _exponents(amax.view(torch.int64), dom)
+        p2 = pw[(e + 127).long()]
+        four = _code_threshold(2.5 * p2, sc, mags)
+        mid = _code_threshold(mids * p2.unsqueeze(-1), sc.unsqueeze(-1), mags) if fmt == "fp4" else four
+        return e, four, mid
+
+    per = 4 if fmt == "2bit" else 2
+    q = torch.empty(n, k // per, dtype=torch.uint8, device=b.device)
+    sb = torch.empty(n, k // BLOCK, dtype=torch.uint8, device=b.device)
+    mode = _quantize_core(b.contiguous().view(torch.int8), 7, rule, fmt, zero_mode if fmt == "2bit" else "signed",
+                          q, sb)
+    return q, sb, mode
 
 
 def e4m3_value_reference(byte: int) -> float:
@@ -172,8 +248,29 @@ def dequantize_mxfp4_reference(packed: np.ndarray, scales: np.ndarray) -> np.nda
     return out
 
 
-# Nibble -> 2-bit code: magnitude index {0..4} -> 1, {5,6,7} -> 4; sign kept.
-_NIB_TO_CODE = torch.tensor([((n >> 3) << 1) | (1 if (n & 7) >= 5 else 0) for n in range(16)], dtype=torch.uint8)
+def _mx_tables() -> dict[str, np.ndarray]:
+    """Lookup tables over 16-bit words (two packed e2m1 bytes = four weights) -> one byte of four 2-bit codes:
+    magnitude index {0..4} -> 1, {5,6,7} -> 4, sign kept; 'balanced' gives zeros the sign of their position's parity
+    (a word starts at a multiple of 4, so position parity is flat-index parity). Plus zero / -0 counts per word."""
+    v = np.arange(1 << 16, dtype=np.uint32)
+    nib = [(v >> (4 * j)) & 15 for j in range(4)]  # little-endian: low nibble of the first byte is weight 0
+    signed = np.zeros(1 << 16, np.uint32)
+    balanced = np.zeros(1 << 16, np.uint32)
+    zeros = np.zeros(1 << 16, np.uint8)
+    neg_zeros = np.zeros(1 << 16, np.uint8)
+    for j, n in enumerate(nib):
+        mag = n & 7
+        four = (mag >= 5).astype(np.uint32)
+        sign = n >> 3
+        signed |= ((sign << 1) | four) << (2 * j)
+        balanced |= ((np.where(mag == 0, j & 1, sign) << 1) | four) << (2 * j)
+        zeros += (mag == 0).astype(np.uint8)
+        neg_zeros += (n == 8).astype(np.uint8)
+    return {"signed": signed.astype(np.uint8), "balanced": balanced.astype(np.uint8), "zeros": zeros,
+            "neg_zeros": neg_zeros}
+
+
+_MX = _mx_tables()
 
 
 def mxfp4_to_2bit(packed, scales, zero_mode: ZeroMode = "auto", return_zero_mode: bool = False,
@@ -181,23 +278,30 @@ def mxfp4_to_2bit(packed, scales, zero_mode: ZeroMode = "auto", return_zero_mode
     """MXFP4 -> 2-bit by remapping codes and keeping the scale bytes (not re-derived: docs/FORMAT.md rule 6).
 
     Zero-sign balancing (rule 5) applies to the e2m1 zeros (nibbles 0x0 / 0x8) like to any exact zero.
+    One table lookup per four weights.
     """
     p, s = _as_bytes(packed), _as_bytes(scales)
     n, k = _check_mx(p, s, name)
-    nib = _unpack_nibbles(p.reshape(n, k // 2))
-    codes = _NIB_TO_CODE.to(nib.device)[nib.long()]
-    zero = (nib & 7) == 0
-    nz = int(zero.sum())
     if zero_mode not in ("auto", "signed", "balanced"):
         raise ConfigError(f"Unknown zero mode '{zero_mode}'; use auto, signed or balanced")
-    mode = zero_mode
-    if zero_mode == "auto":
-        neg = int((zero & (nib >= 8)).sum())
-        mode = "balanced" if nz and max(neg, nz - neg) > 0.95 * nz else "signed"
-    if mode == "balanced":
-        odd = (torch.arange(n * k, dtype=torch.int64, device=nib.device) & 1).to(torch.uint8).reshape(n, k)
-        codes = torch.where(zero, odd << 1, codes)
-    out = (_pack_crumbs(codes), s.clone())
+    p = p.reshape(n, k // 2).contiguous()
+    if p.device.type == "cpu":
+        words = p.numpy().view(np.uint16)
+        mode = zero_mode
+        if zero_mode == "auto":
+            hist = np.bincount(words.reshape(-1), minlength=1 << 16)
+            z, nz = int(hist @ _MX["zeros"]), int(hist @ _MX["neg_zeros"])
+            mode = "balanced" if z and max(nz, z - nz) > 0.95 * z else "signed"
+        codes = torch.from_numpy(_MX[mode][words])
+    else:
+        idx = p.view(torch.int16).long() & 0xFFFF
+        mode = zero_mode
+        if zero_mode == "auto":
+            z = int(torch.from_numpy(_MX["zeros"]).to(p.device)[idx].sum())
+            nz = int(torch.from_numpy(_MX["neg_zeros"]).to(p.device)[idx].sum())
+            mode = "balanced" if z and max(nz, z - nz) > 0.95 * z else "signed"
+        codes = torch.from_numpy(_MX[mode]).to(p.device)[idx]
+    out = (codes, s.clone())
     return (*out, mode) if return_zero_mode else out
 
 

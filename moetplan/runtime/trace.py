@@ -6,20 +6,20 @@ drifting, layer-correlated preference per token stream, sampled top-k without re
 
 `replay(trace, slots)` runs it through a real `ExpertStore` on the CPU (tiny rows, so only the policy costs) and
 returns the Plan's KPIs; `replay_curve` does it for several cache sizes, so the cost model's coverage curves can
-be checked against the store's actual policy. `python -m moetplan.runtime.trace --help` for the command line.
+be checked against the store's actual policy. `moetplan replay --help` (or `python -m moetplan.runtime.trace`) for the command line.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
+import typer
 
 from moetplan.errors import UsageError
 from moetplan.plan.schema import atomic_write_text
@@ -152,7 +152,7 @@ def fit_skew(num_experts: int, top_k: int, share: float, coverage: float, *, lay
     return (lo + hi) / 2
 
 
-def replay(trace: Trace, slots: int, *, warmup_steps: int = 0, decay: float = 0.95, prefetch: bool = False,
+def replay(trace: Trace, slots: int, *, warmup_steps: int = 0, decay: float = 0.99, prefetch: bool = False,
            row_bytes: int = 16) -> dict[str, Any]:
     """Feed `trace` through an ExpertStore of `slots` slots on the CPU; KPIs counted after `warmup_steps`.
 
@@ -203,67 +203,107 @@ def replay_curve(trace: Trace, slot_counts: Sequence[int], **kw: Any) -> list[di
     return out
 
 
-def _table(rows: list[dict[str, Any]], title: str) -> None:
+def run_replay(*, trace_path: str | None = None, model: str | None = None, layers: int = 8, experts: int = 64,
+               top_k: int = 6, tokens: int = 1, steps: int = 300, skew: float | None = None, temporal: float = 0.9,
+               layer_corr: float = 0.5, seed: int = 0, shares: Sequence[float] = (0.05, 0.1, 0.2, 0.3, 0.5),
+               warmup: int = 50, decay: float = 0.99) -> dict[str, Any]:
+    """Build (or load) a trace and replay it at several cache sizes -> JSON-ready dict (what `moetplan replay` shows).
+
+    With `model`, the shape comes from hwdb (MoE layers, experts, top-k) and, unless `skew` is given, the skew is
+    fitted to the model's first published coverage point (DeepSeek-V4-Flash: 19% of experts -> 96% of routings).
+    """
+    fitted_to = None
+    if trace_path:
+        tr = Trace.load(trace_path)
+    else:
+        if model:
+            from moetplan import hwdb
+
+            spec = hwdb.model_spec(model)
+            layers, experts, top_k = spec.moe_layers, spec.n_routed_experts, spec.top_k
+            if skew is None and spec.coverage_points:
+                fitted_to = tuple(spec.coverage_points[0])
+                skew = fit_skew(experts, top_k, fitted_to[0], fitted_to[1], temporal=temporal,
+                                layer_corr=layer_corr, seed=seed)
+        tr = synthetic_trace(layers, experts, top_k, steps, tokens=tokens, skew=1.0 if skew is None else skew,
+                             temporal=temporal, layer_corr=layer_corr, seed=seed)
+        tr.meta.update({"model": model, "skew_fitted_to": fitted_to})
+    total = tr.num_layers * tr.num_experts
+    need = tr.num_layers * tr.top_k * tr.tokens  # one decode step's working set must fit (the planner's guard)
+    counts = sorted({max(need, int(round(sh * total))) for sh in shares})
+    rows = replay_curve(tr, counts, warmup_steps=min(warmup, tr.steps // 2), decay=decay)
+    return {"trace": {"steps": tr.steps, "layers": tr.num_layers, "experts": tr.num_experts, "top_k": tr.top_k,
+                      "tokens": tr.tokens, **tr.meta}, "curve": rows}
+
+
+def _table(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=title)
+    t = doc["trace"]
+    title = (f"replay: {t['layers']} MoE layers x {t['experts']} experts, top-{t['top_k']}, {t['tokens']} tok/step, "
+             f"{t['steps']} steps" + (f", skew {t['skew']:.2f}" if "skew" in t else ""))
+    tab = Table(title=title)
     for col in ("slots", "cache share", "token hit rate", "zero-miss steps", "misses/step", "static coverage"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(str(r["slots"]), f"{100 * r['slot_share']:.1f}%", f"{100 * r['token_hit_rate']:.2f}%",
-                  f"{100 * r['zero_miss_step_share']:.1f}%", f"{r['misses_per_step']:.2f}",
-                  f"{100 * r['static_coverage']:.1f}%")
-    Console().print(t)
+        tab.add_column(col, justify="right")
+    for r in doc["curve"]:
+        tab.add_row(str(r["slots"]), f"{100 * r['slot_share']:.1f}%", f"{100 * r['token_hit_rate']:.2f}%",
+                    f"{100 * r['zero_miss_step_share']:.1f}%", f"{r['misses_per_step']:.2f}",
+                    f"{100 * r['static_coverage']:.1f}%")
+    Console().print(tab)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moetplan.runtime.trace",
-                                 description="Replay a routing trace through the expert store vs cache size.")
-    ap.add_argument("--trace", help="recorded trace (.npz from Trace.save or .npy ids); default: synthetic")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--tokens", type=int, default=1, help="tokens per decode step (concurrency x (1 + MTP))")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--skew", type=float, default=1.0)
-    ap.add_argument("--temporal", type=float, default=0.9)
-    ap.add_argument("--layer-corr", type=float, default=0.5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--shares", default="0.05,0.1,0.2,0.3,0.5",
-                    help="cache sizes as shares of all layer-experts, comma separated")
-    ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    ap.add_argument("--out", help="also write the JSON here")
-    a = ap.parse_args(argv)
+def replay_command(
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Recorded trace (.npz from Trace.save, or .npy ids "
+                                         "[steps, layers, tokens, top_k]); default: a synthetic one"),
+    model: Optional[str] = typer.Option(None, "--model", help="hwdb model: its shape, and skew fitted to its coverage"),
+    layers: int = typer.Option(8, "--layers", help="MoE layers (synthetic, without --model)"),
+    experts: int = typer.Option(64, "--experts", help="Routed experts per layer (synthetic, without --model)"),
+    top_k: int = typer.Option(6, "--top-k", help="Experts per token (synthetic, without --model)"),
+    tokens: int = typer.Option(1, "--tokens", help="Tokens per decode step: concurrency x (1 + MTP depth)"),
+    steps: int = typer.Option(300, "--steps", help="Decode steps to replay"),
+    skew: Optional[float] = typer.Option(None, "--skew", help="Zipf skew (default: fitted to --model, else 1.0)"),
+    temporal: float = typer.Option(0.9, "--temporal", help="Step-to-step correlation of a token stream's routing"),
+    layer_corr: float = typer.Option(0.5, "--layer-corr", help="Correlation of routing across consecutive layers"),
+    seed: int = typer.Option(0, "--seed"),
+    shares: str = typer.Option("0.05,0.1,0.2,0.3,0.5", "--shares", help="Cache sizes as shares of all experts"),
+    warmup: int = typer.Option(50, "--warmup", help="Steps before counting (the cache fills)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON here"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table"),
+) -> None:
+    """Replay a routing trace through the expert store: token hit rate and zero-miss steps vs cache size."""
     try:
-        if a.trace:
-            tr = Trace.load(a.trace)
-        else:
-            tr = synthetic_trace(a.layers, a.experts, a.top_k, a.steps, tokens=a.tokens, skew=a.skew,
-                                 temporal=a.temporal, layer_corr=a.layer_corr, seed=a.seed)
-        total = tr.num_layers * tr.num_experts
-        shares = [float(x) for x in a.shares.split(",") if x.strip()]
-        need = tr.num_layers * tr.top_k * tr.tokens  # one step's working set must fit
-        counts = sorted({max(need, int(round(s * total))) for s in shares})
-        rows = replay_curve(tr, counts, warmup_steps=min(a.warmup, tr.steps // 2))
+        share_list = [float(x) for x in shares.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--shares must be comma-separated numbers like 0.1,0.2, got '{shares}'") from None
+    if not share_list or not all(0 < x <= 1 for x in share_list):
+        raise UsageError(f"--shares must be in (0, 1], got '{shares}'")
+    doc = run_replay(trace_path=str(trace) if trace else None, model=model, layers=layers, experts=experts,
+                     top_k=top_k, tokens=tokens, steps=steps, skew=skew, temporal=temporal, layer_corr=layer_corr,
+                     seed=seed, shares=share_list, warmup=warmup)
+    if out is not None:
+        atomic_write_text(out, json.dumps(doc, indent=2) + "\n")
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    _table(doc)
+    if out is not None:
+        typer.echo(f"wrote {out}")
+
+
+def main() -> None:
+    """`python -m moetplan.runtime.trace`: the same command without the moetplan app."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(replay_command)
+    try:
+        app()
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    doc = {"trace": {"steps": tr.steps, "layers": tr.num_layers, "experts": tr.num_experts, "top_k": tr.top_k,
-                     "tokens": tr.tokens, **tr.meta}, "curve": rows}
-    if a.out:
-        atomic_write_text(a.out, json.dumps(doc, indent=2) + "\n")
-    if a.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        _table(rows, f"replay: {tr.num_layers} layers x {tr.num_experts} experts, top-{tr.top_k}, "
-                     f"{tr.tokens} tok/step, {tr.steps} steps")
-    return 0
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
 
 
-__all__ = ["Trace", "fit_skew", "replay", "replay_curve", "synthetic_trace"]
+__all__ = ["Trace", "fit_skew", "replay", "replay_command", "replay_curve", "run_replay", "synthetic_trace"]

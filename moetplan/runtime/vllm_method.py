@@ -115,6 +115,10 @@ def _reset_for_tests(s: RuntimeSettings | None = None) -> None:
     _STATS = None
     _WRITER = None
     _LAYERS.clear()
+    _PACK.clear()
+    _MOE_COUNTER[0] = 0
+    global _TIERED
+    _TIERED = None
 
 
 # --------------------------------------------------------------------------- per-process stats + run record
@@ -450,8 +454,14 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
 
             layout = RowLayout.for_expert(H, inter * tp, tp, "2bit")
             rows = torch.empty(E, layout.stride, dtype=torch.uint8)
-            for e in range(E):
-                pack_expert_row(w13[e], w2[e], layout, out=rows[e])
+            pack = _cached_pack(s, layout, E)
+            if pack is not None and key < pack.num_layers:
+                # Packs are the persistent quantization cache: a later boot reads rows, skips the quantizer.
+                pack.read_rows([pack.row_index(key, e) for e in range(E)], rows.numpy())
+                source = f"pack:{pack.path.name}"
+            else:
+                for e in range(E):
+                    pack_expert_row(w13[e], w2[e], layout, out=rows[e])
             st.layout = layout
             if s.expert_tier == "resident":
                 st.rows = rows.to(w13.device)
@@ -629,6 +639,15 @@ class TieredExperts:
 
 
 _TIERED: TieredExperts | None = None
+_PACK: dict[str, Any] = {}
+
+
+def _cached_pack(s: RuntimeSettings, layout: Any, num_experts: int) -> Any:
+    if "pack" not in _PACK:
+        _PACK["pack"] = open_valid_pack(s, layout, num_experts)
+        if _PACK["pack"] is not None:
+            log.info("moetplan: pack %s valid, reading rows instead of quantizing", _PACK["pack"].path)
+    return _PACK["pack"]
 
 
 def _model_dir() -> str | None:

