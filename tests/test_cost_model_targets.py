@@ -39,7 +39,8 @@ def test_glm_on_four_pro6000_resident_is_memory_bandwidth_bound_on_expert_reads(
     assert 60 < single.decode_tok_s < 160  # vLLM-Moet: 105 tok/s
     assert single.bottleneck.startswith("memory bandwidth") and EXPERTS in single.bottleneck
     batched = predict(glm, hw, Placement(tp=4, context=131072, mtp=2, max_num_seqs=4, concurrency=4))
-    assert batched.bottleneck == EXPERTS
+    # Batched, routed expert reads lead the memory-bandwidth group.
+    assert batched.bottleneck.startswith("memory bandwidth: " + EXPERTS)
     assert batched.aggregate_tok_s > single.decode_tok_s
 
 
