@@ -140,7 +140,7 @@ def read_bandwidth(quick: bool) -> dict[str, Any]:
     n_bytes = (4 if quick else 8) * GIB
     buf = torch.rand(n_bytes // 4, device="cuda", dtype=torch.float32)
     out = torch.empty((), device="cuda")
-    t = time_events(lambda: torch.sum(buf, out=out), reps=10)
+    t = time_events(lambda: torch.sum(buf, dim=0, out=out), reps=10)
     big = {"bytes": n_bytes, **t, "gbps": n_bytes / (t["median_ms"] * 1e-3) / 1e9}
     # Graph of back-to-back 40 MiB slice sums: the access pattern of a decode step (many medium reads).
     sl = 40 * MIB // 4
@@ -149,7 +149,7 @@ def read_bandwidth(quick: bool) -> dict[str, Any]:
 
     def slices():
         for i in range(nsl):
-            torch.sum(buf[i * sl:(i + 1) * sl], out=outs[i])
+            torch.sum(buf[i * sl:(i + 1) * sl], dim=0, out=outs[i])
 
     g = capture(slices)
     t2 = time_events(g.replay, reps=10)
@@ -186,18 +186,28 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
             d = layers[li % NL]
             ops.moe_forward(x, d["ids"], d["w"], d["pool"], d["slot_of"], lay, out=outs[li % NL])
 
-    g = capture(step)
-    t = time_events(g.replay, reps=5 if quick else 10)
     bytes_step = sum(layers[li % NL]["used"] for li in range(L)) * lay.payload_bytes
-    per_layer_us = t["median_ms"] * 1e3 / L
     res: dict[str, Any] = {
         "model": m["name"], "tokens": T, "layers_in_step": L, "distinct_layers": NL,
-        "experts_read_per_layer": bytes_step / L / lay.payload_bytes,
-        "bytes_per_layer": bytes_step / L, "step_ms": t["median_ms"], "per_layer_us": per_layer_us,
-        "gbps": bytes_step / (t["median_ms"] * 1e-3) / 1e9,
+        "experts_read_per_layer": bytes_step / L / lay.payload_bytes, "bytes_per_layer": bytes_step / L,
     }
+    # The same step with and without programmatic dependent launch between the op's kernels (sm_90+).
+    variants = {}
+    for name, env in (("pdl", "1"), ("no_pdl", "0")):
+        os.environ["MOETPLAN_PDL"] = env
+        d0 = layers[0]
+        o = ops.moe_forward(x, d0["ids"], d0["w"], d0["pool"], d0["slot_of"], lay)
+        torch.cuda.synchronize()
+        g = capture(step)
+        t = time_events(g.replay, reps=5 if quick else 10)
+        variants[name] = {"step_ms": t["median_ms"], "min_ms": t["min_ms"], "per_layer_us": t["median_ms"] * 1e3 / L,
+                          "gbps": bytes_step / (t["median_ms"] * 1e-3) / 1e9, "out": o}
+        del g
+    os.environ.pop("MOETPLAN_PDL", None)
+    res["pdl_equals_no_pdl"] = bool(torch.equal(variants["pdl"].pop("out"), variants["no_pdl"].pop("out")))
+    best = min(variants, key=lambda v: variants[v]["step_ms"])
+    res.update(variants[best], variant=best, variants=variants)
     res["share_of_read_bw"] = res["gbps"] / ref_gbps
-    del g
     # Torch 2-bit reference (dequantize + fp32 matmul), eager, a few layers.
     nref = min(NL, 3)
 
@@ -214,8 +224,8 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     for li in range(nb):
         d = layers[li % NL]
         bl.append(dict(
-            w13=(torch.randn(d["used"], 2 * I, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16),
-            w2=(torch.randn(d["used"], H, I, device="cuda", generator=gen) * 0.02).to(torch.bfloat16),
+            w13=torch.randn(d["used"], 2 * I, H, device="cuda", generator=gen, dtype=torch.bfloat16).mul_(0.02),
+            w2=torch.randn(d["used"], H, I, device="cuda", generator=gen, dtype=torch.bfloat16).mul_(0.02),
             idx=d["slot_of"][d["ids"]].long(), w=d["w"], used=d["used"]))
 
     def naive_step():
@@ -248,8 +258,8 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
 def grouped_bf16(m, gen):
     """All experts of one layer in bf16 and a grouped matmul over token groups (torch._grouped_mm if present)."""
     H, I, E = m["H"], m["I"], m["E"]
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=gen, dtype=torch.bfloat16).mul_(0.02)
+    w2 = torch.randn(E, H, I, device="cuda", generator=gen, dtype=torch.bfloat16).mul_(0.02)
     return w13, w2
 
 
@@ -352,7 +362,8 @@ def main() -> int:
                 atomic_write_json(out, res)
                 nb = r.get("naive_bf16", {})
                 print(f"decode {m['name']:18s} T={T}: {r['per_layer_us']:7.1f} us/layer  {r['gbps']:6.0f} GB/s "
-                      f"({100 * r['share_of_read_bw']:.0f}% of read BW)  bf16 naive "
+                      f"({100 * r['share_of_read_bw']:.0f}% of read BW, {r['variant']}; no-PDL "
+                      f"{r['variants']['no_pdl']['per_layer_us']:.1f} us)  bf16 naive "
                       f"{nb.get('per_layer_us', float('nan')):7.1f} us  torch-2bit "
                       f"{r['torch_2bit_reference_per_layer_us']:8.0f} us", flush=True)
     if "prefill" in secs:

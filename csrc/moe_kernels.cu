@@ -63,6 +63,7 @@ struct StageArgs {
   float limit;              // SwiGLU clamp (only when has_limit)
   int has_limit;
   int* error_flag;          // set to expert+1 when a routed expert has no slot
+  int pdl;                  // launched with programmatic dependent launch
 };
 
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
@@ -172,23 +173,16 @@ __device__ __forceinline__ void load_b8<float, false>(const float* p, uint32_t* 
   const float f[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
   split8(f, hi, lo, false);
 }
-template <>
-__device__ __forceinline__ void load_b8<__half, true>(const __half* p, uint32_t* hi, uint32_t* lo) {
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const __half2* h = reinterpret_cast<const __half2*>(&v);
-  float f[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) { const float2 t = __half22float2(h[i]); f[2 * i] = t.x; f[2 * i + 1] = t.y; }
-  split8(f, hi, lo, true);
+// Programmatic dependent launch (sm_90+): no-ops when the kernel was launched without the attribute.
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
-template <>
-__device__ __forceinline__ void load_b8<__half, false>(const __half* p, uint32_t* hi, uint32_t* lo) {
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const __half2* h = reinterpret_cast<const __half2*>(&v);
-  float f[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) { const float2 t = __half22float2(h[i]); f[2 * i] = t.x; f[2 * i + 1] = t.y; }
-  split8(f, hi, lo, false);
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ int load_id(const void* ids, int ids64, int p) {
@@ -220,6 +214,8 @@ __global__ void __launch_bounds__(32 * WK) moe_stage_kernel(StageArgs a) {
   const int tile = blockIdx.x;  // w13: 16 gate rows (+ 16 up rows); w2: 32 rows
   const int ir = W13 ? a.N / 2 : a.K;
 
+  // The w13 stage reads what earlier kernels wrote (router ids, x, the pool after a fetch): wait for them first.
+  if (W13) griddep_wait();
   __shared__ int pairs_s[ROUTED ? 1 : SCAN_MAX_PAIRS];
   __shared__ int cnt_s;
   int e, off = 0, cnt;
@@ -292,6 +288,41 @@ __global__ void __launch_bounds__(32 * WK) moe_stage_kernel(StageArgs a) {
   __shared__ float red[WK > 1 ? WK - 1 : 1][32][2 * NT * 4];
   const BT* bbase = reinterpret_cast<const BT*>(a.b);
 
+  // Codes and scales of one chunk for this thread's four rows. K is a multiple of 32 but not always of CHUNK: a
+  // thread's words past K decode zero codes and meet a zero B operand, and nothing is read past the matrix.
+  auto load_chunk = [&](int c, uint4 (&code)[2][2], uint32_t (&sc)[2][2]) -> int {
+    const int kbase = c * CHUNK + t * 4 * WPW;
+    const int nwords = kbase >= a.K ? 0 : min(4, (a.K - kbase) / WPW);
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* qp = q + rows[m][h] * qrow + kbase / WPB;
+        const uint8_t* sp = s + rows[m][h] * srow + kbase / 32;
+        if (nwords == 4) {
+          code[m][h] = ld_stream(qp);
+          // 2-bit: the thread's 64 weights span two scale blocks; fp4: 32 weights, one block.
+          sc[m][h] = (FMT == FMT_2BIT) ? (uint32_t(sp[0]) | (uint32_t(sp[1]) << 8)) : uint32_t(sp[0]);
+        } else {
+          const uint32_t* qw = reinterpret_cast<const uint32_t*>(qp);
+          code[m][h] = make_uint4(nwords > 0 ? qw[0] : 0u, nwords > 1 ? qw[1] : 0u, nwords > 2 ? qw[2] : 0u, 0u);
+          sc[m][h] = 127u | (127u << 8);
+          if (nwords > 0) sc[m][h] = (sc[m][h] & ~0xFFu) | sp[0];
+          if (FMT == FMT_2BIT && nwords > 2) sc[m][h] = (sc[m][h] & 0xFFu) | (uint32_t(sp[1]) << 8);
+        }
+      }
+    return nwords;
+  };
+
+  uint4 code[2][2];
+  uint32_t sc[2][2];
+  int nwords = 0;
+  // The first chunk's codes are requested before waiting for the previous kernel: the w2 stage's rows do not
+  // depend on the w13 stage, so their fetch overlaps its tail (programmatic dependent launch, sm_90+).
+  if (c0 < c1) nwords = load_chunk(c0, code, sc);
+  if (!W13) griddep_wait();
+  griddep_launch_dependents();
+
   for (int tt = 0; tt < cnt; tt += 8 * NT) {
     float acc[2][NT][4];
 #pragma unroll
@@ -312,31 +343,14 @@ __global__ void __launch_bounds__(32 * WK) moe_stage_kernel(StageArgs a) {
         bp[n] = bbase + brow * a.K;
       }
     }
+    if (tt > 0 && c0 < c1) nwords = load_chunk(c0, code, sc);
     for (int c = c0; c < c1; ++c) {
       const int kbase = c * CHUNK + t * 4 * WPW;  // this thread's first weight in the chunk
-      // K is a multiple of 32 but not always of CHUNK: a thread's words past K decode zero codes and meet a zero
-      // B operand, and nothing is read past the matrix.
-      const int nwords = kbase >= a.K ? 0 : min(4, (a.K - kbase) / WPW);
-      uint4 code[2][2];
-      uint32_t sc[2][2];
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint8_t* qp = q + rows[m][h] * qrow + kbase / WPB;
-          const uint8_t* sp = s + rows[m][h] * srow + kbase / 32;
-          if (nwords == 4) {
-            code[m][h] = ld_stream(qp);
-            // 2-bit: the thread's 64 weights span two scale blocks; fp4: 32 weights, one block.
-            sc[m][h] = (FMT == FMT_2BIT) ? (uint32_t(sp[0]) | (uint32_t(sp[1]) << 8)) : uint32_t(sp[0]);
-          } else {
-            const uint32_t* qw = reinterpret_cast<const uint32_t*>(qp);
-            code[m][h] = make_uint4(nwords > 0 ? qw[0] : 0u, nwords > 1 ? qw[1] : 0u, nwords > 2 ? qw[2] : 0u, 0u);
-            sc[m][h] = 127u | (127u << 8);
-            if (nwords > 0) sc[m][h] = (sc[m][h] & ~0xFFu) | sp[0];
-            if (FMT == FMT_2BIT && nwords > 2) sc[m][h] = (sc[m][h] & 0xFFu) | (uint32_t(sp[1]) << 8);
-          }
-        }
+      // Next chunk in flight while this one is decoded and multiplied.
+      uint4 ncode[2][2];
+      uint32_t nsc[2][2];
+      int nnw = 0;
+      if (c + 1 < c1) nnw = load_chunk(c + 1, ncode, nsc);
 #pragma unroll
       for (int wq = 0; wq < 4; ++wq) {
         uint32_t ra[2][2][REGS];
@@ -377,6 +391,11 @@ __global__ void __launch_bounds__(32 * WK) moe_stage_kernel(StageArgs a) {
           }
         }
       }
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) { code[m][h] = ncode[m][h]; sc[m][h] = nsc[m][h]; }
+      nwords = nnw;
     }
     // Split-K: warps 1.. hand their partial sums to warp 0, which adds them in warp order (deterministic).
     if (WK > 1) {
@@ -485,25 +504,48 @@ __global__ void route_kernel(const void* topk_ids, int ids64, int P, int E, cons
   }
 }
 
+__device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_out(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_out(__half* p, float v) { *p = __float2half_rn(v); }
+
 // out[t, h] = sum_j w[t, j] * partial[t*k + j, h], j ascending.
 template <typename T>
 __global__ void combine_kernel(const float* partial, const float* w, T* out, int Tn, int k, int H) {
+  griddep_wait();
+  griddep_launch_dependents();
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(Tn) * H) return;
   const int t = int(idx / H), h = int(idx % H);
   float acc = 0.f;
   for (int j = 0; j < k; ++j) acc += w[t * k + j] * partial[(int64_t(t) * k + j) * H + h];
-  out[idx] = static_cast<T>(acc);
+  store_out(out + idx, acc);
 }
 
 // ---------------------------------------------------------------------------------------------------------- host
 #define CHECK_CUDA_T(x, what) TORCH_CHECK((x).is_cuda(), what " must be a CUDA tensor")
 
+// Launch with programmatic stream serialization when `pdl`: the kernel may start while the previous one drains
+// and waits for it with griddepcontrol.wait before touching its outputs.
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+            Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
 template <int FMT, bool W13, bool SPLIT, int WK, int NT, bool ROUTED, typename BT>
 void launch_stage(const StageArgs& a, int tiles, int gy, cudaStream_t stream) {
-  dim3 grid(tiles, gy);
-  moe_stage_kernel<FMT, W13, SPLIT, WK, NT, ROUTED, BT><<<grid, 32 * WK, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(moe_stage_kernel<FMT, W13, SPLIT, WK, NT, ROUTED, BT>, dim3(tiles, gy), dim3(32 * WK), 0, stream,
+         a.pdl != 0, a);
 }
 
 template <int FMT, bool W13, typename BT>
@@ -522,11 +564,10 @@ template <int FMT>
 void dispatch_fmt(const StageArgs& a, bool w13, int tiles, int gy, bool routed, at::ScalarType bt,
                   cudaStream_t stream) {
   if (!w13) return dispatch_stage<FMT, false, float>(a, tiles, gy, routed, stream);
-  switch (bt) {
+  switch (bt) {  // float16 x is widened to float32 by the op layer (one instantiation less per variant)
     case torch::kBFloat16: return dispatch_stage<FMT, true, __nv_bfloat16>(a, tiles, gy, routed, stream);
-    case torch::kFloat16: return dispatch_stage<FMT, true, __half>(a, tiles, gy, routed, stream);
     case torch::kFloat32: return dispatch_stage<FMT, true, float>(a, tiles, gy, routed, stream);
-    default: TORCH_CHECK(false, "x must be bfloat16, float16 or float32");
+    default: TORCH_CHECK(false, "x must be bfloat16 or float32 here (the op layer widens float16)");
   }
 }
 
@@ -563,7 +604,7 @@ void stage(int64_t fmt, bool w13, torch::Tensor pool, torch::Tensor slot_of,
            torch::Tensor topk_ids, c10::optional<torch::Tensor> seg_expert, c10::optional<torch::Tensor> seg_off,
            c10::optional<torch::Tensor> seg_cnt, c10::optional<torch::Tensor> nseg,
            c10::optional<torch::Tensor> order, int64_t topk, torch::Tensor b, c10::optional<torch::Tensor> act,
-           c10::optional<torch::Tensor> partial, double limit, bool has_limit, torch::Tensor error_flag) {
+           c10::optional<torch::Tensor> partial, double limit, bool has_limit, torch::Tensor error_flag, bool pdl) {
   CHECK_CUDA_T(pool, "pool");
   TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1,
               "pool must be uint8 [S, stride] with contiguous rows");
@@ -604,6 +645,7 @@ void stage(int64_t fmt, bool w13, torch::Tensor pool, torch::Tensor slot_of,
   a.limit = float(limit);
   a.has_limit = has_limit ? 1 : 0;
   a.error_flag = error_flag.data_ptr<int>();
+  a.pdl = pdl ? 1 : 0;
   TORCH_CHECK(!w13 || a.act != nullptr, "w13 stage needs the act output");
   TORCH_CHECK(w13 || (a.partial != nullptr && b.scalar_type() == torch::kFloat32), "w2 stage: fp32 act in, partial out");
   const int tiles = int(N / 32);  // w13: 16 gate + 16 up rows; w2: 32 rows
@@ -613,7 +655,7 @@ void stage(int64_t fmt, bool w13, torch::Tensor pool, torch::Tensor slot_of,
   else dispatch_fmt<FMT_FP4>(a, w13, tiles, gy, routed, b.scalar_type(), stream);
 }
 
-void combine(torch::Tensor partial, torch::Tensor weights, torch::Tensor out, int64_t topk) {
+void combine(torch::Tensor partial, torch::Tensor weights, torch::Tensor out, int64_t topk, bool pdl) {
   const int Tn = int(out.size(0)), H = int(out.size(1));
   const at::cuda::CUDAGuard guard(out.device());
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -625,23 +667,23 @@ void combine(torch::Tensor partial, torch::Tensor weights, torch::Tensor out, in
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
   switch (out.scalar_type()) {
     case torch::kFloat32:
-      combine_kernel<float><<<blocks, threads, 0, stream>>>(partial.data_ptr<float>(), weights.data_ptr<float>(),
-                                                            out.data_ptr<float>(), Tn, int(topk), H);
+      launch(combine_kernel<float>, dim3(blocks), dim3(threads), 0, stream, pdl,
+             static_cast<const float*>(partial.data_ptr<float>()), static_cast<const float*>(weights.data_ptr<float>()),
+             out.data_ptr<float>(), Tn, int(topk), H);
       break;
     case torch::kBFloat16:
-      combine_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(
-          partial.data_ptr<float>(), weights.data_ptr<float>(),
-          reinterpret_cast<__nv_bfloat16*>(out.data_ptr<at::BFloat16>()), Tn, int(topk), H);
+      launch(combine_kernel<__nv_bfloat16>, dim3(blocks), dim3(threads), 0, stream, pdl,
+             static_cast<const float*>(partial.data_ptr<float>()), static_cast<const float*>(weights.data_ptr<float>()),
+             reinterpret_cast<__nv_bfloat16*>(out.data_ptr<at::BFloat16>()), Tn, int(topk), H);
       break;
     case torch::kFloat16:
-      combine_kernel<__half><<<blocks, threads, 0, stream>>>(
-          partial.data_ptr<float>(), weights.data_ptr<float>(),
-          reinterpret_cast<__half*>(out.data_ptr<at::Half>()), Tn, int(topk), H);
+      launch(combine_kernel<__half>, dim3(blocks), dim3(threads), 0, stream, pdl,
+             static_cast<const float*>(partial.data_ptr<float>()), static_cast<const float*>(weights.data_ptr<float>()),
+             reinterpret_cast<__half*>(out.data_ptr<at::Half>()), Tn, int(topk), H);
       break;
     default:
       TORCH_CHECK(false, "out dtype must be float32, bfloat16 or float16");
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace moet

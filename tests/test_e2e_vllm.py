@@ -76,13 +76,15 @@ def checkpoints(env):
     return {n: ensure_tiny_checkpoint(n) for n in ("tiny-moe", "tiny-moe-mla")}
 
 
-def _plan_file(tmp: Path, ckpt: Path, fmt: str) -> str:
+def _plan_file(tmp: Path, ckpt: Path, fmt: str, tag: str = "", **placement) -> str:
     from moetplan.launch.run import plan_for_cpu
     from moetplan.models import resolve_model
     from moetplan.plan.schema import save_json
 
     plan = plan_for_cpu(resolve_model(str(ckpt)), context=512, expert_format=fmt)
-    path = tmp / f"{ckpt.name}.{fmt}.json"
+    for k, v in placement.items():
+        setattr(plan.placement, k, v)
+    path = tmp / f"{ckpt.name}.{fmt}{tag}.json"
     save_json(plan, path)
     return str(path)
 
@@ -142,11 +144,21 @@ def offline(env, checkpoints, tmp_path_factory):
     script = tmp / "offline_runs.py"
     script.write_text(OFFLINE)
     qwen, mla = str(checkpoints["tiny-moe"]), str(checkpoints["tiny-moe-mla"])
-    p2 = _plan_file(tmp, checkpoints["tiny-moe"], "2bit")
-    jobs = {
+    packs = str(tmp / "packs")
+    plans = {
+        # resident, quantized at load (no pack yet)
+        "2bit": _plan_file(tmp, checkpoints["tiny-moe"], "2bit", pack_dir=packs),
+        # NVMe tier: writes the pack, then serves through a 24-slot cache (of 32 rows) over a small RAM arena
+        "nvme": _plan_file(tmp, checkpoints["tiny-moe"], "2bit", ".nvme", pack_dir=packs, expert_tier="nvme",
+                           gpu_expert_cache_slots=24, host_arena_gib=0.0001),
+        # resident again: reads the pack instead of quantizing (and never materialises the checkpoint experts)
+        "from_pack": _plan_file(tmp, checkpoints["tiny-moe"], "2bit", ".frompack", pack_dir=packs),
+    }
+    jobs = {  # run in this order
         "vllm_unquantized": [qwen, None, None],
-        "moetplan_2bit_a": [qwen, "moetplan", p2],
-        "moetplan_2bit_b": [qwen, "moetplan", p2],
+        "moetplan_2bit_a": [qwen, "moetplan", plans["2bit"]],
+        "moetplan_2bit_nvme": [qwen, "moetplan", plans["nvme"]],
+        "moetplan_2bit_from_pack": [qwen, "moetplan", plans["from_pack"]],
         "mla_unquantized": [mla, "moetplan", _plan_file(tmp, checkpoints["tiny-moe-mla"], "unquantized")],
     }
     res = subprocess.run([sys.executable, str(script), json.dumps(jobs), PROMPT, str(MAX_TOKENS)], env=env,
@@ -154,7 +166,7 @@ def offline(env, checkpoints, tmp_path_factory):
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     assert res.returncode == 0 and lines, (res.stdout[-3000:] + res.stderr[-3000:])
     out = json.loads(lines[-1][len("RESULT "):])
-    out["_plans"] = {"2bit": p2}
+    out["_plans"] = plans
     return out
 
 
@@ -196,10 +208,27 @@ def test_unquantized_through_our_method_equals_vllm_own_output(served_tokens, of
     assert ours == offline["vllm_unquantized"]
 
 
-def test_2bit_experts_are_deterministic_across_runs_and_differ_from_bf16(offline):
-    a, b = offline["moetplan_2bit_a"], offline["moetplan_2bit_b"]
-    assert len(a) == MAX_TOKENS and a == b
+def _record(plan_path: str):
+    from moetplan.plan.schema import RunRecord, load_json
+    from moetplan.runtime.records import run_record_path
+
+    return load_json(RunRecord, run_record_path(plan_path))
+
+
+def test_2bit_experts_are_deterministic_across_runs_tiers_and_packs(offline):
+    a = offline["moetplan_2bit_a"]
+    assert len(a) == MAX_TOKENS
     assert a != offline["vllm_unquantized"]  # the 2-bit path really ran
+    # three separate engine runs: resident (quantized at load), NVMe tier through the expert cache, resident
+    # reading the pack the NVMe run wrote
+    assert offline["moetplan_2bit_nvme"] == a
+    assert offline["moetplan_2bit_from_pack"] == a
+    plans = offline["_plans"]
+    ra, rn, rp = _record(plans["2bit"]), _record(plans["nvme"]), _record(plans["from_pack"])
+    assert ra.runtime["expert_sources"] == ["float32"] and ra.runtime["token_hit_rate"] == 1.0
+    assert rn.runtime["tier"] == "nvme" and rn.runtime["slots"] == 24 and rn.runtime["pack"]
+    assert 0.0 < rn.runtime["token_hit_rate"] <= 1.0 and rn.runtime["misses_per_step"] is not None
+    assert rp.runtime["expert_sources"][0].startswith("pack:")
 
 
 def test_mla_model_matches_hf_transformers_through_the_plugin(checkpoints, offline):

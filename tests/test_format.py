@@ -258,7 +258,8 @@ def test_ds4_layout_size_matches_facts():
 def test_bit_domain_path_matches_float_path_on_large_tensors(dtype):
     # Too big for the Fraction reference: check the integer fast path against the frexp/float formulation instead.
     g = torch.Generator().manual_seed(9)
-    w = torch.randn(300, 1024, generator=g, dtype=torch.float64) * torch.logspace(-30, 30, 300, dtype=torch.float64)[:, None]
+    mag = torch.logspace(-30, 30, 300, dtype=torch.float64)[:, None]
+    w = torch.randn(300, 1024, generator=g, dtype=torch.float64) * mag
     if dtype in (torch.float16,):
         w = torch.randn(300, 1024, generator=g, dtype=torch.float64) * 100
     w = w.to(dtype)
@@ -272,3 +273,17 @@ def test_bit_domain_path_matches_float_path_on_large_tensors(dtype):
     n, _ = F.quantize_fp4(w)
     idx = F._unpack_nibbles(n).reshape(s.shape) & 7
     assert torch.equal(idx.long(), torch.bucketize(s.abs(), torch.tensor(F.E2M1_MIDPOINTS, dtype=s.dtype)))
+
+
+def test_report_rows_sampling():
+    assert F.report_rows(100, None) == slice(None) and F.report_rows(100, 256) == slice(None)
+    sl = F.report_rows(4096, 256)
+    assert len(range(4096)[sl]) == 256
+    g = torch.Generator().manual_seed(4)
+    w13, w2 = torch.randn(128, 64, generator=g), torch.randn(64, 64, generator=g)
+    lay = F.RowLayout.for_expert(64, 64)
+    full, part = {}, {}
+    assert torch.equal(F.pack_expert_row(w13, w2, lay, stats=full), F.pack_expert_row(w13, w2, lay, stats=part,
+                                                                                         report_max_rows=32))
+    assert full["w13"]["numel"] == 128 * 64 and part["w13"]["numel"] == 32 * 64
+    assert part["w13"]["rel_rms"] == pytest.approx(full["w13"]["rel_rms"], rel=0.2)

@@ -352,3 +352,99 @@ def test_row_views_agree_with_sections():
     a = row_views(row, lay)
     b = ops._sections(row, lay)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------------------------------ CUDA-path plumbing
+# The op layer's CUDA path drives the extension through route/stage/combine with section offsets taken from the
+# layout. A pure-torch stand-in with the extension's signatures and semantics runs that plumbing on the CPU.
+
+
+class _FakeExtension:
+    """route/stage/combine with the CUDA extension's argument lists, computed with torch on the CPU."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def scan_max_pairs(self) -> int:
+        return 512
+
+    def route(self, ids, slot_of, fp4_slot_of, order, seg_e, seg_off, seg_cnt, nseg, flag):
+        self.calls.append("route")
+        E = slot_of.numel()
+        M = seg_e.numel() // 2
+        f4 = (fp4_slot_of[ids.long()] >= 0) if fp4_slot_of is not None else torch.zeros_like(ids, dtype=torch.bool)
+        key = ids.long() + E * f4.long()
+        o = torch.argsort(key, stable=True)
+        order.copy_(o.to(torch.int32))
+        keys, counts = torch.unique_consecutive(key[o], return_counts=True)
+        offs = torch.cumsum(counts, 0) - counts
+        for f in (0, 1):
+            sel = (keys >= E) == bool(f)
+            n = int(sel.sum())
+            seg_e[f * M:f * M + n] = (keys[sel] - f * E).to(torch.int32)
+            seg_off[f * M:f * M + n] = offs[sel].to(torch.int32)
+            seg_cnt[f * M:f * M + n] = counts[sel].to(torch.int32)
+            nseg[f] = n
+
+    def stage(self, fmt, w13, pool, slot_of, fp4_slot_of, q_off, s_off, N, K, ids, seg_e, seg_off, seg_cnt, nseg,
+              order, topk, b, act, partial, limit, has_limit, flag, pdl):
+        self.calls.append(f"stage{'13' if w13 else '2'}{'r' if order is not None else 's'}")
+        fmt_name = "2bit" if fmt == 0 else "fp4"
+        wpb = 4 if fmt == 0 else 2
+        if order is not None:  # routed: pairs from the segments
+            pairs = []
+            for i in range(int(nseg[0])):
+                o, c = int(seg_off[i]), int(seg_cnt[i])
+                pairs += [int(p) for p in order[o:o + c]]
+        else:
+            pairs = [p for p in range(ids.numel())
+                     if ((fp4_slot_of is not None and int(fp4_slot_of[int(ids[p])]) >= 0) == bool(fmt))]
+        for p in pairs:
+            e = int(ids[p])
+            slot = int(slot_of[e])
+            if slot < 0:
+                flag[0] = e + 1
+                continue
+            row = pool[slot]
+            q = row[q_off:q_off + N * K // wpb].view(N, K // wpb)
+            s = row[s_off:s_off + N * K // 32].view(N, K // 32)
+            W = ops.dequantize_rows(q, s, fmt_name)
+            if w13:
+                h = W @ b[p // topk].float()
+                gate, up = h[:N // 2], h[N // 2:]
+                if has_limit:
+                    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                act[p] = torch.nn.functional.silu(gate) * up
+            else:
+                partial[p] = W @ b[p]
+
+    def combine(self, partial, w, out, k, pdl):
+        self.calls.append("combine")
+        T, H = out.shape
+        out.copy_((partial.view(T, k, H) * w.unsqueeze(-1)).sum(1))
+
+
+@pytest.mark.parametrize("T,E", [(3, 16), (80, 16)])
+def test_cuda_path_plumbing_with_stand_in_extension(T, E, monkeypatch):
+    lay2 = RowLayout.for_expert(96, 64, fmt="2bit")
+    lay4 = RowLayout.for_expert(96, 64, fmt="fp4")
+    pool, fpool = _pool(lay2, E, seed=1), _pool(lay4, 3, seed=2)
+    f4 = torch.full((E,), -1, dtype=torch.int32)
+    f4[torch.tensor([1, 5, 9])] = torch.tensor([0, 1, 2], dtype=torch.int32)
+    ids, w = _routing(T, 4, E, seed=T)
+    x = torch.randn(T, 96, generator=_rng(3))
+    fake = _FakeExtension()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    got = ops._moe_cuda(fake, x, ids.to(torch.int32), w, pool, torch.arange(E), lay2, fpool, f4, lay4, 0.5, None)
+    ref = ops.moe_forward_reference(x, ids, w, pool, torch.arange(E), lay2, fpool, f4, lay4, 0.5)
+    assert _rel(got, ref) < 1e-5
+    routed = T * 4 >= ops.PREFILL_PAIRS_PER_EXPERT * E
+    assert ("route" in fake.calls) == routed
+    assert fake.calls.count("combine") >= 1
+    # A missing 2-bit expert is reported through the flag after the launches.
+    slot = torch.arange(E)
+    slot[int(ids[0, 0])] = -1 if int(f4[int(ids[0, 0])]) < 0 else slot[int(ids[0, 0])]
+    if int(f4[int(ids[0, 0])]) < 0:
+        with pytest.raises(ops.ResidencyError, match=str(int(ids[0, 0]))):
+            ops._moe_cuda(fake, x, ids, w, pool, slot, lay2, fpool, f4, lay4, None, None)
+        assert int(ops._error_flag(x.device)) == 0  # reset once reported

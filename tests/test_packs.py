@@ -151,6 +151,8 @@ def test_checkpoint_identity(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
     (tmp_path / "config.json").write_text("{}")
     a = P.checkpoint_identity(tmp_path)
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 8}')
+    assert P.checkpoint_identity(tmp_path) == a
     os.utime(tmp_path / "model.safetensors", (1, 1))
     assert P.checkpoint_identity(tmp_path) == a  # mtime is not identity
     (tmp_path / "model.safetensors").write_bytes(b"x" * 11)

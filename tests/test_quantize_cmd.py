@@ -93,7 +93,8 @@ def _mx_ckpt(d: Path, kind: str) -> Path:
             for proj, (n, k) in (("gate", (INTER, HIDDEN)), ("up", (INTER, HIDDEN)), ("down", (HIDDEN, INTER))):
                 packed = torch.from_numpy(rng.integers(0, 256, (n, k // 2), dtype=np.uint8))
                 if kind == "mxfp4":
-                    name = f"model.layers.{li}.block_sparse_moe.experts.{e}.{ {'gate': 'w1', 'up': 'w3', 'down': 'w2'}[proj]}"
+                    short = {"gate": "w1", "up": "w3", "down": "w2"}[proj]
+                    name = f"model.layers.{li}.block_sparse_moe.experts.{e}.{short}"
                     out[name + ".weight"] = packed.view(torch.float4_e2m1fn_x2)
                     sc = torch.from_numpy(rng.integers(110, 130, (n, k // 32), dtype=np.uint8))
                     out[name + ".weight_scale"] = sc.view(torch.float8_e8m0fnu)
@@ -273,8 +274,12 @@ def test_changed_checkpoint_makes_pack_stale_and_rebuilt(bf16_ckpt, tmp_path):
     shutil.copytree(bf16_ckpt, ck)
     res = _invoke("--model", str(ck), "--pack-dir", str(tmp_path / "p"))
     cfg = json.loads((ck / "config.json").read_text())
-    cfg["note"] = "re-exported"
+    cfg["note"] = "edited config"
     (ck / "config.json").write_text(json.dumps(cfg))
+    assert P.checkpoint_identity(ck) == res["identity"]  # config edits do not invalidate packs
+    idx = json.loads((ck / "model.safetensors.index.json").read_text())
+    idx["metadata"]["note"] = "re-exported"
+    (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
     new_id = P.checkpoint_identity(ck)
     assert new_id != res["identity"]
     with pytest.raises(P.StalePackError, match="identity"):
@@ -299,3 +304,14 @@ def test_human_output_and_bad_input(bf16_ckpt, tmp_path):
     assert "no routed-expert tensors" in str(bad2.exception)
     bad3 = CliRunner().invoke(app, ["quantize", "--model", str(bf16_ckpt), "--pack-dir", str(tmp_path), "--tp", "3"])
     assert isinstance(bad3.exception, UsageError) and "tp" in str(bad3.exception)
+
+
+def test_worker_count_does_not_change_bytes(bf16_ckpt, tmp_path):
+    from moetplan.runtime.quantize_ckpt import quantize_checkpoint
+
+    a = quantize_checkpoint(bf16_ckpt, tmp_path / "a", workers=1, tp=2)
+    b = quantize_checkpoint(bf16_ckpt, tmp_path / "b", workers=3, tp=2)
+    assert a["workers"] == 1 and b["workers"] == 3
+    for pa, pb in zip(a["packs"], b["packs"]):
+        assert Path(pa).read_bytes() == Path(pb).read_bytes()
+    assert a["errors"] == b["errors"]

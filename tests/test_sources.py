@@ -65,6 +65,8 @@ def test_fp8_fast_matches_reference(scale_kind):
     ref = S.dequantize_fp8_reference(w, scale)
     assert fast.dtype == torch.float64
     np.testing.assert_array_equal(fast.numpy(), ref)
+    per32 = S.dequantize_fp8_per_block32(w, S.fp8_scale_per_block32(scale, n, k), torch.float64)
+    assert torch.equal(per32, fast)
     _agree_values(fast[:, :64].contiguous())
     _agree_values(fast[:40].contiguous())
     _direct_fp8_agrees(w, scale, ref)
@@ -82,6 +84,18 @@ def _direct_fp8_agrees(w: np.ndarray, scale: np.ndarray, ref: np.ndarray, zero_m
     nr, s4r = F.quantize_fp4_reference(ref)
     np.testing.assert_array_equal(n4.numpy(), nr)
     np.testing.assert_array_equal(s4.numpy(), s4r)
+
+
+@pytest.mark.parametrize("s", [1.0, 2.0**-7, 3.0, 0.7, 2.0**100 / 3])
+def test_fp8_direct_on_ties_and_boundaries(s):
+    # e4m3 holds the e2m1 midpoints and 2.5 exactly: with scale s the ties land exactly (s a power of two) or not
+    vals = [6.0, 2.5, -2.5, 0.25, 0.75, 1.25, 1.75, 3.5, 5.0, -5.0, 0.0, -0.0, 4.5, 4.0, 2.75, 2.25]
+    rows = [vals * 2, [v / 64 for v in vals] * 2, [v * 16 for v in vals] * 2, [4.25] + [0.0] * 31]
+    w = torch.tensor(rows, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    scale = np.array([s], np.float32)
+    ref = S.dequantize_fp8_reference(w, scale)
+    _direct_fp8_agrees(w, scale, ref)
+    _agree_values(torch.from_numpy(ref))
 
 
 def test_fp8_zeros_are_balanced():
@@ -133,6 +147,20 @@ def test_mxfp4_remap_matches_reference_and_keeps_scales():
     c1, s1o = S.mxfp4_to_2bit(p1, s1, zero_mode="signed")
     assert int(s1o[0, 0]) == 127 and int(F.quantize_2bit(S.dequantize_mxfp4(p1, s1))[1][0, 0]) == 126
     assert F.dequantize_2bit(c1, s1o)[0, 0].item() == 4.0
+
+
+@pytest.mark.parametrize("zero_mode", ["signed", "balanced"])
+def test_mxfp4_error_report_matches_dequantized(zero_mode):
+    rng = _rng(18)
+    packed = rng.integers(0, 256, size=(16, 64), dtype=np.uint8)
+    scales = rng.integers(90, 160, size=(16, 4), dtype=np.uint8)
+    c, s = S.mxfp4_to_2bit(packed, scales, zero_mode)
+    want = F.error_report(S.dequantize_mxfp4(packed, scales), c, s)
+    got = S.mxfp4_error_report(packed, scales, "2bit", zero_mode)
+    assert got["numel"] == want["numel"]
+    assert got["rel_rms"] == pytest.approx(want["rel_rms"], rel=1e-9)
+    assert got["bias_scale_units"] == pytest.approx(want["bias_scale_units"], rel=1e-9, abs=1e-12)
+    assert S.mxfp4_error_report(packed, scales, "fp4")["rel_rms"] == 0.0
 
 
 def test_mxfp4_zero_balancing():

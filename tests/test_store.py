@@ -54,11 +54,16 @@ def assert_kernel_view_correct(store: ExpertStore) -> None:
 op = st.tuples(st.integers(0, 3), st.integers(0, L - 1), st.lists(st.integers(0, E - 1), min_size=1, max_size=6))
 
 
+@pytest.fixture(scope="module")
+def pack_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("packs")
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["host", "pagecache", "arena"]), slots=st.integers(6, 14),
+@given(kind=st.sampled_from(["host", "pagecache", "arena", "arena-file"]), slots=st.integers(6, 14),
        ops=st.lists(op, min_size=1, max_size=40))
-def test_property_bytes_bound_and_pins(kind, slots, ops):
-    store = ExpertStore(_backing(kind), slots, decay=0.9, protected_share=0.5)
+def test_property_bytes_bound_and_pins(pack_dir, kind, slots, ops):
+    store = ExpertStore(_backing(kind, pack_dir), slots, decay=0.9, protected_share=0.5)
     for k, layer, ids in ops:
         if k == 3:
             store.begin_step()
@@ -96,6 +101,7 @@ def test_property_bytes_bound_and_pins(kind, slots, ops):
         assert before_pinned <= resident, "an expert pinned by the current step was evicted"
         assert {(layer, e) for e in uniq} <= store.pinned_keys()
         assert_kernel_view_correct(store)
+    store.close()
 
 
 @pytest.mark.parametrize("kind", ["host", "pagecache", "arena", "arena-file"])
@@ -199,6 +205,11 @@ def test_stats_match_a_hand_computed_history(caplog):
     assert s["bytes_fetched"]["host"] == 4 * S and s["bytes_fetched"]["nvme"] == 0
     assert s["h2d_gbps"] and s["h2d_gbps"] > 0
     json.dumps(s)  # the run record takes it as is
+    resident = store.resident()
+    store.reset_stats()  # e.g. after vLLM's profiling runs
+    s = store.stats()
+    assert s["decode"]["steps"] == 0 and s["token_hit_rate"] is None and s["bytes_fetched"]["host"] == 0
+    assert store.resident() == resident and store.heat().max() > 0
     assert any("hit=" in r.message and "zero-miss=" in r.message for r in caplog.records)
 
 
@@ -296,3 +307,35 @@ def test_coalesce_merges_adjacent_rows_into_one_copy():
     # Slots out of order: pairs are sorted by slot, and rows only merge when both sides are consecutive.
     runs = _coalesce([src[4], src[3]], [1, 0], 64)
     assert [(r.shape[0], s0) for r, s0 in runs] == [(2, 0)] and torch.equal(runs[0][0], src[3:5])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_copy_waits_for_kernels_still_reading_a_victim_slot():
+    """A kernel queued on the compute stream must read the old row even if the next ensure() evicts its slot."""
+    store = ExpertStore(PinnedHostStore(ArrayRowSource(ROWS, L, E), pin=True), 4, device="cuda",
+                        protected_share=0.0)
+    store.ensure(0, [[0, 1, 2, 3]])
+    before = store.residency[0].cpu().numpy().copy()
+    store.begin_step()
+    torch.cuda._sleep(200_000_000)  # keep the compute stream busy (~0.1 s) ...
+    snap = store.data.clone()  # ... so this read of the layer-0 rows is still queued
+    store.ensure(1, [[4, 5, 6, 7]])  # evicts every layer-0 slot from the host right away
+    torch.cuda.synchronize()
+    for e in range(4):
+        assert np.array_equal(snap[before[e]].cpu().numpy(), ROWS[e]), "a victim slot was overwritten too early"
+    assert_kernel_view_correct(store)
+    store.close()
+
+
+def test_chunks_progress_even_when_the_step_pinned_every_slot():
+    store = ExpertStore(_backing("host"), 6, protected_share=0.5)
+    store.ensure(0, [[0, 1, 2, 3, 4]])
+    store.ensure(1, [[0]])  # the step now pins all 6 slots
+    served = []
+    for mask, slots in store.ensure_chunks(2, np.array([[0, 5]]), prefill=True):
+        served += np.array([0, 5])[mask.numpy()[0]].tolist()
+        for e, s in zip(np.array([0, 5])[mask.numpy()[0]], slots.numpy()[mask.numpy()]):
+            assert np.array_equal(store.data[s].numpy(), ROWS[2 * E + e])
+    assert sorted(served) == [0, 5]
+    assert_kernel_view_correct(store)

@@ -141,3 +141,25 @@ def test_registered_as_moetplan_replay():
                                  "--shares", "0.5", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["curve"][0]["slots"] == 8
+
+
+def test_recorder_stacks_decode_steps_and_replays(tmp_path):
+    import torch
+
+    from moetplan.runtime.trace import TraceRecorder
+
+    src = synthetic_trace(3, 16, 2, 20, seed=8)
+    rec = TraceRecorder(3, 16)
+    for s in range(20):
+        for layer in range(3):
+            rec.observe(layer, torch.from_numpy(src.ids[s, layer]))
+        if s == 10:  # an odd-shaped step (2 tokens) and a partial one are skipped, not stacked
+            for layer in range(3):
+                rec.observe(layer, np.zeros((2, 2), dtype=np.int64))
+            rec.observe(0, np.zeros((1, 2), dtype=np.int64))
+    tr = rec.trace()
+    assert np.array_equal(tr.ids, src.ids) and rec.skipped_steps == 2
+    tr.save(tmp_path / "rec.npz")
+    assert replay(Trace.load(tmp_path / "rec.npz"), 12)["steps"] == 20
+    with pytest.raises(UsageError, match="no complete"):
+        TraceRecorder(3, 16).trace()

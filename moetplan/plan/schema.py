@@ -136,6 +136,9 @@ class Placement(_Model):
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.92
     pack_dir: str | None = None
+    expert_format: Literal["2bit", "unquantized"] = Field(
+        "2bit", description="Routed experts as the runtime stores them; 'unquantized' keeps the checkpoint's "
+        "(for checking the path against stock vLLM)")
     gate: Gate = Field(default_factory=Gate)
 
 
@@ -289,6 +292,9 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -309,12 +309,9 @@ def solve(model: ModelSpec, hw: HardwareProfile, goals: Goals | None = None, cal
         warnings=_warnings(model, hw, chosen),
     )
     if with_launch:
-        try:
-            from moetplan.launch.command import build_launch
-        except ImportError:  # launch builder not installed in this build
-            pass
-        else:
-            plan.launch = build_launch(plan)
+        from moetplan.launch.command import build_launch
+
+        plan.launch = build_launch(plan)
     return plan
 
 

@@ -12,8 +12,10 @@ Three tiers behind one interface (`BackingStore`):
 called with the event (or None) after which the consumer no longer reads them. That is what lets the GPU store
 issue the host->device copies asynchronously straight from the views, without a second host copy.
 
-Rows come from a `RowSource` (a pack, or anything with num_rows/stride/read_rows); `moetplan.runtime.packs.Pack`
-is adapted by `as_row_source`.
+Rows come from a `RowSource` (num_layers, num_experts, stride, row_index, read_rows): `moetplan.runtime.packs.Pack`
+is one as is; `FileRowSource` (a raw row file) and `ArrayRowSource` (rows in RAM) serve benches and tests.
+Host buffers are page aligned (O_DIRECT reads land in them directly) and, with CUDA, page-locked by
+cudaHostRegister; a failed pin raises `PinnedMemoryError` naming the memlock limit, the fix and the fallback.
 """
 from __future__ import annotations
 

@@ -43,12 +43,13 @@ class SourceTensor:
         return sum(t.numel() * t.element_size() for t in self.parts.values())
 
     def dequantize(self) -> torch.Tensor:
-        """Exact float values: float32 for 16/32-bit sources, float64 for quantized ones."""
+        """Exact float values: float sources as stored (the quantizer reads bf16/fp16/fp32 directly), float64 for
+        FP8 / NVFP4 / MXFP4."""
         from moetplan.runtime import sources as S
 
         p = self.parts
         if self.kind == "plain":
-            return S.dequantize_plain(p["weight"])
+            return p["weight"]
         if self.kind == "fp8":
             return S.dequantize_fp8(p["weight"], p["scale"], self.name)
         if self.kind == "nvfp4":
@@ -237,4 +238,5 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-_DTYPE_BYTES = {"F4": 0.5, "F8_E8M0": 1, "F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1}
+_DTYPE_BYTES = {"F4": 0.5, "F8_E8M0": 1, "F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                "U8": 1, "I8": 1}

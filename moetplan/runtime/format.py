@@ -94,7 +94,8 @@ class RowLayout:
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         h, ir, d = self.hidden, self.inter_per_rank, self.weights_per_byte
-        return {"w13_q": (2 * ir, h // d), "w13_s": (2 * ir, h // BLOCK), "w2_q": (h, ir // d), "w2_s": (h, ir // BLOCK)}
+        return {"w13_q": (2 * ir, h // d), "w13_s": (2 * ir, h // BLOCK),
+                "w2_q": (h, ir // d), "w2_s": (h, ir // BLOCK)}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -585,11 +586,19 @@ def pack_quantized_row(layout: RowLayout, w13_q: torch.Tensor, w13_s: torch.Tens
     return row
 
 
+def report_rows(n: int, max_rows: int | None) -> slice:
+    """Every k-th row so that at most max_rows rows feed an error report (rows quantize independently, so the
+    sampled rows' statistics are exact for those rows)."""
+    return slice(None) if not max_rows or n <= max_rows else slice(None, None, -(-n // max_rows))
+
+
 def pack_expert_row(w13: torch.Tensor, w2: torch.Tensor, layout: RowLayout, zero_mode: ZeroMode = "auto",
-                    out: torch.Tensor | None = None, stats: dict | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, stats: dict | None = None,
+                    report_max_rows: int | None = None) -> torch.Tensor:
     """Float weights w13 [2Ir, H], w2 [H, Ir] -> one uint8 row [stride], quantized per layout.fmt.
 
-    `stats`, when given, receives error_report() of both matrices and their resolved zero modes.
+    `stats`, when given, receives error_report() of both matrices (on at most report_max_rows evenly spaced rows)
+    and their resolved zero modes.
     """
     if tuple(w13.shape) != (2 * layout.inter_per_rank, layout.hidden) or \
             tuple(w2.shape) != (layout.hidden, layout.inter_per_rank):
@@ -600,8 +609,9 @@ def pack_expert_row(w13: torch.Tensor, w2: torch.Tensor, layout: RowLayout, zero
     q13, s13, z13 = _quantize(w13, layout.fmt, zero_mode)
     q2, s2, z2 = _quantize(w2, layout.fmt, zero_mode)
     if stats is not None:
-        stats["w13"] = {**error_report(w13, q13, s13, layout.fmt), "zero_mode": z13}
-        stats["w2"] = {**error_report(w2, q2, s2, layout.fmt), "zero_mode": z2}
+        a, b = report_rows(w13.shape[0], report_max_rows), report_rows(w2.shape[0], report_max_rows)
+        stats["w13"] = {**error_report(w13[a], q13[a], s13[a], layout.fmt), "zero_mode": z13}
+        stats["w2"] = {**error_report(w2[b], q2[b], s2[b], layout.fmt), "zero_mode": z2}
     return pack_quantized_row(layout, q13, s13, q2, s2, out)
 
 

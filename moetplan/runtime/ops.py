@@ -187,6 +187,19 @@ def _error_flag(dev: torch.device) -> torch.Tensor:
     return f
 
 
+_PDL_CAP: dict[str, bool] = {}
+
+
+def use_pdl(dev: torch.device) -> bool:
+    """Programmatic dependent launch between the op's kernels: sm_90+ and not switched off (MOETPLAN_PDL=0)."""
+    if os.environ.get("MOETPLAN_PDL", "1") == "0":
+        return False
+    key = str(dev)
+    if key not in _PDL_CAP:
+        _PDL_CAP[key] = torch.cuda.get_device_capability(dev)[0] >= 9
+    return _PDL_CAP[key]
+
+
 def _check_residency() -> bool:
     return os.environ.get("MOETPLAN_CHECK_RESIDENCY", "1") != "0"
 
@@ -207,6 +220,7 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
     ids_all = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int64)
     weights = topk_weights.to(torch.float32).contiguous()
     flag = _error_flag(dev)
+    pdl = use_pdl(dev) if dev.type == "cuda" else False
     lim = float(swiglu_limit) if swiglu_limit is not None else 0.0
     fmts = [(0, pool, slot32, layout)] + ([] if fp4_pool is None else [(1, fp4_pool, f4slot32, fp4_layout)])
     chunk = max(1, PARTIAL_BYTES_CAP // (k * max(H, ir) * 4))
@@ -224,17 +238,17 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             mod.route(ids, slot32, f4slot32, order, segs[0], segs[1], segs[2], nseg, flag)
         act = torch.empty(P, ir, dtype=torch.float32, device=dev)
         partial = torch.empty(P, H, dtype=torch.float32, device=dev)
-        xs = x[t0:t1]
+        xs = x[t0:t1] if x.dtype != torch.float16 else x[t0:t1].float()  # the kernels take bf16 or fp32 x
         for f, pl, so, lay in fmts:
             code = 0 if lay.fmt == "2bit" else 1
             if routed:
                 sl = slice(f * M, (f + 1) * M)
                 seg = [segs[0, sl], segs[1, sl], segs[2, sl], nseg[f:f + 1], order]
             mod.stage(code, True, pl, so, f4slot32, lay.w13_q_off, lay.w13_s_off, 2 * ir, H, ids, *seg, k, xs, act,
-                      None, lim, swiglu_limit is not None, flag)
+                      None, lim, swiglu_limit is not None, flag, pdl)
             mod.stage(code, False, pl, so, f4slot32, lay.w2_q_off, lay.w2_s_off, H, ir, ids, *seg, k, act, None,
-                      partial, lim, swiglu_limit is not None, flag)
-        mod.combine(partial, weights[t0:t1].contiguous(), out[t0:t1], k)
+                      partial, lim, swiglu_limit is not None, flag, pdl)
+        mod.combine(partial, weights[t0:t1].contiguous(), out[t0:t1], k, pdl)
     if not torch.cuda.is_current_stream_capturing() and _check_residency():
         bad = int(flag.item())
         if bad != 0:

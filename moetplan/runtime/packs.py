@@ -13,6 +13,7 @@ import json
 import mmap
 import os
 import re
+import threading
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,6 +30,7 @@ from moetplan.runtime.format import FORMAT_VERSION, QUANTIZER_VERSION, ROW_ALIGN
 PACK_KIND = "moetplan-pack"
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _MAX_IO_BYTES = 1 << 30  # keep one preadv under Linux's ~2 GiB per-call cap
+_BOUNCE_BYTES = 64 << 20
 
 
 class StalePackError(MoetplanError):
@@ -62,14 +64,14 @@ def pack_paths(pack_dir: str | os.PathLike[str], model_key: str, tp: int, rank: 
 
 
 def checkpoint_identity(ckpt_dir: str | os.PathLike[str]) -> str:
-    """Hash of the checkpoint's index/config and shard names with their sizes (not mtimes: a copy is the same)."""
+    """Hash of the checkpoint's index and shard names with their sizes (not mtimes: a copy is the same; not
+    config.json: editing e.g. max_position_embeddings must not force re-quantizing every expert)."""
     d = Path(ckpt_dir)
     if not d.is_dir():
         raise UsageError(f"Checkpoint directory {d} does not exist; pass the folder holding *.safetensors")
     entries = []
     for p in sorted(d.iterdir()):
-        if p.is_file() and (p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json")
-                            or p.name == "config.json"):
+        if p.is_file() and (p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json")):
             entries.append(f"{p.name}\t{p.stat().st_size}")
     if not any(e.split("\t")[0].endswith(".safetensors") for e in entries):
         raise UsageError(f"{d} holds no *.safetensors files; point --model at a safetensors checkpoint folder")
@@ -183,7 +185,8 @@ class PackWriter:
 
     def row_index(self, layer: int, expert: int) -> int:
         if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
-            raise UsageError(f"(layer {layer}, expert {expert}) outside the pack ({self.num_layers} x {self.num_experts})")
+            raise UsageError(f"(layer {layer}, expert {expert}) outside the pack "
+                             f"({self.num_layers} x {self.num_experts})")
         return layer * self.num_experts + expert
 
     # -- state
@@ -256,6 +259,12 @@ class PackWriter:
 # --------------------------------------------------------------------------- reader
 
 
+def aligned_rows(n: int, stride: int) -> np.ndarray:
+    """A page-aligned uint8 [n, stride] buffer (anonymous mmap) that O_DIRECT reads can fill in place."""
+    mm = mmap.mmap(-1, max(1, n * stride))
+    return np.frombuffer(mm, dtype=np.uint8, count=n * stride).reshape(n, stride)
+
+
 def find_pack(pack_dir: Path, model_key: str | None, tp: int | None, rank: int, fmt: str) -> Path:
     pat = f"{model_key or '*'}.tp{tp or '*'}.rank{rank}.{fmt}.pack"
     hits = sorted(pack_dir.glob(pat))
@@ -280,6 +289,7 @@ class Pack:
         self._dfd: int | None = None
         self.o_direct_supported: bool | None = None
         self._bounce: mmap.mmap | None = None
+        self._lock = threading.Lock()  # guards the lazily opened O_DIRECT fd and the shared bounce buffer
 
     @classmethod
     def open(cls, path_or_dir: str | os.PathLike[str], model_key: str | None = None, tp: int | None = None,
@@ -316,7 +326,8 @@ class Pack:
 
     def row_index(self, layer: int, expert: int) -> int:
         if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
-            raise UsageError(f"(layer {layer}, expert {expert}) outside the pack ({self.num_layers} x {self.num_experts})")
+            raise UsageError(f"(layer {layer}, expert {expert}) outside the pack "
+                             f"({self.num_layers} x {self.num_experts})")
         return layer * self.num_experts + expert
 
     def done(self, row: int) -> bool:
@@ -324,7 +335,8 @@ class Pack:
 
     def read_rows(self, rows: Sequence[int], out, o_direct: bool = False) -> None:
         """Read rows into out[i] (uint8 [len(rows), stride], numpy or CPU/pinned torch), one preadv per run of
-        adjacent rows. With o_direct the page cache is bypassed (falls back to buffered where unsupported)."""
+        adjacent rows. With o_direct the page cache is bypassed (falls back to buffered where unsupported); give
+        page-aligned buffers (pinned memory, aligned_rows()) or the bytes go through a bounce buffer."""
         buf = out.numpy() if hasattr(out, "numpy") else out
         if buf.dtype != np.uint8 or buf.ndim != 2 or buf.shape[1] != self.stride or buf.shape[0] < len(rows):
             raise UsageError(f"Output buffer must be uint8 [{len(rows)}, {self.stride}], got {buf.dtype} {buf.shape}")
@@ -349,17 +361,25 @@ class Pack:
     def _read_run(self, fd: int, rows: Sequence[int], run: list[int], buf: np.ndarray, bounce: bool) -> None:
         off = rows[run[0]] * self.stride
         total = len(run) * self.stride
-        if bounce:
-            if self._bounce is None or len(self._bounce) < total:
-                self._bounce = mmap.mmap(-1, max(total, self.stride * 16))  # page-aligned
-            mv = memoryview(self._bounce)[:total]
-            self._pread_full(fd, [mv], off, total)
-            tmp = np.frombuffer(self._bounce, dtype=np.uint8, count=total).reshape(len(run), self.stride)
-            for j, i in enumerate(run):
-                buf[i] = tmp[j]
-            del mv, tmp
+        if bounce:  # O_DIRECT into a page-aligned bounce buffer, a few rows at a time, then copy out
+            with self._lock:
+                self._read_run_bounced(fd, off, run, buf)
             return
         self._pread_full(fd, [memoryview(buf[i]) for i in run], off, total)
+
+    def _read_run_bounced(self, fd: int, off: int, run: list[int], buf: np.ndarray) -> None:
+        per = max(1, _BOUNCE_BYTES // self.stride)
+        if self._bounce is None:
+            self._bounce = mmap.mmap(-1, per * self.stride)  # anonymous mmap: page-aligned
+        for j0 in range(0, len(run), per):
+            part = run[j0:j0 + per]
+            nbytes = len(part) * self.stride
+            mv = memoryview(self._bounce)[:nbytes]
+            self._pread_full(fd, [mv], off + j0 * self.stride, nbytes)
+            tmp = np.frombuffer(self._bounce, dtype=np.uint8, count=nbytes).reshape(len(part), self.stride)
+            for j, i in enumerate(part):
+                buf[i] = tmp[j]
+            del mv, tmp  # release the buffer exports so close() can unmap
 
     @staticmethod
     def _pread_full(fd: int, bufs: list[memoryview], off: int, total: int) -> None:
@@ -378,6 +398,10 @@ class Pack:
             got = os.preadv(fd, bufs, off)
 
     def _direct_fd(self) -> int:
+        with self._lock:
+            return self._open_direct()
+
+    def _open_direct(self) -> int:
         if self._dfd is None and self.o_direct_supported is not False:
             try:
                 self._dfd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))

@@ -60,10 +60,15 @@ def build_tokenizer(text: str, vocab_size: int = 512):
     """A byte-level BPE tokenizer trained on `text` (tokenizers, no hub)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    specials = ["<|bos|>", "<|eos|>", "<|pad|>"]
+    floor = len(pre_tokenizers.ByteLevel.alphabet()) + len(specials)
+    if vocab_size < floor:
+        raise UsageError(f"vocab_size {vocab_size} is below the byte-level floor {floor} (256 bytes + specials); "
+                         f"use a vocab of at least {floor}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([text[i:i + 4096] for i in range(0, len(text), 4096)], trainer)
     return tok
@@ -142,7 +147,7 @@ def train_tiny_moe(spec: TinyMoeSpec, ids: torch.Tensor, log: Callable[[str], No
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
         if log and (step % 50 == 0 or step == spec.train_steps - 1):
             log(f"step {step}: loss {losses[-1]:.3f}")
     model.eval()
@@ -266,7 +271,9 @@ def decode_logits(model: Any, ids: torch.Tensor, prompt: int, *, gate: GateContr
     rows = [out.logits[0, -1:].float()]
     for t in range(prompt, n - 1):
         def forward(t: int = t) -> torch.Tensor:
-            cache.crop(t)  # a recompute overwrites this step's KV
+            extra = cache.get_seq_length() - t
+            if extra > 0:
+                cache.crop(-extra)  # a recompute replaces this step's KV
             pos = torch.tensor([[t]])
             o = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True, position_ids=pos)
             return o.logits[0, -1:].float()
@@ -300,7 +307,7 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> dict[str, float]:
 class QualityConfig:
     tau: float = 0.3
     reserve_share: float = 0.25  # FP4 reserve rows as a share of all (layer, expert) rows, before the gate's room
-    gate_floor_factor: float = 1.7  # a gate needs room for one step's routed working set x this (hwdb guards)
+    gate_floor_factor: float | None = None  # room for one step's routed working set x this; None = hwdb guards
     eval_tokens: int = 512
     prompt: int = 16
     warmup_tokens: int = 512  # routing heat gathered on training text before the reserve is filled
@@ -311,7 +318,12 @@ def reserve_slots(cfg: Any, q: QualityConfig) -> tuple[int, int]:
     """(slots, max promotions per step): the hot share plus the gate's floor (one step's experts x factor)."""
     rows = cfg.num_hidden_layers * cfg.num_experts
     step_set = cfg.num_hidden_layers * cfg.num_experts_per_tok
-    slots = max(1, int(round(q.reserve_share * rows))) + int(math.ceil(q.gate_floor_factor * step_set))
+    factor = q.gate_floor_factor
+    if factor is None:
+        from moetplan.hwdb import guards
+
+        factor = float(guards()["fp4_gate"]["floor_factor"])
+    slots = max(1, int(round(q.reserve_share * rows))) + int(math.ceil(factor * step_set))
     return min(rows, slots), step_set
 
 
@@ -346,6 +358,7 @@ def run_quality(model: Any, tok: Any, q: QualityConfig = QualityConfig(),
                     qmodel(input_ids=warm[i:i + 64].reshape(1, -1))
         while r.maintain(max_rows=slots):
             pass
+        r.reset_counters()  # report what the evaluation did, not the warm-up
         return r
 
     r = warmed_reserve()

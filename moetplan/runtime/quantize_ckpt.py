@@ -15,6 +15,9 @@ import typer
 
 from moetplan.errors import UsageError
 
+# Error reports read at most this many evenly spaced rows per matrix: the summary stays cheap next to quantizing.
+REPORT_MAX_ROWS = 256
+
 
 def _summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """Aggregate per-tensor error reports (weighted by element count where it is a mean)."""
@@ -77,11 +80,15 @@ def _expert_rows(src: dict, layout, ranks: list[int], zero_mode: str, stats: dic
             else:
                 (q13, s13), (q2, s2), z13, z2 = S.mxfp4_to_fp4(w13p, w13s), S.mxfp4_to_fp4(w2p, w2s), "signed", "signed"
             if stats is not None:
+                a13, a2 = F.report_rows(len(w13p), REPORT_MAX_ROWS), F.report_rows(len(w2p), REPORT_MAX_ROWS)
                 stats.setdefault(r, []).append({
-                    "w13": {**F.error_report(S.dequantize_mxfp4(w13p, w13s), q13, s13, layout.fmt), "zero_mode": z13},
-                    "w2": {**F.error_report(S.dequantize_mxfp4(w2p, w2s), q2, s2, layout.fmt), "zero_mode": z2},
+                    "w13": {**S.mxfp4_error_report(w13p[a13], w13s[a13], layout.fmt, z13), "zero_mode": z13},
+                    "w2": {**S.mxfp4_error_report(w2p[a2], w2s[a2], layout.fmt, z2), "zero_mode": z2},
                 })
             yield r, F.pack_quantized_row(layout, q13, s13, q2, s2)
+        return
+    if gate.kind == "fp8" and all(bool((x.parts["scale"] > 0).all()) for x in (gate, up, down)):
+        yield from _fp8_rows(src, layout, ranks, zero_mode, stats)
         return
     gw, uw, dw = gate.dequantize(), up.dequantize(), down.dequantize()
     for r in ranks:
@@ -89,10 +96,37 @@ def _expert_rows(src: dict, layout, ranks: list[int], zero_mode: str, stats: dic
         w13 = torch.cat([gw[a:b], uw[a:b]])
         w2 = dw[:, a:b].contiguous()
         st: dict | None = {} if stats is not None else None
-        row = F.pack_expert_row(w13, w2, layout, zero_mode, stats=st)
+        row = F.pack_expert_row(w13, w2, layout, zero_mode, stats=st, report_max_rows=REPORT_MAX_ROWS)
         if stats is not None:
             stats.setdefault(r, []).append(st)
         yield r, row
+
+
+def _fp8_rows(src: dict, layout, ranks: list[int], zero_mode: str, stats: dict[int, list[dict]] | None):
+    """FP8 experts straight to rows: per-block code thresholds, no float64 weights (sources.fp8_quantize)."""
+    import torch
+
+    from moetplan.runtime import format as F
+    from moetplan.runtime import sources as S
+
+    ir = layout.inter_per_rank
+    byt = {p: src[p].parts["weight"].view(torch.uint8) for p in ("gate", "up", "down")}
+    s32 = {p: S.fp8_scale_per_block32(src[p].parts["scale"], *src[p].shape, src[p].name) for p in byt}
+    for r in ranks:
+        a, b = r * ir, (r + 1) * ir
+        w13b, w13s = torch.cat([byt["gate"][a:b], byt["up"][a:b]]), torch.cat([s32["gate"][a:b], s32["up"][a:b]])
+        w2b, w2s = byt["down"][:, a:b].contiguous(), s32["down"][:, a // 32:b // 32].contiguous()
+        q13, sc13, z13 = S.fp8_quantize(w13b, w13s, layout.fmt, zero_mode, src["gate"].name)
+        q2, sc2, z2 = S.fp8_quantize(w2b, w2s, layout.fmt, zero_mode, src["down"].name)
+        if stats is not None:  # sampled rows, dequantized in float32: plenty for statistics
+            a13, a2 = F.report_rows(len(w13b), REPORT_MAX_ROWS), F.report_rows(len(w2b), REPORT_MAX_ROWS)
+            w13f = S.dequantize_fp8_per_block32(w13b[a13], w13s[a13])
+            w2f = S.dequantize_fp8_per_block32(w2b[a2], w2s[a2])
+            stats.setdefault(r, []).append({
+                "w13": {**F.error_report(w13f, q13[a13], sc13[a13], layout.fmt), "zero_mode": z13},
+                "w2": {**F.error_report(w2f, q2[a2], sc2[a2], layout.fmt), "zero_mode": z2},
+            })
+        yield r, F.pack_quantized_row(layout, q13, sc13, q2, sc2)
 
 
 def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1, fmt: str = "2bit",
@@ -204,6 +238,7 @@ def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1
             "errors": _merge_summaries([e for e in layer_errors if e]),
         }
         result["workers"] = workers
+        result["report_max_rows"] = REPORT_MAX_ROWS if report else 0
         return result
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

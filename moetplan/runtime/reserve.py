@@ -158,6 +158,7 @@ class FP4Reserve:
         self._pins: set[Key] = set()
         # Published rows: never written in place once visible; swapped whole.
         self._rows: list[torch.Tensor] = [self._device_row(self.pool.res[l]) for l in range(self.num_layers)]
+        self._host_rows: list[np.ndarray] = [self.pool.res[l].copy() for l in range(self.num_layers)]  # no syncs
         # Decayed routing frequency, same O(1)-per-step scheme as the expert store.
         self.score = np.zeros((self.num_layers, self.num_experts), dtype=np.float64)
         self._inc = 1.0
@@ -200,7 +201,7 @@ class FP4Reserve:
 
     def published(self) -> set[Key]:
         """Keys whose FP4 row is visible to the op right now."""
-        return {(l, int(e)) for l, row in enumerate(self._rows) for e in np.nonzero(row.cpu().numpy() >= 0)[0]}
+        return {(l, int(e)) for l, row in enumerate(self._host_rows) for e in np.nonzero(row >= 0)[0]}
 
     # ------------------------------------------------------------------ steps and heat
 
@@ -226,6 +227,7 @@ class FP4Reserve:
         with self._lock:
             if self._open:
                 self._end_locked()
+            self._pins.clear()
             self._wake.notify_all()
 
     def _end_locked(self) -> None:
@@ -265,8 +267,7 @@ class FP4Reserve:
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
             raise UsageError(f"expert ids must be in 0..{self.num_experts - 1}; the router and the reserve disagree")
         counts = np.bincount(ids.astype(np.int64), minlength=self.num_experts)
-        row = self._rows[layer]
-        fp4 = int(counts[(row.cpu().numpy() if self._cuda else row.numpy()) >= 0].sum())
+        fp4 = int(counts[self._host_rows[layer] >= 0].sum())
         woke = False
         with self._lock:
             if not self._explicit:
@@ -342,6 +343,7 @@ class FP4Reserve:
     def _publish_locked(self, layers: Iterable[int]) -> None:
         for l in sorted(set(layers)):
             self._rows[l] = self._device_row(self.pool.res[l])  # the swap: a new tensor, never the old one edited
+            self._host_rows[l] = self.pool.res[l].copy()
         self.pool.publish()  # keeps the pool's own table in step (nobody reads it; the op reads _rows)
 
     # ------------------------------------------------------------------ reading rows
@@ -383,7 +385,8 @@ class FP4Reserve:
             want.append(k)
         changed: set[int] = set()
         with self._lock:
-            self._pins.update(want)
+            if self._open:
+                self._pins.update(want)
             todo = [k for k in want if self.pool.res[k] < 0]
             if limit is not None:
                 todo = todo[:max(0, int(limit))]
@@ -448,8 +451,10 @@ class FP4Reserve:
                 continue
             if victims and victims[0][0] * (1.0 + self.hysteresis) < flat[i]:
                 _, s = victims.pop(0)
-                self._evict_locked(s, changed)  # retired: reusable in a later round, once its readers are done
-            # no free slot this round; the evicted one frees up after the steps in flight end
+                self._evict_locked(s, changed)  # retired: reusable once every step that could read it has ended
+                self._reclaim_locked(immediate=False)
+                if self._free:  # no step in flight: the slot is free at once
+                    plan.append((key, self._free.pop()))
         if changed:
             self._publish_locked(changed)
         for key, _ in plan:
@@ -560,7 +565,7 @@ class FP4Reserve:
             return False
         if self._free or self._retired:
             return True
-        victims = self._victims_locked(set())
+        victims = self._victims_locked({(int(i) // self.num_experts, int(i) % self.num_experts) for i in top})
         return bool(victims) and victims[0][0] * (1.0 + self.hysteresis) < h[missing[0]]
 
     def stop(self) -> None:
@@ -581,7 +586,26 @@ class FP4Reserve:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def check(self) -> None:
+        """Consistency (tests): every slot is in exactly one of occupied / free / retired / loading, the residency
+        points back, and the published rows say what the residency says."""
+        with self._lock:
+            occupied = set(np.nonzero(self.pool.key_layer >= 0)[0].tolist())
+            free, retired = set(self._free), {s for s, _ in self._retired}
+            parts = [occupied, free, retired]
+            assert sum(map(len, parts)) + len(self._loading) == self.pool.num_slots, "slot accounting broken"
+            assert not (occupied & free or occupied & retired or free & retired), "a slot is in two states"
+            for s in occupied:
+                assert self.pool.res[self.pool.key_layer[s], self.pool.key_expert[s]] == s, "residency stale"
+            assert int((self.pool.res >= 0).sum()) == len(occupied), "residency holds stale slots"
+            for l in range(self.num_layers):
+                assert np.array_equal(self._rows[l].cpu().numpy(), self.pool.res[l]), f"layer {l} not published"
+
     # ------------------------------------------------------------------ stats
+
+    def reset_counters(self) -> None:
+        with self._lock:
+            self.c = _Counters()
 
     def stats(self) -> dict[str, Any]:
         """Counters for the run record (JSON-ready)."""

@@ -24,7 +24,10 @@ Rules the property tests hold it to:
 
 When one call needs more rows than it may use, `ensure` raises `StoreCapacityError` (the planner's working-set
 guard should prevent it for decode); a prefill layer that touches more experts than the unprotected slots is
-computed in chunks with `ensure_chunks` (each chunk resident while the caller computes it).
+computed in chunks with `ensure_chunks` (each chunk resident while the caller computes it). The op falls back to
+`ensure_chunks` after a refused `ensure` of the same layer (that retry stays in the same step); when even one
+chunk has no room, `ensure_chunks` releases the step pins of the earlier layers, whose kernels are already queued
+ahead of any copy, so a chunked call always progresses.
 
 The same class serves the FP4 reserve: a second `ExpertStore` over the FP4 pack with its own slots and stride.
 """
@@ -337,12 +340,12 @@ class ExpertStore:
         while start < len(uniq):
             if is_prefill:
                 self._call_pins = set()
-            rest_slots = self.pool.res[layer][uniq[start:]]
-            rest_slots = rest_slots[rest_slots >= 0]
-            n_res = len(rest_slots)
-            # Rows of this chunk that are already resident get pinned, so they are no room for the others.
-            room = self.pool.free_count + len(np.setdiff1d(self._evictable(protect=is_prefill), rest_slots))
-            take = max(n_res, min(len(uniq) - start, n_res + room))
+            take = self._chunk_size(layer, uniq[start:], is_prefill)
+            if take == 0:
+                # Last resort, so a chunked call always progresses: earlier layers of this step are done with
+                # their rows (the copy stream waits for their queued kernels), so their step pins can go.
+                self._pin_step[self._pin_step == self._step_id] = -1
+                take = self._chunk_size(layer, uniq[start:], is_prefill)
             if take == 0:
                 raise StoreCapacityError(self._capacity_message(layer, len(uniq) - start, is_prefill))
             part, pc = uniq[start: start + take], counts[start: start + take]
@@ -355,6 +358,15 @@ class ExpertStore:
             start += take
         if is_prefill:
             self._call_pins = set()
+
+    def _chunk_size(self, layer: int, rest: np.ndarray, is_prefill: bool) -> int:
+        """How many of `rest` (resident ones first) the next chunk can hold."""
+        rest_slots = self.pool.res[layer][rest]
+        rest_slots = rest_slots[rest_slots >= 0]
+        n_res = len(rest_slots)
+        # Rows of this chunk that are already resident get pinned, so they are no room for the others.
+        room = self.pool.free_count + len(np.setdiff1d(self._evictable(protect=is_prefill), rest_slots))
+        return max(n_res, min(len(rest), n_res + room))
 
     def prefetch(self, layer: int, expert_ids: Any) -> int:
         """Hint: bring likely experts of `layer` in ahead of need. Uses free slots, or evicts only unpinned,
@@ -631,6 +643,13 @@ class ExpertStore:
             "evictions": x.evictions,
             "prefetched_rows": x.prefetched_rows,
         }
+
+    def reset_stats(self) -> None:
+        """Start counting afresh (after warm-up / profiling runs); heat and residency are kept."""
+        self._close_step()
+        self.synchronize()
+        self.decode, self.prefill, self.xfer = _Counters(), _Counters(), _Transfers()
+        self.backing.stats = type(self.backing.stats)()
 
     def kpi_line(self) -> str:
         s = self.stats()

@@ -93,6 +93,49 @@ class Trace:
         return out
 
 
+class TraceRecorder:
+    """Collects routed ids of real decode steps into a Trace (what `replay --trace` reads).
+
+    Call `observe(layer, topk_ids)` for every MoE layer of a step (the store's convention: a layer index that
+    does not increase starts a new step). Steps must have one shape to stack, so only steps with the token count
+    of the first complete step are kept; the others are counted in `skipped_steps`. Bounded by `max_steps`.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, max_steps: int = 10_000):
+        self.num_layers, self.num_experts, self.max_steps = num_layers, num_experts, max_steps
+        self._steps: list[np.ndarray] = []
+        self._cur: dict[int, np.ndarray] = {}
+        self._last = -1
+        self._shape: tuple[int, int] | None = None
+        self.skipped_steps = 0
+
+    def observe(self, layer: int, topk_ids: Any) -> None:
+        ids = topk_ids.detach().cpu().numpy() if hasattr(topk_ids, "detach") else np.asarray(topk_ids)
+        if ids.ndim != 2:
+            raise UsageError(f"topk_ids must be [tokens, top_k], got shape {ids.shape}")
+        if layer <= self._last:
+            self._flush()
+        self._cur[layer], self._last = ids.astype(np.int32), layer
+
+    def _flush(self) -> None:
+        cur, self._cur, self._last = self._cur, {}, -1
+        if len(cur) != self.num_layers or len(self._steps) >= self.max_steps:
+            self.skipped_steps += bool(cur)
+            return
+        shapes = {a.shape for a in cur.values()}
+        if len(shapes) != 1 or (self._shape is not None and shapes != {self._shape}):
+            self.skipped_steps += 1
+            return
+        self._shape = shapes.pop()
+        self._steps.append(np.stack([cur[layer] for layer in range(self.num_layers)]))
+
+    def trace(self, meta: dict[str, Any] | None = None) -> Trace:
+        self._flush()
+        if not self._steps:
+            raise UsageError("no complete decode step was recorded (every MoE layer, one token count per step)")
+        return Trace(np.stack(self._steps), self.num_experts, {"recorded": True, **(meta or {})})
+
+
 def synthetic_trace(num_layers: int, num_experts: int, top_k: int, steps: int, *, tokens: int = 1,
                     skew: float = 1.0, temporal: float = 0.9, layer_corr: float = 0.5, drift: float = 1.0,
                     seed: int = 0) -> Trace:
@@ -157,9 +200,11 @@ def replay(trace: Trace, slots: int, *, warmup_steps: int = 0, decay: float = 0.
     """Feed `trace` through an ExpertStore of `slots` slots on the CPU; KPIs counted after `warmup_steps`.
 
     `prefetch`: hint each layer's previous-step experts before the layer runs (what a runtime could do).
+    A step's experts are pinned until it ends, so `slots` must hold one step's working set (at most
+    layers x top_k x tokens rows): fewer raises StoreCapacityError, as the planner's guard would.
     """
     from moetplan.runtime.backing import ArrayRowSource, PinnedHostStore
-    from moetplan.runtime.store import ExpertStore, _Counters
+    from moetplan.runtime.store import ExpertStore
 
     L, E = trace.num_layers, trace.num_experts
     src = ArrayRowSource(np.zeros((L * E, row_bytes), dtype=np.uint8), L, E)
@@ -168,8 +213,7 @@ def replay(trace: Trace, slots: int, *, warmup_steps: int = 0, decay: float = 0.
     warm = min(max(warmup_steps, 0), trace.steps - 1)
     for s in range(trace.steps):
         if s == warm:
-            store.begin_step()
-            store.decode = _Counters()
+            store.reset_stats()
         step = trace.ids[s]
         for layer in range(L):
             if prefetch and s:
@@ -306,4 +350,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["Trace", "fit_skew", "replay", "replay_command", "replay_curve", "run_replay", "synthetic_trace"]
+__all__ = ["Trace", "TraceRecorder", "fit_skew", "replay", "replay_command", "replay_curve", "run_replay", "synthetic_trace"]

@@ -27,7 +27,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
-from moetplan.errors import ConfigError
+from moetplan.errors import ConfigError, UsageError
 from moetplan.runtime import records
 
 # Under the "vllm" logger tree so lines share vLLM's handler/format (`moetplan run` parses them for progress).
@@ -116,6 +116,7 @@ def _reset_for_tests(s: RuntimeSettings | None = None) -> None:
     _WRITER = None
     _LAYERS.clear()
     _PACK.clear()
+    _MODEL_DIR.clear()
     _MOE_COUNTER[0] = 0
     global _TIERED
     _TIERED = None
@@ -149,6 +150,9 @@ def _store_kpis() -> dict[str, Any]:
     tiers = {st.tier for st in _LAYERS.values()}
     out["expert_tier"] = ",".join(sorted(tiers)) if tiers else None
     out["expert_format"] = next((st.fmt for st in _LAYERS.values()), None)
+    out["expert_sources"] = sorted({st.source for st in _LAYERS.values()})
+    if _TIERED is not None and _TIERED.pack_path:
+        out["pack"] = _TIERED.pack_path
     resident = all(st.store is None for st in _LAYERS.values())
     if resident and _LAYERS:
         # Every routed expert is in the device pool: every routing is a hit, no step waits on a fetch.
@@ -248,7 +252,8 @@ class LayerState:
     rows: torch.Tensor | None = None  # 2-bit resident: [E, stride] uint8 device pool
     slot_of: torch.Tensor | None = None  # expert id -> pool slot
     layout: Any = None  # moetplan.runtime.format.RowLayout
-    store: Any = None  # tiered store, when the tier is not resident
+    store: Any = None  # TieredExperts, when the tier is not resident
+    source: str = ""  # where the rows came from: the checkpoint dtype (quantized at load) or pack:<file>
     first: bool = False  # first MoE layer of the model: marks a step
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -402,27 +407,50 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
             )
         if not self.moe.is_act_and_mul:
             raise ConfigError(f"{layer.layer_name}: only gated (SwiGLU) experts are supported by moetplan")
+        if self.moe.has_bias:
+            raise ConfigError(f"{layer.layer_name}: expert biases are not supported by the moetplan method")
+        # MoE layers are numbered in construction order, which is the pack's layer order (MoE layers only).
+        self.key = _MOE_COUNTER[0]
+        _MOE_COUNTER[0] += 1
+        self.dims = (num_experts, hidden_size, intermediate_size_per_partition)
+        _model_dir()  # remember the checkpoint while vLLM's config is current
+        self.layout = None
+        self.pack = None
+        s = settings()
+        if s.expert_format == "2bit":
+            from moetplan.runtime.format import RowLayout
+
+            tp = int(self.moe.moe_parallel_config.tp_size or 1)
+            self.layout = RowLayout.for_expert(hidden_size, intermediate_size_per_partition * tp, tp, "2bit")
+            pack = _cached_pack(s, self.layout, num_experts)
+            if pack is not None and self.key < pack.num_layers:
+                self.pack = pack
         if self.source_method is not None:
             self.source_method.create_weights(layer, num_experts, hidden_size,
                                               intermediate_size_per_partition, params_dtype,
                                               **extra_weight_attrs)
-            return
-        from vllm.model_executor.utils import set_weight_attrs
+        else:
+            from vllm.model_executor.utils import set_weight_attrs
 
-        w13 = torch.nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size_per_partition, hidden_size, dtype=params_dtype),
-            requires_grad=False,
-        )
-        layer.register_parameter("w13_weight", w13)
-        set_weight_attrs(w13, extra_weight_attrs)
-        w2 = torch.nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size_per_partition, dtype=params_dtype),
-            requires_grad=False,
-        )
-        layer.register_parameter("w2_weight", w2)
-        set_weight_attrs(w2, extra_weight_attrs)
-        if self.moe.has_bias:
-            raise ConfigError(f"{layer.layer_name}: expert biases are not supported by the moetplan method")
+            w13 = torch.nn.Parameter(
+                torch.empty(num_experts, 2 * intermediate_size_per_partition, hidden_size, dtype=params_dtype),
+                requires_grad=False,
+            )
+            layer.register_parameter("w13_weight", w13)
+            set_weight_attrs(w13, extra_weight_attrs)
+            w2 = torch.nn.Parameter(
+                torch.empty(num_experts, hidden_size, intermediate_size_per_partition, dtype=params_dtype),
+                requires_grad=False,
+            )
+            layer.register_parameter("w2_weight", w2)
+            set_weight_attrs(w2, extra_weight_attrs)
+        if self.pack is not None:
+            # A valid pack holds this layer's rows: the checkpoint's experts are never materialised (an NVFP4
+            # GLM-5.2 would not fit in VRAM); their tensors stream past a loader that drops them.
+            for name, p in list(layer.named_parameters(recurse=False)):
+                if name.startswith(("w13_", "w2_")):
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                    p.weight_loader = _drop_loaded_weight
 
     def get_fused_moe_quant_config(self, layer):
         return FUSED_MOE_UNQUANTIZED_CONFIG
@@ -434,38 +462,43 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         t0 = time.perf_counter()
         s = settings()
-        w13, w2, source = source_expert_weights(layer)
-        E, two_i, H = w13.shape
-        inter = two_i // 2
-        tp = int(self.moe.moe_parallel_config.tp_size or 1)
-        key = _MOE_COUNTER[0]
-        _MOE_COUNTER[0] += 1
+        key = self.key
+        if key is None:
+            raise ConfigError(f"{layer.layer_name}: weights processed before they were created")
+        if self.pack is not None:
+            E, H, inter = self.dims
+            device = _layer_device(layer)
+            w13 = w2 = None
+            source = f"pack:{self.pack.path.name}"
+        else:
+            w13, w2, source = source_expert_weights(layer)
+            E, two_i, H = w13.shape
+            inter = two_i // 2
+            device = w13.device
         st = LayerState(
             key=key, moe_index=key, name=layer.layer_name, fmt=s.expert_format, tier=s.expert_tier,
             num_experts=E, hidden=H, inter=inter, swiglu_limit=getattr(layer, "swiglu_limit", None),
-            first=(key == 0),
+            first=(key == 0), source=source,
         )
         if s.expert_format == "unquantized":
             st.tier = "resident"
             st.w13 = w13.clone() if source != "fp8" else w13.to(layer.params_dtype)
             st.w2 = w2.clone() if source != "fp8" else w2.to(layer.params_dtype)
         else:
-            from moetplan.runtime.format import RowLayout, pack_expert_row
+            from moetplan.runtime.format import pack_expert_row
 
-            layout = RowLayout.for_expert(H, inter * tp, tp, "2bit")
+            layout = self.layout
             rows = torch.empty(E, layout.stride, dtype=torch.uint8)
-            pack = _cached_pack(s, layout, E)
-            if pack is not None and key < pack.num_layers:
+            if self.pack is not None:
                 # Packs are the persistent quantization cache: a later boot reads rows, skips the quantizer.
-                pack.read_rows([pack.row_index(key, e) for e in range(E)], rows.numpy())
-                source = f"pack:{pack.path.name}"
+                self.pack.read_rows([self.pack.row_index(key, e) for e in range(E)], rows.numpy())
             else:
                 for e in range(E):
                     pack_expert_row(w13[e], w2[e], layout, out=rows[e])
             st.layout = layout
             if s.expert_tier == "resident":
-                st.rows = rows.to(w13.device)
-                st.slot_of = torch.arange(E, device=w13.device, dtype=torch.int32)
+                st.rows = rows.to(device)
+                st.slot_of = torch.arange(E, device=device, dtype=torch.int32)
             else:
                 st.store = _attach_store(st, rows, s)
         # The checkpoint-format copies are no longer read: free them (the op reads LayerState only).
@@ -473,7 +506,6 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
             p = getattr(layer, pname)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         _LAYERS[key] = st
-        self.key = key
         stats().layers = len(_LAYERS)
         stats().load_s += time.perf_counter() - t0
         log.info(
@@ -574,6 +606,17 @@ def register_method() -> type:
     return MoetplanConfig
 
 
+def _drop_loaded_weight(param: Any, loaded_weight: Any, *args: Any, **kwargs: Any) -> bool | None:
+    """Weight loader for expert tensors a valid pack already holds: accept and drop them."""
+    return True if kwargs.get("return_success") else None
+
+
+def _layer_device(layer: Any) -> torch.device:
+    for p in layer.parameters(recurse=False):
+        return p.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _attach_store(st: LayerState, rows: torch.Tensor, s: RuntimeSettings) -> "TieredExperts":
     """Hand a layer's rows to the process's tiered store (built once every MoE layer has loaded)."""
     global _TIERED
@@ -650,13 +693,19 @@ def _cached_pack(s: RuntimeSettings, layout: Any, num_experts: int) -> Any:
     return _PACK["pack"]
 
 
-def _model_dir() -> str | None:
-    try:
-        from vllm.config import get_current_vllm_config
+_MODEL_DIR: list[str | None] = []
 
-        return get_current_vllm_config().model_config.model
-    except Exception:
-        return None
+
+def _model_dir() -> str | None:
+    """The checkpoint vLLM is loading (remembered at load: the current vLLM config is unset during forwards)."""
+    if not _MODEL_DIR:
+        try:
+            from vllm.config import get_current_vllm_config
+
+            _MODEL_DIR.append(get_current_vllm_config().model_config.model)
+        except Exception:
+            return None
+    return _MODEL_DIR[0]
 
 
 def _pack_identity() -> tuple[str, str]:
@@ -664,9 +713,20 @@ def _pack_identity() -> tuple[str, str]:
     from moetplan.runtime.packs import checkpoint_identity, model_key_for
 
     model = _model_dir() or "model"
-    if os.path.isdir(model):
-        return model_key_for(model), checkpoint_identity(model)
+    folder = model if os.path.isdir(model) else _hub_snapshot(model)
+    if folder:
+        return model_key_for(folder if os.path.isdir(model) else model), checkpoint_identity(folder)
     return model_key_for(model), f"hub:{model}"
+
+
+def _hub_snapshot(repo: str) -> str | None:
+    """The local snapshot folder vLLM downloaded a hub checkpoint to (identity = what `moetplan quantize` saw)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo, local_files_only=True, allow_patterns=["*.json", "*.safetensors"])
+    except Exception:
+        return None
 
 
 def _pack_dir(s: RuntimeSettings) -> str:
@@ -682,11 +742,19 @@ def open_valid_pack(s: RuntimeSettings, layout: Any, num_experts: int) -> Any:
     from moetplan.runtime.packs import Pack, StalePackError
 
     key, ident = _pack_identity()
-    try:
-        pack = Pack.open(s.pack_dir, model_key=key, tp=layout.tp, tp_rank=_tp_rank(), fmt="2bit",
-                         expect_identity=ident, expect_layout=layout)
-    except (StalePackError, ConfigError) as e:
-        log.info("moetplan: pack not used (%s); quantizing at load", e)
+    pack = None
+    reasons = []
+    # By name first; then any pack of this TP layout whose identity matches (a pack built from the same
+    # checkpoint under another folder name).
+    for mk in (key, None):
+        try:
+            pack = Pack.open(s.pack_dir, model_key=mk, tp=layout.tp, tp_rank=_tp_rank(), fmt="2bit",
+                             expect_identity=ident, expect_layout=layout)
+            break
+        except (StalePackError, ConfigError, UsageError) as e:
+            reasons.append(str(e))
+    if pack is None:
+        log.info("moetplan: pack not used (%s); quantizing at load", reasons[0])
         return None
     if pack.num_experts != num_experts:
         log.info("moetplan: pack %s has %d experts per layer, model has %d; quantizing at load",

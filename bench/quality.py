@@ -1,0 +1,97 @@
+"""Quality of 2-bit experts, + FP4 reserve, + confidence gate against the float model, on a trained tiny MoE (issue 9).
+
+    .venv/bin/python bench/quality.py                      # train (cached) + evaluate, write bench/results/quality_tiny.json
+    .venv/bin/python bench/quality.py --tau 0.5 --eval-tokens 1024
+    .venv/bin/python bench/quality.py --sweep 0.1,0.3,0.5  # also the gate at other thresholds
+
+Teacher-forced on held-out stdlib source the model never trained on, one token per decode step with a KV cache.
+The reserve's promotion rounds run inline after each step (same policy as the server's worker thread, but
+reproducible). Runs single-threaded: this is a shared 2-core box and intra-op threads only contend.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from moetplan.plan.schema import atomic_write_text  # noqa: E402
+from moetplan.runtime import quality as Q  # noqa: E402
+
+
+def machine_info() -> dict[str, object]:
+    cpu = platform.processor() or None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+            "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "loadavg": load}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tau", type=float, default=0.3)
+    ap.add_argument("--eval-tokens", type=int, default=768)
+    ap.add_argument("--reserve-share", type=float, default=0.25)
+    ap.add_argument("--train-steps", type=int, default=Q.TinyMoeSpec.train_steps)
+    ap.add_argument("--sweep", default="", help="comma-separated extra tau values for the gated variant")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cache", default=None, help="checkpoint cache dir (default: user cache / MOETPLAN_QUALITY_CACHE)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quality_tiny.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    spec = replace(Q.TinyMoeSpec(), train_steps=args.train_steps)
+    t0 = time.perf_counter()
+    model, tok, info = Q.load_or_train(spec, args.cache, log=lambda s: print(f"  train {s}", flush=True))
+    load_s = time.perf_counter() - t0
+    q = Q.QualityConfig(tau=args.tau, eval_tokens=args.eval_tokens, reserve_share=args.reserve_share)
+    res = Q.run_quality(model, tok, q, log=lambda s: print(s, flush=True))
+    sweep = {}
+    for tau in [float(t) for t in args.sweep.split(",") if t.strip()]:
+        r = Q.run_quality(model, tok, replace(q, tau=tau))
+        sweep[str(tau)] = {"agreement": r["reserve_gate"]["agreement"], "kl": r["reserve_gate"]["kl"],
+                           "fire_share": r["reserve_gate"]["gate"]["fire_share"],
+                           "recompute_share": r["reserve_gate"]["gate"]["recomputes"] / r["reserve_gate"]["gate"]["steps"],
+                           "promotions": r["reserve_gate"]["gate"]["promotions"]}
+        print(f"tau {tau}: {sweep[str(tau)]}", flush=True)
+
+    out = {
+        "benchmark": "moetplan quality: 2-bit vs +FP4 reserve vs +reserve+gate (issue 9)",
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([".venv/bin/python", "bench/quality.py", *sys.argv[1:]]),
+        "machine": machine_info(),
+        "model": {"spec": asdict(spec), "training": info, "load_or_train_s": load_s,
+                  "train_corpus": list(Q.TRAIN_MODULES), "architecture": "Qwen3MoeForCausalLM (transformers)"},
+        "config": {k: v for k, v in asdict(q).items() if k != "extra"},
+        "results": res,
+        "tau_sweep": sweep,
+    }
+    atomic_write_text(args.out, json.dumps(out, indent=1) + "\n")
+    a = [res[k]["agreement"] for k in ("two_bit", "reserve", "reserve_gate")]
+    print(f"agreement 2-bit {a[0]:.4f} < +reserve {a[1]:.4f} < +gate {a[2]:.4f}: monotonic={res['monotonic']}")
+    print(f"wrote {args.out}")
+    return 0 if res["monotonic"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
