@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/quality.py                      # train (cached) + evaluate, write bench/results/quality_tiny.json
     .venv/bin/python bench/quality.py --tau 0.5 --eval-tokens 1024
-    .venv/bin/python bench/quality.py --sweep 0.1,0.3,0.5  # also the gate at other thresholds
+    .venv/bin/python bench/quality.py --sweep 0.05,0.1,0.2,0.5 --reserve-sweep 0,0.125   # what is checked in
 
 Teacher-forced on held-out stdlib source the model never trained on, one token per decode step with a KV cache.
 The reserve's promotion rounds run inline after each step (same policy as the server's worker thread, but
@@ -54,6 +54,7 @@ def main() -> int:
     ap.add_argument("--reserve-share", type=float, default=0.25)
     ap.add_argument("--train-steps", type=int, default=Q.TinyMoeSpec.train_steps)
     ap.add_argument("--sweep", default="", help="comma-separated extra tau values for the gated variant")
+    ap.add_argument("--reserve-sweep", default="", help="comma-separated extra reserve shares (all three variants)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", default=None, help="checkpoint cache dir (default: user cache / MOETPLAN_QUALITY_CACHE)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quality_tiny.json"))
@@ -75,6 +76,17 @@ def main() -> int:
                            "promotions": r["reserve_gate"]["gate"]["promotions"]}
         print(f"tau {tau}: {sweep[str(tau)]}", flush=True)
 
+    reserve_sweep = {}
+    for share in [float(t) for t in args.reserve_sweep.split(",") if t.strip()]:
+        r = Q.run_quality(model, tok, replace(q, reserve_share=share))
+        reserve_sweep[str(share)] = {
+            "reserve_slots": r["setup"]["reserve_slots"],
+            **{k: {"agreement": r[k]["agreement"], "kl": r[k]["kl"]} for k in ("two_bit", "reserve", "reserve_gate")},
+            "fp4_routing_share": r["reserve"]["reserve"]["fp4_routing_share"],
+            "gate_recompute_share": r["reserve_gate"]["gate"]["recomputes"] / r["reserve_gate"]["gate"]["steps"],
+            "monotonic": r["monotonic"]}
+        print(f"reserve share {share}: {reserve_sweep[str(share)]}", flush=True)
+
     out = {
         "benchmark": "moetplan quality: 2-bit vs +FP4 reserve vs +reserve+gate (issue 9)",
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -85,6 +97,7 @@ def main() -> int:
         "config": {k: v for k, v in asdict(q).items() if k != "extra"},
         "results": res,
         "tau_sweep": sweep,
+        "reserve_sweep": reserve_sweep,
     }
     atomic_write_text(args.out, json.dumps(out, indent=1) + "\n")
     a = [res[k]["agreement"] for k in ("two_bit", "reserve", "reserve_gate")]

@@ -3,7 +3,8 @@
     .venv/bin/python bench/quantize.py [--experts 8] [--pack-gib 2] [--dir /tmp] [--out bench/results/quantize_cpu.json]
 
 Quantize: input GB/s per core (one torch thread) for one expert (H=4096, I=2048 from hwdb's ModelSpec) from bf16
-(with and without the error report), FP8 block-128 (dequantize + quantize), MXFP4 (code remap) and bf16 -> FP4;
+(with and without the full error report), FP8 block-128 (direct, and via float64), MXFP4 (code remap), NVFP4
+(direct) and bf16 -> FP4;
 then all cores through `quantize_checkpoint`'s thread pool on a generated safetensors layer. Only `--experts` of
 the layer's 256 experts are generated; per-layer and whole-model times are scaled from them (the JSON says so).
 Pack reads: a pack of about --pack-gib GiB is written, then read with O_DIRECT as expert-sized random batches and
@@ -119,6 +120,20 @@ def bench_quantize(h: int, i: int, reps: int) -> dict:
         F.pack_quantized_row(lay2, a, b, c, d, out=out2)
 
     rec("mxfp4_to_2bit", timeit(from_mx, reps), n_w * (0.5 + 1 / 32))
+    # NVFP4 (modelopt) source: e2m1 + e4m3 block-16 scales x f32 scale_2, per-16 code thresholds
+    nv = {}
+    for name, w in (("w13", w13), ("w2", w2)):
+        nn, kk = w.shape
+        packed = torch.randint(0, 256, (nn, kk // 2), generator=g, dtype=torch.uint8)
+        bs = torch.randint(0x20, 0x60, (nn, kk // 16), generator=g, dtype=torch.uint8)
+        nv[name] = (packed, S.nvfp4_scale_per_block16(bs, torch.tensor([1 / 2688])))
+
+    def from_nvfp4():
+        a, b, _ = S.nvfp4_quantize(*nv["w13"])
+        c, d, _ = S.nvfp4_quantize(*nv["w2"])
+        F.pack_quantized_row(lay2, a, b, c, d, out=out2)
+
+    rec("nvfp4_to_2bit", timeit(from_nvfp4, reps), n_w * (0.5 + 1 / 16))
     torch.set_num_threads(os.cpu_count() or 1)
     return res
 

@@ -3,20 +3,20 @@
 // layer's residency table. One source for sm_80 .. sm_120 (mma.sync m16n8k16 bf16, no arch-specific paths).
 //
 // Design (docs/KERNELS.md):
-//   route      one block: (token, k) pairs -> segments of pairs per (format, expert); order within a segment is
-//              free because every pair is one independent column of the MMA (its arithmetic does not depend on
-//              which column or tile it lands in), so the results stay bit-identical run to run.
+//   route      prefill only: one block turns (token, k) pairs into segments of pairs per (format, expert). Decode
+//              skips it: each stage block finds its expert's pairs itself with a warp ballot over topk_ids.
+//              Order within a segment is free: every pair is one independent MMA column, so results are
+//              bit-identical run to run whatever column or tile a pair lands in.
 //   w13 stage  per warp 16 gate rows + the matching 16 up rows; the codes are decoded in registers straight
 //              into the MMA A fragments (prmt table lookup, scale folded into the bf16 exponent); SiLU(gate)*up
-//              (with the optional SwiGLU clamp) is applied to the fp32 accumulators and written as bf16 (plus a
-//              bf16 residual "lo" part on the precise path) in the permuted K order the next stage reads.
+//              (with the optional SwiGLU clamp) is applied to the fp32 accumulators and written as fp32.
 //   w2 stage   per warp 32 rows of W2 over the intermediate; writes one fp32 row per pair (no atomics).
 //   combine    out[t] = sum_j w[t, j] * partial[t*k + j], j in order: deterministic.
 //   K is split over the warps of a block (decode) and summed through shared memory in a fixed order.
 //
-// K permutation: inside every group of 8 consecutive weights the B operand (x or the intermediate) is stored in
-// the order [0,4,1,5,2,6,3,7]. That is the order in which the register decode naturally produces pairs of
-// weights (weights j and j+4 share one bf16x2 register), so A and B fragments line up without shuffles.
+// K pairing: the decode puts weights j and j+4 of every group of 8 into one bf16x2 register; the B operand
+// (x or the intermediate, natural order in memory) is loaded 8 elements at a time and paired the same way in
+// registers, so A and B fragments line up without shuffles or shared memory.
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -610,6 +610,8 @@ void stage(int64_t fmt, bool w13, torch::Tensor pool, torch::Tensor slot_of,
               "pool must be uint8 [S, stride] with contiguous rows");
   TORCH_CHECK(pool.stride(0) % 16 == 0, "pool row stride must be a multiple of 16 bytes");
   TORCH_CHECK(K % 32 == 0 && N % 32 == 0, "K and N must be multiples of 32");
+  TORCH_CHECK((K / (fmt == FMT_2BIT ? 4 : 2)) % 16 == 0,
+              "a row of codes must be a multiple of 16 bytes (K % 64 == 0 for 2-bit, K % 32 for FP4)");
   TORCH_CHECK(b.is_contiguous() && b.size(-1) == K, "B operand must be contiguous [rows, K]");
   TORCH_CHECK(slot_of.scalar_type() == torch::kInt32 && topk_ids.is_contiguous() &&
                   (topk_ids.scalar_type() == torch::kInt64 || topk_ids.scalar_type() == torch::kInt32),

@@ -96,12 +96,22 @@ def test_fp4_reserve_and_clamp(mod, H, I):
         assert _rel(got, ref) < DECODE_TOL, limit
 
 
-@pytest.mark.parametrize("H,I", [(224, 96), (96, 64), (4096 + 32, 2048 - 32)])
+@pytest.mark.parametrize("H,I", [(320, 192), (128, 64), (4096 + 64, 2048 - 64)])
 def test_k_not_a_multiple_of_the_chunk(mod, H, I):
     x, ids, w, pool, slot_of, lay, extra = _case(H, I, 4, 3, E=8, fmt_mix=True, dtype=torch.float32, seed=3)
     got = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
     ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
     assert _rel(got, ref) < DECODE_TOL
+
+
+def test_unaligned_shape_falls_back_to_reference(mod, caplog):
+    # 2-bit code rows of H=224 are 56 bytes: not 16-byte aligned, so the reference path runs (one log line).
+    x, ids, w, pool, slot_of, lay, _ = _case(224, 96, 4, 3, E=8, dtype=torch.float32, seed=3)
+    with caplog.at_level("WARNING", logger="moetplan.kernels"):
+        got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert not ops.kernel_supports(lay, x)
+    assert torch.equal(got, ops.moe_forward_reference(x, ids, w, pool, slot_of, lay))
+    assert any("skip this layer shape" in r.message for r in caplog.records)
 
 
 @pytest.mark.parametrize("T,E", [(256, 16), (1024, 64)])

@@ -21,13 +21,12 @@ from moetplan.runtime.format import RowLayout, pack_expert_row, unpack_expert_ro
 
 
 def _plan(**placement) -> schema.Plan:
-    pinned = placement.pop("pinned", {})
     spec = ModelSpec(id="local:t", name="t", num_layers=2, moe_layers=2, hidden_size=64, moe_intermediate_size=32,
                      n_routed_experts=8, top_k=2, vocab_size=64, max_position_embeddings=256,
                      attention=Attention(kind="gqa", num_heads=2, num_kv_heads=1, head_dim=32),
                      kv_bytes_per_token={"bf16": 256.0}, non_routed_params_b=1e-5)
     return schema.Plan(model=spec, hardware=schema.HardwareProfile(host=schema.HostInfo(ram_gib=8)),
-                       goals=schema.Goals(pinned=pinned), placement=schema.Placement(**placement),
+                       placement=schema.Placement(**placement),
                        memory=schema.MemoryLedger(), prediction=schema.Prediction(decode_tok_s=0))
 
 
@@ -66,13 +65,15 @@ def _naive(x, ids, w, w13, w2):
 
 def test_settings_from_plan_reads_tier_slots_and_format(tmp_path):
     plan = _plan(expert_tier="host", gpu_expert_cache_slots=12, max_num_seqs=2, mtp=1,
-                 pinned={"expert_format": "none"})
+                 expert_format="unquantized")
     s = vm.RuntimeSettings.from_plan(plan, "p.json")
     assert (s.expert_tier, s.cache_slots, s.expert_format) == ("host", 12, "unquantized")
     assert s.decode_batch_tokens == 4  # 2 seqs x (1 + 1 MTP token)
     assert vm.RuntimeSettings.from_plan(_plan(), None).expert_format == "2bit"
+    bad = _plan()
+    object.__setattr__(bad.placement, "expert_format", "int3")  # e.g. a newer plan than this runtime knows
     with pytest.raises(ConfigError, match="expert_format 'int3'"):
-        vm.RuntimeSettings.from_plan(_plan(pinned={"expert_format": "int3"}))
+        vm.RuntimeSettings.from_plan(bad)
 
 
 def test_settings_need_the_plan_env(monkeypatch, tmp_path):

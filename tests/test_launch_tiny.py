@@ -63,7 +63,7 @@ def test_spec_from_the_checkpoint_and_a_cpu_plan(cache):
     assert spec.n_routed_experts == 16 and spec.top_k == 4 and spec.attention.kind == "mla"
     assert spec.moe_layers == 1  # first layer dense
     plan = plan_for_cpu(spec, expert_format="unquantized")
-    assert plan.goals.pinned["expert_format"] == "unquantized" and not plan.hardware.gpus
+    assert plan.placement.expert_format == "unquantized" and not plan.hardware.gpus
     assert plan.memory.host_gib > 0
 
 

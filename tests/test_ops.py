@@ -448,3 +448,15 @@ def test_cuda_path_plumbing_with_stand_in_extension(T, E, monkeypatch):
         with pytest.raises(ops.ResidencyError, match=str(int(ids[0, 0]))):
             ops._moe_cuda(fake, x, ids, w, pool, slot, lay2, fpool, f4, lay4, None, None)
         assert int(ops._error_flag(x.device)) == 0  # reset once reported
+
+
+def test_kernel_shape_rule():
+    x = torch.zeros(1, 1)
+    assert not ops.kernel_supports(RowLayout.for_expert(4096, 2048), x)  # CPU tensor: never the CUDA path
+
+    class _Cuda:
+        is_cuda = True
+
+    assert ops.kernel_supports(RowLayout.for_expert(7168, 2048, tp=4), _Cuda())
+    assert not ops.kernel_supports(RowLayout.for_expert(224, 96), _Cuda())  # 56-byte code rows
+    assert ops.kernel_supports(RowLayout.for_expert(224, 96, fmt="fp4"), _Cuda())

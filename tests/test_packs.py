@@ -100,7 +100,12 @@ def test_resume_keeps_committed_rows_and_redoes_uncommitted(tmp_path):
     w2.close()
     with pytest.raises(P.StalePackError, match="unfinished"):
         P.Pack.open(tmp_path)
-    P.Pack.open(tmp_path, require_complete=False).close()
+    with P.Pack.open(tmp_path, require_complete=False) as pk:
+        out = np.zeros((1, lay.stride), np.uint8)
+        pk.read_rows([E - 1], out)  # a committed row reads fine
+        np.testing.assert_array_equal(out[0], _row(lay, 0, E - 1))
+        with pytest.raises(P.StalePackError, match="not written"):
+            pk.read_rows([E], out)
 
 
 def test_stale_identity_and_quantizer_version(tmp_path, monkeypatch):
@@ -170,3 +175,11 @@ def test_writer_rejects_bad_rows(tmp_path):
     w.close()
     with pytest.raises(UsageError, match="letters"):
         P.pack_paths(tmp_path, "bad/key", 1, 0, "2bit")
+
+
+def test_one_writer_per_pack(tmp_path):
+    w = P.PackWriter(tmp_path, "tiny", 0, 1, _layout(), L, E, "id-a")
+    with pytest.raises(UsageError, match="Another process is writing"):
+        P.PackWriter(tmp_path, "tiny", 0, 1, _layout(), L, E, "id-a")
+    w.close()
+    P.PackWriter(tmp_path, "tiny", 0, 1, _layout(), L, E, "id-a").close()  # free again after close

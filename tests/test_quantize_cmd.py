@@ -315,3 +315,34 @@ def test_worker_count_does_not_change_bytes(bf16_ckpt, tmp_path):
     for pa, pb in zip(a["packs"], b["packs"]):
         assert Path(pa).read_bytes() == Path(pb).read_bytes()
     assert a["errors"] == b["errors"]
+
+
+def test_checkpoint_discovery_errors_name_the_problem(tmp_path):
+    from moetplan.errors import ConfigError
+    from moetplan.runtime.checkpoint import CheckpointExperts
+
+    def ckpt(name: str, tensors: dict) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"))
+        return d
+
+    def expert(li: int, e: int, inter: int = 32, hidden: int = 64) -> dict:
+        pre = f"model.layers.{li}.mlp.experts.{e}."
+        return {pre + "gate_proj.weight": torch.zeros(inter, hidden),
+                pre + "up_proj.weight": torch.zeros(inter, hidden),
+                pre + "down_proj.weight": torch.zeros(hidden, inter)}
+
+    ok = CheckpointExperts.discover(ckpt("ok", {**expert(0, 0), **expert(0, 1), **expert(2, 0), **expert(2, 1)}))
+    assert (ok.layers, ok.num_experts, ok.hidden, ok.inter, ok.kind) == ([0, 2], 2, 64, 32, "plain")
+    with pytest.raises(ConfigError, match=r"layer 1 lacks expert\(s\) \[1\]"):
+        CheckpointExperts.discover(ckpt("gap", {**expert(0, 0), **expert(0, 1), **expert(1, 0)}))
+    bad = expert(0, 0)
+    bad["model.layers.0.mlp.experts.0.down_proj.weight"] = torch.zeros(64, 48)
+    with pytest.raises(ConfigError, match="shapes disagree"):
+        CheckpointExperts.discover(ckpt("shape", bad))
+    mtp = CheckpointExperts.discover(ckpt("mtp", {**expert(0, 0), **expert(1, 0)}))
+    assert mtp.layers == [0, 1]
+    (tmp_path / "mtp" / "config.json").write_text(json.dumps({"num_hidden_layers": 1}))
+    mtp = CheckpointExperts.discover(tmp_path / "mtp")
+    assert mtp.layers == [0] and mtp.skipped_layers == [1]  # MTP layers past num_hidden_layers are not packed

@@ -295,3 +295,23 @@ def test_reserve_from_plan_and_fp4_routing_share():
     assert r.stats()["fp4_routing_share"] == pytest.approx(0.5)
     with pytest.raises(UsageError, match="decay"):
         FP4Reserve(source(), 2, layout=LAY4, decay=0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_reserve_on_gpu_background_and_gate_paths():
+    r = FP4Reserve(source(), 3, layout=LAY4, device="cuda", background=True, idle_poll_s=0.01)
+    try:
+        hot(r, 0, [2, 5], times=4)
+        assert r.wait_idle(20)
+        assert r.published() == {(0, 2), (0, 5)}
+        assert r.slot_of(0).is_cuda and r.data.is_cuda
+        for e in (2, 5):
+            assert torch.equal(r.data[int(r.slot_of(0)[e])].cpu(), pack_expert_row(*weights(0, e), LAY4))
+        with r.step():
+            assert r.promote_now([(1, 1), (1, 2)]) == [(1, 1), (1, 2)]
+        torch.cuda.synchronize()
+        assert torch.equal(r.data[int(r.slot_of(1)[2])].cpu(), pack_expert_row(*weights(1, 2), LAY4))
+        r.check()
+    finally:
+        r.close()

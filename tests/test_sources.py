@@ -126,6 +126,40 @@ def test_nvfp4_fast_matches_reference():
         _agree_values(fast)
 
 
+def _direct_nvfp4_agrees(packed, bscale, s2, zero_mode: str = "auto") -> None:
+    ref = S.dequantize_nvfp4_reference(packed, bscale, s2)
+    sc = S.nvfp4_scale_per_block16(bscale, np.array([s2], np.float32))
+    assert torch.equal(S.dequantize_nvfp4_per_block16(packed, sc), torch.from_numpy(ref))
+    q, sb, _ = S.nvfp4_quantize(packed, sc, "2bit", zero_mode)
+    cr, sr = F.quantize_2bit_reference(ref, zero_mode)
+    np.testing.assert_array_equal(sb.numpy(), sr)
+    np.testing.assert_array_equal(q.numpy(), cr)
+    n4, s4, _ = S.nvfp4_quantize(packed, sc, "fp4")
+    nr, s4r = F.quantize_fp4_reference(ref)
+    np.testing.assert_array_equal(n4.numpy(), nr)
+    np.testing.assert_array_equal(s4.numpy(), s4r)
+
+
+def test_nvfp4_direct_matches_reference():
+    rng = _rng(19)
+    n, k = 40, 128
+    packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+    bscale = _e4m3_bytes(rng, (n, k // 16), positive=True)
+    bscale[bscale == 0] = 0x38  # the direct path needs positive scales
+    for s2 in (np.float32(1.0 / (6 * 448)), np.float32(2.0**-100), np.float32(3.0)):
+        _direct_nvfp4_agrees(packed, bscale, s2)
+    # power-of-two block scales: e2m1 x 2^k lands exactly on ties between the two halves of a block of 32
+    pw = np.full((n, k // 16), 0x38, np.uint8)  # e4m3 1.0
+    pw[:, 1::2] = 0x40  # 2.0
+    _direct_nvfp4_agrees(packed, pw, np.float32(1.0))
+    # mostly +0 nibbles -> balanced zero signs
+    zp = packed & np.uint8(0x70)
+    _direct_nvfp4_agrees(zp, bscale, np.float32(1.0))
+    assert S.nvfp4_quantize(zp, S.nvfp4_scale_per_block16(bscale, np.ones(1, np.float32)))[2] == "balanced"
+    with pytest.raises(ConfigError, match="positive"):
+        S.nvfp4_quantize(packed, torch.zeros(n, k // 16, dtype=torch.float64))
+
+
 def test_mxfp4_remap_matches_reference_and_keeps_scales():
     rng = _rng(14)
     n, k = 24, 128

@@ -55,10 +55,8 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2b
     placement = _schema.Placement(
         tp=1, pp=1, expert_tier="resident", kv_dtype="bf16", kv_cache_gib=kv_gib, context=ctx,
         max_num_seqs=max_num_seqs, concurrency=1, max_num_batched_tokens=max(2048, ctx),
-        gpu_memory_utilization=0.9,
+        gpu_memory_utilization=0.9, expert_format=expert_format,
     )
-    if "expert_format" in _schema.Placement.model_fields:
-        setattr(placement, "expert_format", expert_format)
     memory = _schema.MemoryLedger(
         host_gib=round(experts_gib + dense_gib + kv_gib, 4), host_total_gib=host.ram_gib,
         host_items=[
@@ -81,7 +79,7 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2b
         model=spec,
         hardware=_schema.HardwareProfile(source="probe:host", host=host,
                                          description="this machine, no NVIDIA GPU: vLLM CPU backend"),
-        goals=_schema.Goals(context=context, pinned={"expert_format": expert_format}),
+        goals=_schema.Goals(context=context),
         placement=placement,
         memory=memory,
         prediction=_schema.Prediction(decode_tok_s=0.0, bottleneck="cpu backend (not modelled)",
@@ -110,9 +108,7 @@ def runs_root() -> Path:
 def set_expert_format(plan: Any, expert_format: str) -> None:
     if expert_format not in EXPERT_FORMAT_CHOICES:
         raise UsageError(f"--experts {expert_format}: choose one of {', '.join(EXPERT_FORMAT_CHOICES)}")
-    plan.goals.pinned["expert_format"] = expert_format
-    if "expert_format" in type(plan.placement).model_fields:
-        setattr(plan.placement, "expert_format", expert_format)
+    plan.placement.expert_format = expert_format
 
 
 def resolve_plan(plan_path: str | None, model: str | None, *, box: str | None = None, gpus: str | None = None,
@@ -124,7 +120,7 @@ def resolve_plan(plan_path: str | None, model: str | None, *, box: str | None = 
     if plan_path:
         plan = load_json(_schema.Plan, plan_path)
         path = Path(plan_path).resolve()
-        if experts and experts != plan.goals.pinned.get("expert_format", "2bit"):
+        if experts and experts != plan.placement.expert_format:
             set_expert_format(plan, experts)
             path = path.with_name(f"{path.stem}.{experts}.json")
             save_json(plan, path)
@@ -158,7 +154,8 @@ def resolve_plan(plan_path: str | None, model: str | None, *, box: str | None = 
 
         spec = resolve_model(model)  # type: ignore[arg-type]
         plan = _solve(spec, box, gpus, hw, ctx, set_)
-    set_expert_format(plan, experts or plan.goals.pinned.get("expert_format", "2bit"))
+    if experts:
+        set_expert_format(plan, experts)
     plan.moetplan_version = plan.moetplan_version or _moetplan_version()
     name = plan.launch.served_model_name or spec.id.replace(":", "-").replace("/", "-")
     folder = Path(run_dir) if run_dir else runs_root() / name
@@ -215,6 +212,11 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def serve(plan: Any, plan_path: Path, *, host: str, port: int, show_logs: bool, as_json: bool, timeout: float,
           extra_args: list[str], console: Any, err: Any) -> int:
+    if not is_cpu_plan(plan):
+        try:  # the installed vLLM's own list of attention splitting ops (build_launch uses it when loaded)
+            import vllm.config.compilation  # noqa: F401
+        except Exception:
+            pass
     launch = build_launch(plan, plan_path=str(plan_path), host=host, port=port, python=sys.executable,
                           extra_args=extra_args)
     from moetplan.launch.supervisor import Server, ServerDiedError, ServerTimeoutError
@@ -225,7 +227,9 @@ def serve(plan: Any, plan_path: Path, *, host: str, port: int, show_logs: bool, 
     record_path = run_record_path(plan_path)
     server = Server(launch.argv, launch.env, log_path, host=host, port=port)
     emit = (lambda d: print(json.dumps(d), flush=True)) if as_json else None
-    prev = signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and Ctrl-C must still stop the tree.
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    prev = {sig: signal.signal(sig, _on_sigterm) for sig in stop_signals}
     rc = 0
     try:
         server.start()
@@ -280,9 +284,11 @@ def serve(plan: Any, plan_path: Path, *, host: str, port: int, show_logs: bool, 
                 err.print("  " + ln, markup=False, highlight=False)
             err.print(f"[bold red]error:[/] {e}")
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the cleanup
+        for sig in stop_signals:  # a second Ctrl-C / SIGTERM must not interrupt the cleanup
+            signal.signal(sig, signal.SIG_IGN)
         report = server.stop()
-        signal.signal(signal.SIGTERM, prev)
+        for sig, handler in prev.items():
+            signal.signal(sig, handler)
         stopped = {"event": "stopped", "returncode": report.returncode, "pids": report.pids_seen,
                    "leftover": report.leftover, "killed": report.killed}
         if emit:

@@ -127,7 +127,10 @@ class CheckpointExperts:
         n_hidden = config.get("num_hidden_layers")
         skipped = [li for li in all_layers if n_hidden is not None and li >= n_hidden and not include_mtp]
         layers = [li for li in all_layers if li not in skipped]
-        experts_per_layer = {li: sorted({k[1] for k in refs if k[0] == li}) for li in layers}
+        by_layer: dict[int, set[int]] = defaultdict(set)
+        for li, e, _ in refs:
+            by_layer[li].add(e)
+        experts_per_layer = {li: sorted(by_layer[li]) for li in layers}
         num_experts = max(len(v) for v in experts_per_layer.values())
         for li, ex in experts_per_layer.items():
             if ex != list(range(num_experts)):
@@ -206,20 +209,6 @@ class CheckpointExperts:
     def load_expert(self, moe_layer: int, expert: int) -> dict[str, SourceTensor]:
         return {p: self.load(moe_layer, expert, p) for p in ("gate", "up", "down")}
 
-    def source_bytes(self, moe_layer: int) -> int:
-        """Bytes of all expert tensors of one MoE layer as stored (for GiB/s)."""
-        li = self.layers[moe_layer]
-        total = 0
-        for (layer, _e, _p), ref in self.refs.items():
-            if layer != li:
-                continue
-            for name in ref.parts.values():
-                n = 1
-                for d in self.shapes[name]:
-                    n *= d
-                total += int(n * _DTYPE_BYTES.get(self.dtypes[name], 1))
-        return total
-
     def close(self) -> None:
         self._handles.clear()
 
@@ -236,7 +225,3 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     if t.dtype in (getattr(torch, "float4_e2m1fn_x2", None), getattr(torch, "float8_e8m0fnu", None), torch.int8):
         return t.view(torch.uint8)
     return t
-
-
-_DTYPE_BYTES = {"F4": 0.5, "F8_E8M0": 1, "F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-                "U8": 1, "I8": 1}

@@ -297,9 +297,11 @@ def _ieee_rule(dom: _Domain, device: torch.device) -> BlockRule:
 
 
 def _quantize_core(bits: torch.Tensor, top: int, rule: BlockRule, fmt: str, zero_mode: ZeroMode,
-                   q_out: torch.Tensor, s_out: torch.Tensor) -> str:
+                   q_out: torch.Tensor, s_out: torch.Tensor, sub: int = 1) -> str:
     """The element pass shared by all sources: `bits` are signed ints whose bit `top` is the sign and whose lower
-    bits order magnitudes. Returns the zero mode used.
+    bits order magnitudes. Returns the zero mode used. `sub` > 1 splits each block of 32 into that many groups
+    with their own thresholds (NVFP4's block-16 scales): the rule then gets and returns per-group values, except
+    the exponent, which stays per block of 32.
 
     Comparisons are written as `(threshold - a) >> top` (-1 where a > threshold, else 0): both sides are
     non-negative, so the difference cannot overflow, and integer arithmetic vectorises where bool compares do not.
@@ -316,15 +318,15 @@ def _quantize_core(bits: torch.Tensor, top: int, rule: BlockRule, fmt: str, zero
         b = bits[r0:r0 + rows]
         m = b.shape[0]
         a = b & abs_mask
-        ab = a.view(m, k // BLOCK, BLOCK)
+        ab = a.view(m, k // BLOCK * sub, BLOCK // sub)
         e, four_thr, mids = rule(r0, ab.amax(dim=-1))
         s_out[r0:r0 + m] = (e + 127).to(torch.uint8)
         sgn = b >> top  # -1 where the sign bit is set (including -0), else 0
         if mode == "balanced" or zero_mode == "auto":
             has_zero = int(a.min()) == 0
-            if has_zero and zero_mode == "auto":
-                zeros += int(torch.count_nonzero(a == 0))
-                neg_zeros += int(torch.count_nonzero(b == neg_zero))
+            if has_zero and zero_mode == "auto":  # count_nonzero on ints and XOR: no bool temporaries
+                zeros += a.numel() - int(torch.count_nonzero(a))
+                neg_zeros += b.numel() - int(torch.count_nonzero(b ^ neg_zero))
             if has_zero and mode == "balanced":
                 sgn = torch.where(a == 0, col_odd, sgn)  # K is even: flat-index parity is column parity
         if fmt == "2bit":
@@ -337,7 +339,7 @@ def _quantize_core(bits: torch.Tensor, top: int, rule: BlockRule, fmt: str, zero
                 nib = nib - ((mids[..., j:j + 1] - ab) >> top).view(m, k)
             q_out[r0:r0 + m] = _pack_nibbles(nib.to(torch.uint8))
     if zero_mode == "auto" and fmt == "2bit" and _mode_from_counts(zeros, neg_zeros) == "balanced":
-        return _quantize_core(bits, top, rule, fmt, "balanced", q_out, s_out)  # rare: zeros' signs alternate
+        return _quantize_core(bits, top, rule, fmt, "balanced", q_out, s_out, sub)  # rare: zeros alternate
     return mode
 
 

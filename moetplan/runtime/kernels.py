@@ -192,8 +192,16 @@ def note_fallback() -> None:
         log.warning("moetplan MoE kernels unavailable (%s); using the torch reference path", fallback_reason())
 
 
+def note_shape_fallback(why: str) -> None:
+    """One log line per distinct shape that the kernels do not take (the reference path runs instead)."""
+    seen = _state.setdefault("shape_warned", set())
+    if why not in seen:
+        seen.add(why)
+        log.warning("moetplan MoE kernels skip this layer shape (%s); using the torch reference path", why)
+
+
 def reset_for_tests() -> None:
-    _state.update(module=None, tried=False, reason=None, warned=False)
+    _state.update(module=None, tried=False, reason=None, warned=False, shape_warned=set())
 
 
 # ------------------------------------------------------------------------------------------------ the command

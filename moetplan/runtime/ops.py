@@ -16,19 +16,20 @@ import os
 
 import torch
 
-from moetplan.errors import UsageError
+from moetplan.errors import MoetplanError, UsageError
 from moetplan.runtime import kernels
 from moetplan.runtime.format import BLOCK, CODE_VALUES, RowLayout, e2m1_values
 
-# Average pairs per expert from which the tensor-core prefill tiles (32 pairs per pass, bf16 intermediate) beat
-# the precise decode tiles (8 pairs per pass, hi/lo split operands). Measured by bench/kernels.py.
+# Average pairs per expert from which the routed prefill tiles (32 pairs per pass, bf16 operands) are used instead
+# of the route-free decode tiles (8 pairs per pass, hi/lo split operands). A design choice, not yet tuned: the
+# H200 run of bench/kernels.py timed each path on its own side of it (docs/KERNELS.md).
 PREFILL_PAIRS_PER_EXPERT = 8
 # Cap on the fp32 per-pair partial buffer [T*k, H] of one kernel call; longer prefills are chunked over tokens.
 PARTIAL_BYTES_CAP = 1 << 30
 
 
-class ResidencyError(UsageError):
-    """A routed expert has no resident row in this layer's slot pool."""
+class ResidencyError(MoetplanError):
+    """A routed expert has no resident row in this layer's slot pool (a tiered-store fault, not user input)."""
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -105,10 +106,12 @@ def _lut(kind: str, device: torch.device) -> torch.Tensor:
 
 def dequantize_rows(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
     """(codes [.., N, K/wpb], scales [.., N, K/32]) -> float32 [.., N, K] on the tensors' device."""
-    vals = _lut(fmt, q.device)[q.long()]  # [.., N, K/wpb, wpb]
-    w = vals.reshape(*q.shape[:-1], -1)
-    sc = _lut("scale", q.device)[s.long()]
-    return (w.view(*w.shape[:-1], -1, BLOCK) * sc.unsqueeze(-1)).reshape(w.shape)
+    lut = _lut(fmt, q.device)
+    k = q.shape[-1] * lut.shape[1]
+    # embedding() is a row gather: several times faster on CPU than advanced indexing for this table lookup.
+    w = torch.embedding(lut, q.reshape(-1).to(torch.int32)).view(-1, k // BLOCK, BLOCK)
+    sc = torch.embedding(_lut("scale", q.device).unsqueeze(1), s.reshape(-1).to(torch.int32))
+    return w.mul_(sc.view(-1, k // BLOCK, 1)).view(*q.shape[:-1], k)
 
 
 def _sections(row: torch.Tensor, layout: RowLayout):
@@ -259,8 +262,18 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
 
 
 def kernel_supports(layout: RowLayout, x: torch.Tensor) -> bool:
-    """Shapes the CUDA kernels take: K and N multiples of 32 (always true for valid layouts), x on CUDA."""
-    return x.is_cuda and layout.hidden % 32 == 0 and layout.inter_per_rank % 32 == 0
+    """Shapes the CUDA kernels take. They read every code row with 16-byte loads, so a row of codes must be a
+    multiple of 16 bytes: H and Ir multiples of 64 for 2-bit rows (32 for FP4). Every target model qualifies;
+    anything else runs on the reference path."""
+    align = 64 if layout.fmt == "2bit" else 32
+    return x.is_cuda and layout.hidden % align == 0 and layout.inter_per_rank % align == 0
+
+
+def _kernel_shape_ok(layout: RowLayout, fp4_layout: RowLayout | None, x: torch.Tensor, pool: torch.Tensor,
+                     fp4_pool: torch.Tensor | None) -> bool:
+    # Pools must start 16-byte aligned too (a view at an odd offset into a bigger buffer would not).
+    return kernel_supports(layout, x) and pool.data_ptr() % 16 == 0 and (
+        fp4_layout is None or (kernel_supports(fp4_layout, x) and fp4_pool.data_ptr() % 16 == 0))
 
 
 # ------------------------------------------------------------------------------------------------ the op
@@ -278,11 +291,15 @@ def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     _check_inputs(x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of, fp4_layout, out)
     if x.is_cuda:
         mod = kernels.get_module()
-        if mod is not None and kernel_supports(layout, x):
+        if mod is not None and _kernel_shape_ok(layout, fp4_layout, x, pool, fp4_pool):
             if not x.is_contiguous() or x.data_ptr() % 16:
                 x = x.contiguous() if not x.is_contiguous() else x.clone()  # 16-byte loads need aligned rows
             return _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of,
                              fp4_layout, swiglu_limit, out)
-        kernels.note_fallback()
+        if mod is None:
+            kernels.note_fallback()
+        else:
+            kernels.note_shape_fallback(f"H={layout.hidden}, Ir={layout.inter_per_rank} ({layout.fmt}): the kernels "
+                                        "need multiples of 64 (2-bit) / 32 (FP4) and 16-byte aligned pools")
     return moe_forward_reference(x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of,
                                  fp4_layout, swiglu_limit, out)

@@ -8,6 +8,7 @@ A pack whose sidecar does not match the checkpoint or this quantizer is stale: n
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import mmap
@@ -142,6 +143,25 @@ class PackWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
         self.rebuilt_reason: str | None = None
+        self.fd = self._lock_fd = -1
+        # One writer per pack: a second `moetplan quantize` on the same pack would interleave rows and sidecars.
+        self._lock_fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise UsageError(f"Another process is writing {self.path}; wait for it to finish (or stop it) and "
+                             "rerun") from None
+        try:
+            self._open(model_key, tp_rank, tp, zero_mode, identity, source)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, model_key: str, tp_rank: int, tp: int, zero_mode: str, identity: str,
+              source: dict[str, Any] | None) -> None:
+        layout, num_layers, num_experts = self.layout, self.num_layers, self.num_experts
         expect = dict(kind=PACK_KIND, format_version=FORMAT_VERSION, quantizer_version=QUANTIZER_VERSION,
                       model_key=model_key, tp=tp, tp_rank=tp_rank, fmt=layout.fmt, layout=layout.to_dict(),
                       num_layers=num_layers, num_experts=num_experts, zero_mode=zero_mode, identity=identity)
@@ -248,6 +268,15 @@ class PackWriter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    def __del__(self) -> None:  # pragma: no cover - best effort when a caller forgets close()
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def __enter__(self) -> "PackWriter":
         return self
@@ -346,6 +375,11 @@ class Pack:
         for r in rows:
             if not 0 <= r < n_rows:
                 raise UsageError(f"Row {r} outside the pack (0..{n_rows - 1})")
+        if not self.sidecar.complete:  # opened with require_complete=False: never hand out unwritten rows
+            missing = [r for r in rows if self.sidecar.checksums[r] is None]
+            if missing:
+                raise StalePackError(f"Pack {self.path}: rows {missing[:8]} are not written yet; finish it with "
+                                     "`moetplan quantize`")
         fd = self._direct_fd() if o_direct else self.fd
         use_bounce = fd != self.fd and bool(buf.ctypes.data % ROW_ALIGN or buf.strides[0] % ROW_ALIGN)
         run: list[int] = []  # indices into rows/out whose rows are consecutive in the file

@@ -375,6 +375,14 @@ def run_quality(model: Any, tok: Any, q: QualityConfig = QualityConfig(),
     res["reserve_gate"] = {**compare(ref, with_gate), "eval_s": time.perf_counter() - t0,
                            "gate": gate.counters(), "reserve": r.stats()}
     say(f"+reserve+gate: {res['reserve_gate']['agreement']:.4f} fires {gate.c.fires}/{gate.c.steps}")
+    # The ceiling: every expert at FP4 (what reserve + gate approach as the reserve grows)
+    rows = cfg.num_hidden_layers * cfg.num_experts
+    src = fp4_source(model)
+    r = FP4Reserve(src, rows, layout=src.layout, background=False)
+    r.promote_now([(l, e) for l in range(cfg.num_hidden_layers) for e in range(cfg.num_experts)])
+    state.reserve, state.gate = r, None
+    res["fp4_all"] = compare(ref, decode_logits(qmodel, held, q.prompt, reserve=r))
+    say(f"all FP4: {res['fp4_all']['agreement']:.4f}")
     state.gate = state.reserve = None
 
     a = [res[k]["agreement"] for k in ("two_bit", "reserve", "reserve_gate")]

@@ -90,6 +90,12 @@ def _expert_rows(src: dict, layout, ranks: list[int], zero_mode: str, stats: dic
     if gate.kind == "fp8" and all(bool((x.parts["scale"] > 0).all()) for x in (gate, up, down)):
         yield from _fp8_rows(src, layout, ranks, zero_mode, stats)
         return
+    if gate.kind == "nvfp4":
+        sc16 = {p: S.nvfp4_scale_per_block16(src[p].parts["scale"], src[p].parts["scale_2"], src[p].name)
+                for p in ("gate", "up", "down")}
+        if all(float(v.min()) > 0 for v in sc16.values()):
+            yield from _nvfp4_rows(src, sc16, layout, ranks, zero_mode, stats)
+            return
     gw, uw, dw = gate.dequantize(), up.dequantize(), down.dequantize()
     for r in ranks:
         a, b = r * ir, (r + 1) * ir
@@ -127,6 +133,34 @@ def _fp8_rows(src: dict, layout, ranks: list[int], zero_mode: str, stats: dict[i
                 "w2": {**F.error_report(w2f, q2[a2], sc2[a2], layout.fmt), "zero_mode": z2},
             })
         yield r, F.pack_quantized_row(layout, q13, sc13, q2, sc2)
+
+
+def _nvfp4_rows(src: dict, sc16: dict, layout, ranks: list[int], zero_mode: str,
+                stats: dict[int, list[dict]] | None):
+    """NVFP4 experts straight to rows: per-16 code thresholds on the e2m1 indices (sources.nvfp4_quantize)."""
+    import torch
+
+    from moetplan.runtime import format as F
+    from moetplan.runtime import sources as S
+
+    ir = layout.inter_per_rank
+    byt = {p: src[p].parts["weight"].view(torch.uint8) for p in ("gate", "up", "down")}
+    for r in ranks:
+        a, b = r * ir, (r + 1) * ir
+        w13p, w13s = torch.cat([byt["gate"][a:b], byt["up"][a:b]]), torch.cat([sc16["gate"][a:b], sc16["up"][a:b]])
+        w2p = byt["down"][:, a // 2:b // 2].contiguous()
+        w2s = sc16["down"][:, a // 16:b // 16].contiguous()
+        q13, s13, z13 = S.nvfp4_quantize(w13p, w13s, layout.fmt, zero_mode, src["gate"].name)
+        q2, s2, z2 = S.nvfp4_quantize(w2p, w2s, layout.fmt, zero_mode, src["down"].name)
+        if stats is not None:
+            a13, a2 = F.report_rows(len(w13p), REPORT_MAX_ROWS), F.report_rows(len(w2p), REPORT_MAX_ROWS)
+            w13f = S.dequantize_nvfp4_per_block16(w13p[a13], w13s[a13])
+            w2f = S.dequantize_nvfp4_per_block16(w2p[a2], w2s[a2])
+            stats.setdefault(r, []).append({
+                "w13": {**F.error_report(w13f, q13[a13], s13[a13], layout.fmt), "zero_mode": z13},
+                "w2": {**F.error_report(w2f, q2[a2], s2[a2], layout.fmt), "zero_mode": z2},
+            })
+        yield r, F.pack_quantized_row(layout, q13, s13, q2, s2)
 
 
 def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1, fmt: str = "2bit",
@@ -269,13 +303,17 @@ def _render(result: dict[str, Any]) -> None:
     rate = result["input_gib_per_s"]
     con.print(f"layers quantized {result['layers_quantized']}, already done {result['layers_skipped']}, "
               f"rows written {result['rows_written']}, input {result['input_gib']:.3f} GiB"
-              + (f" at {rate:.3f} GiB/s" if rate else ""))
+              + (f" at {_rate(rate * 2**30)}" if rate else ""))
     for p, why in result["rebuilt"].items():
         con.print(f"[yellow]rebuilt stale pack[/] {p}: {why}")
     for p, rows in result["bad_rows"].items():
         con.print(f"[yellow]checksum failed, re-quantized[/] {p}: rows {rows[:16]}{' ...' if len(rows) > 16 else ''}")
     for p in result["packs"]:
         con.print(f"pack: {p}")
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 2**30:.2f} GiB/s" if bytes_per_s >= 2**28 else f"{bytes_per_s / 2**20:.1f} MiB/s"
 
 
 def quantize_command(
@@ -316,10 +354,10 @@ def quantize_command(
     def on_layer(ev: dict[str, Any]) -> None:
         state["bytes"] += ev["input_bytes"]
         state["done"] += 1
-        rate = state["bytes"] / 2**30 / max(time.perf_counter() - state["t0"], 1e-9)
-        progress.update(task, advance=1, rate=f"{rate:.2f} GiB/s")
+        rate = _rate(state["bytes"] / max(time.perf_counter() - state["t0"], 1e-9))
+        progress.update(task, advance=1, rate=rate)
         if not progress.console.is_terminal and not json_out:
-            err.print(f"layer {ev['layer']} done ({state['done']} layers in pack, {rate:.2f} GiB/s)")
+            err.print(f"layer {ev['layer']} done ({state['done']} layers in pack, {rate})")
 
     try:
         with progress:

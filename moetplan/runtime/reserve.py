@@ -154,6 +154,7 @@ class FP4Reserve:
         self.max_rows_per_round = int(max_rows_per_round)
         self._free: list[int] = self.pool.take_free(self.pool.num_slots)[::-1]  # the reserve owns slot choice
         self._retired: list[tuple[int, int]] = []  # (slot, steps begun when retired)
+        self._old_rows: list[tuple[torch.Tensor, int]] = []  # swapped-out device rows, same rule as slots
         self._loading: set[Key] = set()
         self._pins: set[Key] = set()
         # Published rows: never written in place once visible; swapped whole.
@@ -310,6 +311,8 @@ class FP4Reserve:
             else:
                 keep.append((slot, begun))
         self._retired = keep
+        if self._old_rows:
+            self._old_rows = [(t, b) for t, b in self._old_rows if not (self._finished >= b and self._gpu_done(b))]
 
     def _gpu_done(self, begun: int) -> bool:
         """On GPU a step's kernels may still run after the host ended it: wait for its end event."""
@@ -342,6 +345,8 @@ class FP4Reserve:
 
     def _publish_locked(self, layers: Iterable[int]) -> None:
         for l in sorted(set(layers)):
+            if self._cuda:  # kernels queued on the compute stream may still read the old row: keep it alive
+                self._old_rows.append((self._rows[l], self._started))
             self._rows[l] = self._device_row(self.pool.res[l])  # the swap: a new tensor, never the old one edited
             self._host_rows[l] = self.pool.res[l].copy()
         self.pool.publish()  # keeps the pool's own table in step (nobody reads it; the op reads _rows)

@@ -1,8 +1,12 @@
-"""Checkpoint weight formats -> exact float values (or, for MXFP4, straight to the 2-bit / FP4 bytes).
+"""Checkpoint weight formats -> exact float values, or straight to the 2-bit / FP4 bytes.
 
 Every dequantizer has a vectorised torch version (used by `moetplan quantize`) and a float64 reference written
 from the format definitions with scalar decoding (tests compare them). All products are exact in the dtype
 returned: FP8 (4 significant bits) x f32 scale (24) fits float64's 53; NVFP4 e2m1 (2) x e4m3 (4) x f32 (24) too.
+
+Direct paths skip the float weights: MXFP4 -> 2-bit is a table lookup per four weights (scales kept), MXFP4 -> FP4
+is the source bytes, and FP8 -> 2-bit / FP4 compares e4m3 codes against per-block code thresholds
+(fp8_quantize); each is tested bit-identical to dequantize-then-quantize.
 """
 from __future__ import annotations
 
@@ -140,7 +144,7 @@ def fp8_quantize(weight, scale32: torch.Tensor, fmt: str = "2bit", zero_mode: Ze
     s32 = scale32.to(device=b.device, dtype=torch.float64)
     if tuple(s32.shape) != (n, k // BLOCK):
         raise ConfigError(f"{name}: per-block scale shape {tuple(s32.shape)}, expected [{n}, {k // BLOCK}]")
-    if not bool(((s32 > 0) & torch.isfinite(s32)).all()):
+    if not (float(s32.min()) > 0 and float(s32.max()) < math.inf):
         raise ConfigError(f"{name}: FP8 scales must be positive and finite for the direct path; "
                           "use dequantize_fp8 + quantize_2bit")
     mags = _E4M3_MAGS.to(b.device)
@@ -215,6 +219,77 @@ def dequantize_nvfp4(packed, block_scale, scale_2, name: str = "weight") -> torc
     if s2.numel() != 1:
         raise ConfigError(f"{name}: NVFP4 weight_scale_2 must be one value, got shape {tuple(s2.shape)}")
     return vals * s * s2[0]
+
+
+def nvfp4_scale_per_block16(block_scale, scale_2, name: str = "weight") -> torch.Tensor:
+    """e4m3 block-16 scales [N, K/16] x f32 scale_2 -> float64 [N, K/16] (exact: 4 x 24 significant bits)."""
+    bs = _as_bytes(block_scale)
+    if bool(((bs == _E4M3_NAN[0]) | (bs == _E4M3_NAN[1])).any()):
+        raise ConfigError(f"{name}: NVFP4 block scale holds NaN codes; the checkpoint is corrupt")
+    s2 = _as_torch(scale_2).to(device=bs.device, dtype=torch.float64).reshape(-1)
+    if s2.numel() != 1:
+        raise ConfigError(f"{name}: NVFP4 weight_scale_2 must be one value, got shape {tuple(s2.shape)}")
+    return bs.view(torch.float8_e4m3fn).to(torch.float64) * s2[0]
+
+
+# Packed byte -> its two nibbles as sign-extended int8 (sign at bit 3 becomes the int8 sign), read as one int16.
+_NIB_PAIRS = np.array([[(n ^ 8) - 8 for n in (b & 15, b >> 4)] for b in range(256)], dtype=np.int8).view(np.int16)[:, 0]
+
+
+def _nibbles_signed(p: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 [N, K/2] -> int8 [N, K]: -8..7, magnitude index in bits 0-2, sign as the int8 sign."""
+    n, kh = p.shape
+    if p.device.type == "cpu":
+        return torch.from_numpy(_NIB_PAIRS[p.contiguous().numpy()]).view(torch.int8).view(n, kh * 2)
+    x = torch.stack([p & 15, p >> 4], dim=-1).reshape(n, kh * 2).to(torch.int16)
+    return ((x ^ 8) - 8).to(torch.int8)
+
+
+def nvfp4_quantize(packed, scale16: torch.Tensor, fmt: str = "2bit", zero_mode: ZeroMode = "auto",
+                   name: str = "weight"):
+    """NVFP4 [N, K/2] with positive float64 scales per block of 16 [N, K/16] (nvfp4_scale_per_block16) ->
+    (codes, scale bytes, zero mode), bit-identical to dequantize_nvfp4 + quantize_2bit / quantize_fp4: each block
+    of 16 shares one scale, so the decisions are made on the e2m1 index against per-16 code thresholds."""
+    from moetplan.runtime.format import _DOMAINS, _check_shape, _exponents, _pow2_table, _quantize_core
+
+    p = _as_bytes(packed)
+    n, k = p.shape[0], p.shape[1] * 2
+    _check_shape(torch.empty(0, k))
+    sc = scale16.to(device=p.device, dtype=torch.float64)
+    if tuple(sc.shape) != (n, k // NVFP4_BLOCK):
+        raise ConfigError(f"{name}: per-block-16 scale shape {tuple(sc.shape)}, expected [{n}, {k // NVFP4_BLOCK}]")
+    if not (float(sc.min()) > 0 and float(sc.max()) < math.inf):
+        raise ConfigError(f"{name}: NVFP4 scales must be positive and finite for the direct path; "
+                          "use dequantize_nvfp4 + quantize_2bit")
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float64, device=p.device)
+    dom = _DOMAINS[torch.float64]
+    pw = _pow2_table(torch.float64, p.device)
+    mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float64, device=p.device)
+
+    def rule(r0: int, amax_idx: torch.Tensor):
+        m = amax_idx.shape[0]
+        s = sc[r0:r0 + m]
+        amax = (grid[amax_idx.long()] * s).view(m, -1, 2).amax(dim=-1)  # exact products; max over the two halves
+        e = _exponents(amax.view(torch.int64), dom)
+        p2 = pw[(e + 127).long()].repeat_interleave(2, dim=1)
+        four = _code_threshold(2.5 * p2, s, grid)
+        mid = _code_threshold(mids * p2.unsqueeze(-1), s.unsqueeze(-1), grid) if fmt == "fp4" else four
+        return e, four, mid
+
+    per = 4 if fmt == "2bit" else 2
+    q = torch.empty(n, k // per, dtype=torch.uint8, device=p.device)
+    sb = torch.empty(n, k // BLOCK, dtype=torch.uint8, device=p.device)
+    mode = _quantize_core(_nibbles_signed(p), 3, rule, fmt, zero_mode if fmt == "2bit" else "signed", q, sb,
+                          sub=BLOCK // NVFP4_BLOCK)
+    return q, sb, mode
+
+
+def dequantize_nvfp4_per_block16(packed, scale16: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """e2m1 [N, K/2] x per-block-16 scales [N, K/16] -> floats (float64 is exact)."""
+    p = _as_bytes(packed)
+    n, k = p.shape[0], p.shape[1] * 2
+    vals = e2m1_values(dtype, p.device)[_unpack_nibbles(p).long()]
+    return (vals.view(n, k // NVFP4_BLOCK, NVFP4_BLOCK) * scale16.to(dtype).unsqueeze(-1)).view(n, k)
 
 
 def e2m1_value_reference(nibble: int) -> float:

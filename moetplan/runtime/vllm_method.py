@@ -36,7 +36,6 @@ log = logging.getLogger("vllm.moetplan")
 PLAN_ENV = "MOETPLAN_PLAN"
 METHOD_NAME = "moetplan"
 EXPERT_FORMATS = ("2bit", "unquantized")
-_UNQUANTIZED_ALIASES = {"none", "unquantized", "bf16", "checkpoint"}
 
 
 # --------------------------------------------------------------------------- settings from the plan
@@ -76,8 +75,7 @@ class RuntimeSettings:
     @classmethod
     def from_plan(cls, plan: Any, path: str | None = None) -> "RuntimeSettings":
         pl = plan.placement
-        fmt = getattr(pl, "expert_format", None) or plan.goals.pinned.get("expert_format") or "2bit"
-        fmt = "unquantized" if str(fmt).lower() in _UNQUANTIZED_ALIASES else str(fmt).lower()
+        fmt = pl.expert_format
         if fmt not in EXPERT_FORMATS:
             raise ConfigError(
                 f"{path or 'plan'}: expert_format '{fmt}' is not one the runtime serves; use one of "
@@ -160,16 +158,9 @@ def _store_kpis() -> dict[str, Any]:
         return out
     store = _TIERED.store if _TIERED is not None else None
     if store is not None:
-        kp = getattr(store, "kpis", None) or getattr(store, "stats", None)
         try:
-            data = kp() if callable(kp) else kp
-            if hasattr(data, "__dataclass_fields__"):
-                from dataclasses import asdict
-
-                data = asdict(data)
-            if isinstance(data, dict):
-                out.update(data)
-        except Exception as e:  # a broken KPI read must not kill the worker
+            out.update(store.stats())  # hit rates, misses per step, bytes moved: already in the Plan's names
+        except Exception as e:  # a broken KPI read must not take the worker down
             out["store_kpi_error"] = repr(e)
     return out
 
@@ -535,6 +526,8 @@ class MoetplanConfig(QuantizationConfig):
             from vllm.model_executor.layers.quantization import get_quantization_config
 
             self.inner = get_quantization_config(qm).from_config(checkpoint_config)
+            # One shared dict: vLLM fills the mapping in place on the config it sees (ours).
+            self.inner.packed_modules_mapping = self._packed
 
     # Models fill packed_modules_mapping on the config they see; the inner config needs it too.
     @property
