@@ -47,6 +47,45 @@ def machine_info() -> dict[str, object]:
             "loadavg": load}
 
 
+def markdown(d: dict) -> str:
+    """The tables docs/GATE.md shows, from a result document."""
+    r = d["results"]
+    g = r["reserve_gate"]["gate"]
+    rerun = g["recomputes"] / g["steps"]
+    out = ["| variant | agreement | KL(ref \\|\\| variant), nats | FP4 routing share | steps re-run |",
+           "| --- | --- | --- | --- | --- |",
+           f"| 2-bit experts | {r['two_bit']['agreement']:.4f} | {r['two_bit']['kl']:.4f} | 0 | - |",
+           f"| 2-bit + FP4 reserve ({r['setup']['reserve_slots']} of {r['setup']['expert_rows']} rows) | "
+           f"{r['reserve']['agreement']:.4f} | {r['reserve']['kl']:.4f} | "
+           f"{r['reserve']['reserve']['fp4_routing_share']:.3f} | - |",
+           f"| 2-bit + reserve + gate (tau {g['tau']}) | {r['reserve_gate']['agreement']:.4f} | "
+           f"{r['reserve_gate']['kl']:.4f} | {r['reserve_gate']['reserve']['fp4_routing_share']:.3f} | "
+           f"{rerun:.3f} (fired {g['fire_share']:.3f}) |",
+           f"| every expert at FP4 (ceiling) | {r['fp4_all']['agreement']:.4f} | {r['fp4_all']['kl']:.4f} | 1 | - |",
+           ""]
+    sw = dict(d.get("tau_sweep", {}))
+    sw[str(g["tau"])] = {"agreement": r["reserve_gate"]["agreement"], "kl": r["reserve_gate"]["kl"],
+                         "fire_share": g["fire_share"], "recompute_share": rerun, "promotions": g["promotions"]}
+    out += ["| tau | agreement | KL | steps fired | steps re-run | gate promotions |", "| --- | --- | --- | --- | --- | --- |"]
+    for t in sorted(sw, key=float):
+        v = sw[t]
+        out.append(f"| {t} | {v['agreement']:.4f} | {v['kl']:.4f} | {v['fire_share']:.3f} | "
+                   f"{v['recompute_share']:.3f} | {v['promotions']} |")
+    rs = dict(d.get("reserve_sweep", {}))
+    rs[str(d["config"]["reserve_share"])] = {
+        "reserve_slots": r["setup"]["reserve_slots"], "two_bit": r["two_bit"], "reserve": r["reserve"],
+        "reserve_gate": r["reserve_gate"], "fp4_routing_share": r["reserve"]["reserve"]["fp4_routing_share"],
+        "gate_recompute_share": rerun}
+    out += ["", "| reserve rows | 2-bit | + reserve | + reserve + gate | FP4 routing share (reserve) | steps re-run |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for k in sorted(rs, key=float):
+        v = rs[k]
+        out.append(f"| {v['reserve_slots']} | {v['two_bit']['agreement']:.4f} | {v['reserve']['agreement']:.4f} | "
+                   f"{v['reserve_gate']['agreement']:.4f} | {v['fp4_routing_share']:.3f} | "
+                   f"{v['gate_recompute_share']:.3f} |")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tau", type=float, default=0.3)
@@ -102,6 +141,7 @@ def main() -> int:
     atomic_write_text(args.out, json.dumps(out, indent=1) + "\n")
     a = [res[k]["agreement"] for k in ("two_bit", "reserve", "reserve_gate")]
     print(f"agreement 2-bit {a[0]:.4f} < +reserve {a[1]:.4f} < +gate {a[2]:.4f}: monotonic={res['monotonic']}")
+    print(markdown(out))
     print(f"wrote {args.out}")
     return 0 if res["monotonic"] else 1
 

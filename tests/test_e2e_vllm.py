@@ -3,7 +3,11 @@ plugin; its counters reach the run record; fp32 greedy tokens with experts unqua
 vLLM's own unquantized tokens; 2-bit experts are deterministic across two runs; the DeepSeek-V3-style MLA model
 matches HF transformers through the plugin (the CPU rotary workaround); the server stops with no process left.
 
-Runtime: one server start plus one offline script that starts four small engines (eager, 1 GiB KV cache).
+Also: the NVMe tier (pack written at load, served through a small expert cache), a later boot reading that pack,
+and an FP8 checkpoint re-quantized to the same rows as its bf16 twin.
+
+Runtime: one server start plus one offline script that starts six small engines (eager, 1 GiB KV cache),
+about 5-6 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
@@ -73,7 +77,7 @@ def checkpoints(env):
     os.environ["MOETPLAN_CACHE_DIR"] = env["MOETPLAN_CACHE_DIR"]
     from moetplan.launch.tiny import ensure_tiny_checkpoint
 
-    return {n: ensure_tiny_checkpoint(n) for n in ("tiny-moe", "tiny-moe-mla")}
+    return {n: ensure_tiny_checkpoint(n) for n in ("tiny-moe", "tiny-moe-mla", "tiny-moe-fp8")}
 
 
 def _plan_file(tmp: Path, ckpt: Path, fmt: str, tag: str = "", **placement) -> str:
@@ -159,6 +163,9 @@ def offline(env, checkpoints, tmp_path_factory):
         "moetplan_2bit_a": [qwen, "moetplan", plans["2bit"]],
         "moetplan_2bit_nvme": [qwen, "moetplan", plans["nvme"]],
         "moetplan_2bit_from_pack": [qwen, "moetplan", plans["from_pack"]],
+        # the same expert values stored as FP8 block-128: the FP8 source path must give the same 2-bit rows
+        "moetplan_2bit_fp8": [str(checkpoints["tiny-moe-fp8"]), "moetplan",
+                              _plan_file(tmp, checkpoints["tiny-moe-fp8"], "2bit")],
         "mla_unquantized": [mla, "moetplan", _plan_file(tmp, checkpoints["tiny-moe-mla"], "unquantized")],
     }
     res = subprocess.run([sys.executable, str(script), json.dumps(jobs), PROMPT, str(MAX_TOKENS)], env=env,
@@ -229,6 +236,10 @@ def test_2bit_experts_are_deterministic_across_runs_tiers_and_packs(offline):
     assert rn.runtime["tier"] == "nvme" and rn.runtime["slots"] == 24 and rn.runtime["pack"]
     assert 0.0 < rn.runtime["token_hit_rate"] <= 1.0 and rn.runtime["misses_per_step"] is not None
     assert rp.runtime["expert_sources"][0].startswith("pack:")
+
+
+def test_fp8_checkpoint_is_requantized_to_the_same_rows_as_bf16(offline):
+    assert offline["moetplan_2bit_fp8"] == offline["moetplan_2bit_a"]
 
 
 def test_mla_model_matches_hf_transformers_through_the_plugin(checkpoints, offline):

@@ -194,25 +194,41 @@ def test_fp8_block_experts_are_dequantized_exactly():
                             w2_weight=torch.nn.Parameter(w2, requires_grad=False),
                             w13_weight_scale_inv=torch.nn.Parameter(s13, requires_grad=False),
                             w2_weight_scale_inv=torch.nn.Parameter(s2, requires_grad=False), layer_name="l")
-    f13, f2, src = vm.source_expert_weights(layer)
-    assert src == "fp8"
-    expect13 = w13.float() * s13.repeat_interleave(128, 1).repeat_interleave(128, 2)
-    expect2 = w2.float() * s2.repeat_interleave(128, 1).repeat_interleave(128, 2)
-    assert torch.equal(f13, expect13) and torch.equal(f2, expect2)
+    src = vm.source_expert_weights(layer)
+    assert src.name == "fp8" and (src.num_experts, src.hidden, src.inter) == (E, H, I)
+    expect13 = w13.double() * s13.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
+    expect2 = w2.double() * s2.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
+    for e in range(E):
+        f13, f2 = src.expert(e)
+        assert f13.dtype == torch.float64  # exact: the quantizer reads the true values
+        assert torch.equal(f13, expect13[e]) and torch.equal(f2, expect2[e])
+
+
+def test_fp8_small_experts_keep_one_block_row_per_half():
+    # I = 64 < 128: vLLM gives gate and up one block row each ([E, 2, ceil(H/128)])
+    E, I, H = 1, 64, 128
+    g = torch.Generator().manual_seed(1)
+    w13 = torch.randn(E, 2 * I, H, generator=g).to(torch.float8_e4m3fn)
+    s13 = torch.tensor([[[2.0], [0.5]]])
+    layer = SimpleNamespace(w13_weight=SimpleNamespace(data=w13), w2_weight=SimpleNamespace(
+        data=torch.ones(E, H, I).to(torch.float8_e4m3fn)), w13_weight_scale_inv=SimpleNamespace(data=s13),
+        w2_weight_scale_inv=SimpleNamespace(data=torch.tensor([[[4.0]]])), weight_block_size=[128, 128],
+        layer_name="l")
+    f13, f2 = vm.source_expert_weights(layer).expert(0)
+    assert torch.equal(f13[:I], w13[0, :I].double() * 2.0) and torch.equal(f13[I:], w13[0, I:].double() * 0.5)
+    assert f2.unique().tolist() == [4.0]
 
 
 def test_fp8_per_tensor_scales_per_half():
     E, I, H = 1, 32, 64
     w13 = torch.ones(E, 2 * I, H).to(torch.float8_e4m3fn)
-    layer = SimpleNamespace(w13_weight=w13, w2_weight=torch.ones(E, H, I).to(torch.float8_e4m3fn),
-                            w13_weight_scale=torch.tensor([[2.0, 3.0]]), w2_weight_scale=torch.tensor([5.0]),
-                            layer_name="l")
-    layer.w13_weight = SimpleNamespace(data=w13, dtype=w13.dtype)
+    layer = SimpleNamespace(layer_name="l")
+    layer.w13_weight = SimpleNamespace(data=w13)
     layer.w2_weight = SimpleNamespace(data=torch.ones(E, H, I).to(torch.float8_e4m3fn))
     layer.w13_weight_scale = SimpleNamespace(data=torch.tensor([[2.0, 3.0]]))
     layer.w2_weight_scale = SimpleNamespace(data=torch.tensor([5.0]))
-    f13, f2, _ = vm.source_expert_weights(layer)
-    assert f13[0, :I].unique().tolist() == [2.0] and f13[0, I:].unique().tolist() == [3.0]
+    f13, f2 = vm.source_expert_weights(layer).expert(0)
+    assert f13[:I].unique().tolist() == [2.0] and f13[I:].unique().tolist() == [3.0]
     assert f2.unique().tolist() == [5.0]
 
 

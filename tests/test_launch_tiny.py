@@ -75,3 +75,27 @@ def test_unknown_tiny_name_suggests():
 def test_cache_root_follows_env(monkeypatch, tmp_path):
     monkeypatch.setenv("MOETPLAN_CACHE_DIR", str(tmp_path))
     assert tiny.checkpoint_dir("tiny-moe").parent == tmp_path / "tiny"
+
+
+def test_fp8_export_holds_exactly_the_bf16_expert_values(cache):
+    import torch
+    from safetensors.torch import load_file
+
+    base = load_file(str(tiny.ensure_tiny_checkpoint("tiny-moe", cache) / "model.safetensors"))
+    fp8_dir = tiny.ensure_tiny_checkpoint("tiny-moe-fp8", cache)
+    fp8 = load_file(str(fp8_dir / "model.safetensors"))
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+    assert "model.layers.0.self_attn.q_proj" in qc["ignored_layers"] and "lm_head" in qc["ignored_layers"]
+    name = "model.layers.1.mlp.experts.3.gate_proj.weight"
+    codes, scale = fp8[name], fp8[name + "_scale_inv"]
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (1, 1)
+    assert torch.log2(scale).frac().abs().max() == 0  # powers of two
+    for key, w in base.items():
+        if ".experts." in key and key.endswith("_proj.weight"):
+            s = fp8[key + "_scale_inv"]
+            full = s.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+            assert torch.equal(fp8[key].double() * full.double(), w.double()), key
+        else:
+            assert torch.equal(fp8[key], w)

@@ -225,3 +225,28 @@ def test_pinned_infeasible_names_the_pinned_problem() -> None:
         solve(spec, hw, Goals(pinned=parse_set(["expert_tier=host", "gpu_expert_cache_gib=9.5", "mtp=2",
                                                 "max_num_seqs=2"])))
     assert "floor" in ei.value.shortfalls[0]
+
+
+def test_plans_from_the_committed_h200_probe() -> None:
+    """bench/results/hw_h200_probe.json is a real `moetplan probe` of an H200 machine (issue 4's reference)."""
+    from pathlib import Path
+
+    from moetplan.plan.schema import load_json
+
+    hw = load_json(HardwareProfile, Path(__file__).parent.parent / "bench/results/hw_h200_probe.json")
+    g = hw.gpus[0]
+    assert g.hwdb_id == "h200" and g.sources["h2d_pinned_gbps"] == "measured"
+    assert (g.pcie_gen_max, g.pcie_width_max) == (5, 16)
+    assert abs(g.h2d_pinned_gbps - 55) / 55 <= 0.15
+    assert hw.storage.sources["seq_read_gbps"] == "measured" and hw.storage.seq_read_gbps > 0
+    plan = solve(hwdb.model_spec("ds4-flash"), hw, Goals())
+    assert plan.placement.expert_tier == "resident"  # 72.7 GiB of 2-bit experts fit in 139 GiB
+    _assert_ledger_within(plan)
+    # 190 GiB of GLM experts fit neither that VM's 126 GiB RAM nor its 64 GiB disk: said so, with what would fit.
+    with pytest.raises(InfeasibleError) as ei:
+        solve(hwdb.model_spec("glm-5.2"), hw, Goals())
+    assert any("64 GiB free" in s for s in ei.value.shortfalls)
+    assert any("2x h200" in s for s in ei.value.suggestions)
+    hw.storage.free_gib = 2000  # the same machine with a big NVMe: packs + arena + GPU cache
+    glm = solve(hwdb.model_spec("glm-5.2"), hw, Goals())
+    assert glm.placement.expert_tier == "nvme" and glm.placement.gpu_expert_cache_gib > 50

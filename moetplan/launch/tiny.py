@@ -25,7 +25,7 @@ from typing import Any
 from moetplan.errors import UnknownNameError
 
 # Bump when the generator changes what it writes, so cached copies are regenerated.
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 
 _SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"]  # ids 0..3, referenced by the configs below
 _VOCAB = 512
@@ -38,6 +38,7 @@ class TinyModel:
     config: dict[str, Any]
     seed: int = 0
     aliases: tuple[str, ...] = field(default_factory=tuple)
+    fp8_of: str | None = None  # an FP8 export of another tiny model (same values, other checkpoint format)
 
 
 TINY_MODELS: dict[str, TinyModel] = {
@@ -111,6 +112,15 @@ TINY_MODELS: dict[str, TinyModel] = {
         },
     ),
 }
+TINY_MODELS["tiny-moe-fp8"] = TinyModel(
+    name="tiny-moe-fp8",
+    description="tiny-moe with routed experts stored as FP8 e4m3 (block-128 scales), the rest bf16",
+    config=TINY_MODELS["tiny-moe"].config,
+    fp8_of="tiny-moe",
+)
+
+FP8_BLOCK = 128
+E4M3_MAX = 448.0
 
 
 def tiny_names() -> list[str]:
@@ -134,7 +144,8 @@ def default_cache_root() -> Path:
 
 
 def _fingerprint(tm: TinyModel) -> str:
-    blob = json.dumps({"v": GENERATOR_VERSION, "cfg": tm.config, "seed": tm.seed}, sort_keys=True)
+    blob = json.dumps({"v": GENERATOR_VERSION, "cfg": tm.config, "seed": tm.seed, "fp8_of": tm.fp8_of},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -219,11 +230,76 @@ def _write_checkpoint(tm: TinyModel, out_dir: Path) -> None:
                 buf.copy_(torch.randn_like(buf) * 0.05)
     model = model.to(torch.bfloat16)  # a bf16 checkpoint, like the official releases
     model.save_pretrained(str(out_dir))
+    _snap_experts_to_fp8_grid(out_dir / "model.safetensors")
     _restore_config_keys(out_dir / "config.json", tm.config)
     build_tokenizer(out_dir)
     (out_dir / "moetplan_tiny.json").write_text(
         json.dumps({"name": tm.name, "generator_version": GENERATOR_VERSION, "seed": tm.seed}, indent=2) + "\n"
     )
+
+
+def _is_expert_weight(name: str) -> bool:
+    return ".experts." in name and name.endswith("_proj.weight")
+
+
+def _fp8_blocks(w: Any) -> tuple[Any, Any]:
+    """w [N, K] -> (e4m3 codes [N, K], power-of-two scale_inv [ceil(N/128), ceil(K/128)]), w ~= codes * scale."""
+    import torch
+
+    n, k = w.shape
+    bn, bk = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    wf = w.float()
+    pad = torch.zeros(bn * FP8_BLOCK, bk * FP8_BLOCK)
+    pad[:n, :k] = wf.abs()
+    amax = pad.view(bn, FP8_BLOCK, bk, FP8_BLOCK).amax(dim=(1, 3)).clamp(min=2.0**-60)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+    full = scale.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    return (wf / full).to(torch.float8_e4m3fn), scale
+
+
+def _snap_experts_to_fp8_grid(path: Path) -> None:
+    """Round routed experts to values an FP8 block checkpoint holds exactly (e4m3 x power of two).
+
+    bf16 holds them exactly too, so the bf16 and FP8 exports of a tiny model carry identical expert values:
+    the runtime must then produce identical 2-bit rows (and tokens) from either format.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    for name, w in tensors.items():
+        if _is_expert_weight(name):
+            codes, scale = _fp8_blocks(w)
+            full = scale.repeat_interleave(FP8_BLOCK, 0)[: w.shape[0]].repeat_interleave(FP8_BLOCK, 1)[:, : w.shape[1]]
+            tensors[name] = (codes.float() * full).to(torch.bfloat16)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _write_fp8_export(base_dir: Path, out_dir: Path) -> None:
+    """Routed experts as FP8 e4m3 + `weight_scale_inv` (DeepSeek-style block-128); dense layers stay bf16 and are
+    listed in `ignored_layers` (vLLM's CPU backend has no FP8 dense kernels)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for f in base_dir.iterdir():
+        if f.name not in ("model.safetensors", "moetplan_tiny.json"):
+            shutil.copy2(f, out_dir / f.name)
+    tensors = load_file(str(base_dir / "model.safetensors"))
+    out, ignored = {}, set()
+    for name, w in tensors.items():
+        if _is_expert_weight(name):
+            codes, scale = _fp8_blocks(w)
+            out[name], out[name + "_scale_inv"] = codes, scale
+        else:
+            out[name] = w
+            if name.endswith(".weight") and w.dim() == 2:
+                ignored.add(name[: -len(".weight")])
+    save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "ignored_layers": sorted(ignored)}
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def ensure_tiny_checkpoint(name: str, cache_root: str | os.PathLike[str] | None = None) -> Path:
@@ -237,9 +313,15 @@ def ensure_tiny_checkpoint(name: str, cache_root: str | os.PathLike[str] | None 
     if (target / "moetplan_tiny.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    base = ensure_tiny_checkpoint(tm.fp8_of, cache_root) if tm.fp8_of else None
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
-        _write_checkpoint(tm, tmp)
+        if base is not None:
+            _write_fp8_export(base, tmp)
+            (tmp / "moetplan_tiny.json").write_text(json.dumps(
+                {"name": tm.name, "generator_version": GENERATOR_VERSION, "fp8_of": tm.fp8_of}, indent=2) + "\n")
+        else:
+            _write_checkpoint(tm, tmp)
         try:
             os.replace(tmp, target)
         except OSError:

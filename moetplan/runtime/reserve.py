@@ -236,6 +236,8 @@ class FP4Reserve:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
             self._step_events.append((self._started, ev))
+            while len(self._step_events) > 1 and self._step_events[0][1].query():
+                self._step_events.pop(0)  # completed: a later event stands in for it (conservative)
         self._open = self._explicit = False
         self._finished = self._started
         self._pins.clear()

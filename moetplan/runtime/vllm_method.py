@@ -333,44 +333,76 @@ def _routed_experts_fake(x, topk_weights, topk_ids, key):  # type: ignore[no-unt
 # --------------------------------------------------------------------------- source dequantization
 
 
-def _fp8_dequant_experts(layer: Any, name: str, halves: int) -> torch.Tensor:
-    """[E, N, K] fp8 expert weights + their scales (per tensor [E] / [E, halves] or block) -> float32."""
+def _expand_block_scale(s: torch.Tensor, rows: int, cols: int, block: list[int] | None) -> torch.Tensor:
+    """A [sn, sk] block-scale grid -> [rows, cols]. The block size is the layer's `weight_block_size` when it
+    fits the grid, else the grid's own (vLLM may refine a checkpoint's 128x128 grid for small experts)."""
+    sn, sk = s.shape
+    if block and -(-rows // block[0]) == sn and -(-cols // block[1]) == sk:
+        bn, bk = block
+    else:
+        bn, bk = -(-rows // sn), -(-cols // sk)
+    return s.to(torch.float64).repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+
+
+@dataclass
+class ExpertSource:
+    """A layer's loaded routed experts, handed out one expert at a time (an FP8 layer dequantized whole in
+    float64 would not fit in memory for the big models)."""
+
+    name: str  # "bfloat16", "float32", "fp8", ...
+    num_experts: int
+    hidden: int
+    inter: int
+    device: torch.device
+    get: Any  # e -> (w13 [2I, H], w2 [H, I]); exact values (float64 for FP8)
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get(e)
+
+
+def _fp8_expert(layer: Any, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     from moetplan.runtime.sources import dequantize_fp8
 
-    w = getattr(layer, f"{name}_weight").data
-    scale = getattr(layer, f"{name}_weight_scale_inv", None)
-    if scale is None:
-        scale = getattr(layer, f"{name}_weight_scale")
-    scale = scale.data
-    E, N, K = w.shape
-    out = torch.empty(E, N, K, dtype=torch.float32)
-    for e in range(E):
-        s = scale[e]
-        if s.dim() == 2:  # block scales [ceil(N/128)..., ceil(K/128)]
-            if halves == 2 and (N // 2) % 128:
-                # gate and up carry separate block grids when a half is not a multiple of 128
-                nb = s.shape[0] // 2
-                out[e, : N // 2] = dequantize_fp8(w[e, : N // 2], s[:nb], f"{name}[{e}].w1").float()
-                out[e, N // 2:] = dequantize_fp8(w[e, N // 2:], s[nb:], f"{name}[{e}].w3").float()
-            else:
-                out[e] = dequantize_fp8(w[e], s, f"{name}[{e}]").float()
-        elif s.numel() == halves and halves == 2:
-            out[e, : N // 2] = dequantize_fp8(w[e, : N // 2], s[0], f"{name}[{e}].w1").float()
-            out[e, N // 2:] = dequantize_fp8(w[e, N // 2:], s[1], f"{name}[{e}].w3").float()
+    block = getattr(layer, "weight_block_size", None)
+    out = []
+    for name, halves in (("w13", 2), ("w2", 1)):
+        w = getattr(layer, f"{name}_weight").data[e]
+        sp = getattr(layer, f"{name}_weight_scale_inv", None)
+        if sp is None:
+            sp = getattr(layer, f"{name}_weight_scale")
+        E = getattr(layer, f"{name}_weight").data.shape[0]
+        # [E, sn, sk] block grid, [E, 2] / [E] per tensor (per half for w13), or one global scale
+        s = sp.data[e] if sp.data.dim() >= 1 and sp.data.shape[0] == E and sp.data.numel() > 1 else \
+            sp.data.reshape(-1)[:1]
+        base = dequantize_fp8(w, torch.ones(1), f"{layer.layer_name}.{name}[{e}]")  # exact e4m3 -> float64
+        N, K = w.shape
+        if s.dim() == 2:  # block grid; gate and up halves carry their own rows of it
+            parts = []
+            for h in range(halves):
+                rows = N // halves
+                sh = s[h * s.shape[0] // halves:(h + 1) * s.shape[0] // halves]
+                parts.append(_expand_block_scale(sh, rows, K, block))
+            scale = torch.cat(parts, 0)
+        elif s.numel() == halves == 2:  # per tensor, one scale per half
+            scale = s.to(torch.float64).repeat_interleave(N // halves).reshape(N, 1)
         else:
-            out[e] = dequantize_fp8(w[e], s.reshape(-1)[:1], f"{name}[{e}]").float()
-    return out
+            scale = s.to(torch.float64).reshape(-1)[:1].reshape(1, 1)
+        out.append(base * scale)
+    return out[0], out[1]
 
 
-def source_expert_weights(layer: Any) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """The layer's loaded routed experts as exact float tensors (w13 [E,2I,H], w2 [E,H,I]) and the source name."""
+def source_expert_weights(layer: Any) -> ExpertSource:
+    """The layer's loaded routed experts as exact values, per expert, and the source format's name."""
     w13 = layer.w13_weight.data
+    E, two_i, H = w13.shape
     if w13.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return w13, layer.w2_weight.data, str(w13.dtype).replace("torch.", "")
-    if w13.dtype in (torch.float8_e4m3fn, torch.uint8, torch.int8) and (
+        w2 = layer.w2_weight.data
+        return ExpertSource(str(w13.dtype).replace("torch.", ""), E, H, two_i // 2, w13.device,
+                            lambda e: (w13[e], w2[e]))
+    if w13.dtype in (torch.float8_e4m3fn, torch.uint8) and (
         hasattr(layer, "w13_weight_scale") or hasattr(layer, "w13_weight_scale_inv")
     ):
-        return _fp8_dequant_experts(layer, "w13", 2), _fp8_dequant_experts(layer, "w2", 1), "fp8"
+        return ExpertSource("fp8", E, H, two_i // 2, w13.device, lambda e: _fp8_expert(layer, e))
     raise ConfigError(
         f"{getattr(layer, 'layer_name', 'MoE layer')}: routed experts of dtype {w13.dtype} are not a source the "
         "moetplan method reads (bf16/fp16/fp32/FP8 at load; convert NVFP4/MXFP4 checkpoints with "
@@ -459,22 +491,23 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
         if self.pack is not None:
             E, H, inter = self.dims
             device = _layer_device(layer)
-            w13 = w2 = None
+            src = None
             source = f"pack:{self.pack.path.name}"
         else:
-            w13, w2, source = source_expert_weights(layer)
-            E, two_i, H = w13.shape
-            inter = two_i // 2
-            device = w13.device
+            src = source_expert_weights(layer)
+            E, H, inter, device, source = src.num_experts, src.hidden, src.inter, src.device, src.name
         st = LayerState(
             key=key, moe_index=key, name=layer.layer_name, fmt=s.expert_format, tier=s.expert_tier,
             num_experts=E, hidden=H, inter=inter, swiglu_limit=getattr(layer, "swiglu_limit", None),
             first=(key == 0), source=source,
         )
         if s.expert_format == "unquantized":
+            assert src is not None
             st.tier = "resident"
-            st.w13 = w13.clone() if source != "fp8" else w13.to(layer.params_dtype)
-            st.w2 = w2.clone() if source != "fp8" else w2.to(layer.params_dtype)
+            dtype = layer.params_dtype if source == "fp8" else None
+            pairs = [src.expert(e) for e in range(E)]
+            st.w13 = torch.stack([p[0].to(dtype) if dtype else p[0] for p in pairs])
+            st.w2 = torch.stack([p[1].to(dtype) if dtype else p[1] for p in pairs])
         else:
             from moetplan.runtime.format import pack_expert_row
 
@@ -485,7 +518,8 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
                 self.pack.read_rows([self.pack.row_index(key, e) for e in range(E)], rows.numpy())
             else:
                 for e in range(E):
-                    pack_expert_row(w13[e], w2[e], layout, out=rows[e])
+                    w13_e, w2_e = src.expert(e)
+                    pack_expert_row(w13_e, w2_e, layout, out=rows[e])  # quantized where the weights are
             st.layout = layout
             if s.expert_tier == "resident":
                 st.rows = rows.to(device)
