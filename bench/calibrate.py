@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from datetime import datetime, timezone
@@ -41,9 +39,7 @@ from moetplan.plan.schema import atomic_write_text  # noqa: E402
 HELD_OUT = {"r03", "r04", "r07", "r08"}
 
 
-def machine_info() -> dict[str, object]:
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": platform.processor(),
-            "cores": os.cpu_count()}
+from moetplan.report.machine import machine_info  # noqa: E402
 
 
 def main() -> int:

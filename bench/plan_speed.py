@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
@@ -16,6 +15,7 @@ from moetplan import __version__, hwdb
 from moetplan.errors import InfeasibleError
 from moetplan.plan.schema import Goals, atomic_write_text
 from moetplan.plan.solver import solve
+from moetplan.report.machine import machine_info
 
 CASES = [("glm-5.2", "box", "rtx-pro-6000x2"), ("deepseek-v4-flash", "inline", ("1xrtx-5090", 96)),
          ("kimi-k2.7-code", "inline", ("1xrtx-4090", 32))]
@@ -46,8 +46,7 @@ def main() -> None:
                      "median_s": round(med, 4), "max_s": round(max(times), 4), "outcome": outcome})
         print(f"{model:18s} {str(rows[-1]['hardware']):26s} {med * 1000:7.1f} ms  {outcome}")
     doc = {"bench": "plan_speed", "moetplan": __version__, "runs": args.runs,
-           "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                       "cpu": platform.processor() or platform.machine()},
+           "machine": machine_info(),
            "rows": rows, "max_median_s": max(r["median_s"] for r in rows)}
     atomic_write_text(args.out, json.dumps(doc, indent=2) + "\n")
     print(f"slowest median {doc['max_median_s'] * 1000:.0f} ms; wrote {args.out}")

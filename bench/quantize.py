@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import sys
@@ -39,18 +38,9 @@ GB = 1e9
 
 
 def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "cores": os.cpu_count(), "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+    from moetplan.report.machine import machine_info as base
+
+    return base(cpu_capability=torch.backends.cpu.get_cpu_capability())
 
 
 def ds4_dims() -> tuple[int, int, int, int, str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import socket
@@ -63,21 +62,10 @@ class PatternSource:
 
 
 def _machine(bench_dir: Path) -> dict[str, Any]:
-    import psutil
-
-    from moetplan.hw.host import _cpu_model
     from moetplan.hw.storage import filesystem_type
+    from moetplan.report.machine import machine_info
 
-    info: dict[str, Any] = {
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
-    }
+    info = machine_info()
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info["gpu"] = p.name

@@ -29,7 +29,7 @@ def test_proc_parsers(tmp_path):
     mi = host_mod._meminfo(str(tmp_path / "meminfo"))
     assert mi["HugePages_Total"] == 16 and mi["Hugepagesize"] == 1048576
     (tmp_path / "cpuinfo").write_text("processor : 0\nmodel name\t: AMD EPYC 9654 96-Core Processor\n")
-    assert host_mod._cpu_model(str(tmp_path / "cpuinfo")) == "AMD EPYC 9654 96-Core Processor"
+    assert host_mod.cpu_model(str(tmp_path / "cpuinfo")) == "AMD EPYC 9654 96-Core Processor"
     nodes = tmp_path / "node"
     for n in ("node0", "node1", "possible", "has_cpu"):
         (nodes / n).mkdir(parents=True)

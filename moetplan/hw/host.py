@@ -46,7 +46,7 @@ def _meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
     return out
 
 
-def _cpu_model(path: str = "/proc/cpuinfo") -> str | None:
+def cpu_model(path: str = "/proc/cpuinfo") -> str | None:
     try:
         for line in Path(path).read_text().splitlines():
             if line.lower().startswith(("model name", "hardware", "cpu model")):
@@ -159,7 +159,7 @@ def query_host(measure: bool = True, try_cuda: bool = True) -> HostReport:
     info = HostInfo(
         ram_gib=round(vm.total / GIB, 2),
         ram_available_gib=round(vm.available / GIB, 2),
-        cpu_model=_cpu_model(),
+        cpu_model=cpu_model(),
         cores=cores,
         numa_nodes=_numa_nodes(),
         hugepages_total=mi.get("HugePages_Total"),

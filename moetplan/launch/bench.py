@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -32,7 +31,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import httpx
 import typer
 
-from moetplan import __version__
 from moetplan.errors import MoetplanError, UsageError
 from moetplan.launch import probes
 from moetplan.plan.schema import Plan, RunRecord, SchemaError, load_json, save_json
@@ -289,24 +287,9 @@ class TokenScale:
 
 def machine_info() -> dict[str, Any]:
     """The machine running the bench client (the server may be elsewhere)."""
-    cpu = platform.processor() or None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info: dict[str, Any] = {
-        "role": "bench client",
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "moetplan_version": __version__,
-        "httpx_version": httpx.__version__,
-        "hostname": platform.node(),
-    }
+    from moetplan.report import machine
+
+    info = machine.machine_info(role="bench client", httpx_version=httpx.__version__)
     try:  # GPUs are informative when client and server share the box; absence is normal
         import pynvml
 

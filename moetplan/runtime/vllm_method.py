@@ -496,6 +496,8 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
         else:
             src = source_expert_weights(layer)
             E, H, inter, device, source = src.num_experts, src.hidden, src.inter, src.device, src.name
+            if os.environ.get("H6DBG"):
+                torch.save({"w": [src.expert(e) for e in range(E)], "params": {n: p.data.clone() for n, p in layer.named_parameters(recurse=False)}}, f"/tmp/h6/dbg_{key}.pt")
         st = LayerState(
             key=key, moe_index=key, name=layer.layer_name, fmt=s.expert_format, tier=s.expert_tier,
             num_experts=E, hidden=H, inter=inter, swiglu_limit=getattr(layer, "swiglu_limit", None),
