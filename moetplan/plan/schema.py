@@ -312,16 +312,19 @@ class SchemaError(UsageError):
     """A JSON file does not match the schema; message names the file and the field."""
 
 
-def load_json(cls: type[M], path: str | os.PathLike[str]) -> M:
-    from pydantic import ValidationError
-
+def _read_json(path: str | os.PathLike[str]) -> tuple[Path, Any]:
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
+        return p, json.loads(p.read_text())
     except FileNotFoundError:
         raise SchemaError(f"{p}: no such file") from None
     except json.JSONDecodeError as e:
         raise SchemaError(f"{p}: not valid JSON ({e.msg} at line {e.lineno}); regenerate it") from None
+
+
+def _validate(cls: type[M], p: Path, data: Any) -> M:
+    from pydantic import ValidationError
+
     ver = data.get("schema_version") if isinstance(data, dict) else None
     if ver is not None and str(ver).split(".")[0] != SCHEMA_VERSION.split(".")[0]:
         raise SchemaError(
@@ -336,20 +339,19 @@ def load_json(cls: type[M], path: str | os.PathLike[str]) -> M:
         raise SchemaError(f"{p}: field '{loc}': {first['msg']} ({len(e.errors())} error(s) in all)") from None
 
 
+def load_json(cls: type[M], path: str | os.PathLike[str]) -> M:
+    p, data = _read_json(path)
+    return _validate(cls, p, data)
+
+
 def load_any(path: str | os.PathLike[str]) -> Plan | RunRecord | HardwareProfile:
     """Load a plan.json, run.json or hw.json by its `kind`."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise SchemaError(f"{p}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise SchemaError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    p, data = _read_json(path)
     kind = data.get("kind") if isinstance(data, dict) else None
     if kind == "run":
-        return load_json(RunRecord, p)
+        return _validate(RunRecord, p, data)
     if kind == "plan":
-        return load_json(Plan, p)
+        return _validate(Plan, p, data)
     if isinstance(data, dict) and "gpus" in data and "host" in data:
-        return load_json(HardwareProfile, p)
+        return _validate(HardwareProfile, p, data)
     raise SchemaError(f"{p}: not a moetplan plan, run record or hardware profile (no 'kind' field)")
