@@ -163,7 +163,8 @@ def read_bandwidth(quick: bool) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ 2. decode
 
 
-def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator, quick: bool) -> dict[str, Any]:
+def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator, quick: bool,
+                decode_kernels: tuple[str, ...] = ("gemv", "mma"), baselines: bool = True) -> dict[str, Any]:
     H, I, k, E, L = m["H"], m["I"], m["k"], m["E"], m["L"]
     lay = RowLayout.for_expert(H, I, fmt="2bit")
     # Distinct data per layer, cycled over NL layers whose rows total >= 6 GiB (100x the H200's L2).
@@ -191,23 +192,50 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
         "model": m["name"], "tokens": T, "layers_in_step": L, "distinct_layers": NL,
         "experts_read_per_layer": bytes_step / L / lay.payload_bytes, "bytes_per_layer": bytes_step / L,
     }
-    # The same step with and without programmatic dependent launch between the op's kernels (sm_90+).
-    variants = {}
-    for name, env in (("pdl", "1"), ("no_pdl", "0")):
-        os.environ["MOETPLAN_PDL"] = env
-        d0 = layers[0]
-        o = ops.moe_forward(x, d0["ids"], d0["w"], d0["pool"], d0["slot_of"], lay)
-        torch.cuda.synchronize()
-        g = capture(step)
-        t = time_events(g.replay, reps=5 if quick else 10)
-        variants[name] = {"step_ms": t["median_ms"], "min_ms": t["min_ms"], "per_layer_us": t["median_ms"] * 1e3 / L,
-                          "gbps": bytes_step / (t["median_ms"] * 1e-3) / 1e9, "out": o}
-        del g
+    # The same step per decode kernel (MOETPLAN_DECODE_KERNEL), each with and without programmatic dependent
+    # launch between the op's kernels (sm_90+); outputs of layer 0 are compared across the variants.
+    variants: dict[str, Any] = {}
+    outs0: dict[str, torch.Tensor] = {}
+    d0 = layers[0]
+    for dk in decode_kernels:
+        os.environ["MOETPLAN_DECODE_KERNEL"] = dk
+        for pdl_name, env in (("pdl", "1"), ("no_pdl", "0")):
+            name = f"{dk}_{pdl_name}"
+            os.environ["MOETPLAN_PDL"] = env
+            try:
+                o = ops.moe_forward(x, d0["ids"], d0["w"], d0["pool"], d0["slot_of"], lay)
+                torch.cuda.synchronize()
+                g = capture(step)
+                t = time_events(g.replay, reps=5 if quick else 10)
+                del g
+            except Exception as e:  # keep the other variants' numbers
+                variants[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                continue
+            outs0[name] = o
+            variants[name] = {"decode_kernel": dk, "pdl": env == "1", "step_ms": t["median_ms"],
+                              "min_ms": t["min_ms"], "per_layer_us": t["median_ms"] * 1e3 / L,
+                              "gbps": bytes_step / (t["median_ms"] * 1e-3) / 1e9,
+                              "share_of_read_bw": bytes_step / (t["median_ms"] * 1e-3) / 1e9 / ref_gbps}
     os.environ.pop("MOETPLAN_PDL", None)
-    res["pdl_equals_no_pdl"] = bool(torch.equal(variants["pdl"].pop("out"), variants["no_pdl"].pop("out")))
-    best = min(variants, key=lambda v: variants[v]["step_ms"])
-    res.update(variants[best], variant=best, variants=variants)
-    res["share_of_read_bw"] = res["gbps"] / ref_gbps
+    os.environ.pop("MOETPLAN_DECODE_KERNEL", None)
+    # Deterministic across launch modes (bit-identical), and the decode kernels agree with each other and with
+    # the float32 torch reference on layer 0.
+    res["pdl_equals_no_pdl"] = {dk: bool(torch.equal(outs0[f"{dk}_pdl"], outs0[f"{dk}_no_pdl"]))
+                                for dk in decode_kernels if f"{dk}_pdl" in outs0 and f"{dk}_no_pdl" in outs0}
+    ref0 = ops.moe_forward_reference(x.float(), d0["ids"], d0["w"], d0["pool"], d0["slot_of"], lay)
+    res["rel_err_vs_fp32_reference"] = {
+        n: float(torch.linalg.vector_norm(o.double() - ref0.double()) / torch.linalg.vector_norm(ref0.double()))
+        for n, o in outs0.items()}
+    ok = {n: v for n, v in variants.items() if "error" not in v}
+    if not ok:
+        res.update(variants=variants, error="every decode variant failed")
+        return res
+    # The headline figure is the default decode kernel's best launch mode; every variant is kept.
+    default = [n for n in ok if n.startswith(decode_kernels[0])] or list(ok)
+    best = min(default, key=lambda n: ok[n]["step_ms"])
+    res.update(ok[best], variant=best, variants=variants)
+    if not baselines:
+        return res
     # Torch 2-bit reference (dequantize + fp32 matmul), eager, a few layers.
     nref = min(NL, 3)
 
@@ -330,6 +358,10 @@ def main() -> int:
     ap.add_argument("--prefill", default="512,2048,8192")
     ap.add_argument("--models", default="", help="comma-separated subset of model names")
     ap.add_argument("--sections", default="bw,decode,prefill")
+    ap.add_argument("--decode-kernels", default="gemv,mma",
+                    help="MOETPLAN_DECODE_KERNEL values to time; the first is the headline figure")
+    ap.add_argument("--no-baselines", action="store_true",
+                    help="skip the naive bf16 and torch 2-bit reference timings of the decode section")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -339,7 +371,9 @@ def main() -> int:
     res: dict[str, Any] = {"benchmark": "moetplan kernels (issue 8)", "machine": machine_info(),
                            "command": " ".join(["python3"] + sys.argv), "kernels_built": mod is not None,
                            "fallback_reason": kernels.fallback_reason(),
-                           "prefill_pairs_per_expert": ops.PREFILL_PAIRS_PER_EXPERT}
+                           "prefill_pairs_per_expert": ops.PREFILL_PAIRS_PER_EXPERT,
+                           "gemv_max_pairs": mod.gemv_max_pairs() if mod is not None and
+                           hasattr(mod, "gemv_max_pairs") else None}
     if mod is None:
         print(f"kernels unavailable: {kernels.fallback_reason()}", file=sys.stderr)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -357,15 +391,21 @@ def main() -> int:
         res["decode"] = []
         for m in models:
             for T in [int(v) for v in args.tokens.split(",")]:
-                r = decode_case(m, T, ref, gen, args.quick)
+                r = decode_case(m, T, ref, gen, args.quick, tuple(args.decode_kernels.split(",")),
+                                not args.no_baselines)
                 res["decode"].append(r)
                 atomic_write_json(out, res)
+                if "error" in r:
+                    print(f"decode {m['name']:18s} T={T}: {r['error']} {r['variants']}", flush=True)
+                    continue
                 nb = r.get("naive_bf16", {})
+                others = "  ".join(f"{n} {v['per_layer_us']:.1f} us" if "error" not in v else f"{n} FAILED"
+                                   for n, v in r["variants"].items())
                 print(f"decode {m['name']:18s} T={T}: {r['per_layer_us']:7.1f} us/layer  {r['gbps']:6.0f} GB/s "
-                      f"({100 * r['share_of_read_bw']:.0f}% of read BW, {r['variant']}; no-PDL "
-                      f"{r['variants']['no_pdl']['per_layer_us']:.1f} us)  bf16 naive "
+                      f"({100 * r['share_of_read_bw']:.0f}% of read BW, {r['variant']}) [{others}]  bf16 naive "
                       f"{nb.get('per_layer_us', float('nan')):7.1f} us  torch-2bit "
-                      f"{r['torch_2bit_reference_per_layer_us']:8.0f} us", flush=True)
+                      f"{r.get('torch_2bit_reference_per_layer_us', float('nan')):8.0f} us  "
+                      f"err {r['rel_err_vs_fp32_reference']}", flush=True)
     if "prefill" in secs:
         res["prefill"] = []
         for m in models:

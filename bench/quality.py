@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/quality.py                      # train (cached) + evaluate, write bench/results/quality_tiny.json
     .venv/bin/python bench/quality.py --tau 0.5 --eval-tokens 1024
-    .venv/bin/python bench/quality.py --sweep 0.05,0.1,0.2,0.5 --reserve-sweep 0,0.125   # what is checked in
+    .venv/bin/python bench/quality.py --eval-tokens 2048 --sweep 0.05,0.1,0.2,0.5 --reserve-sweep 0,0.125  # checked in
 
 Teacher-forced on held-out stdlib source the model never trained on, one token per decode step with a KV cache.
 The reserve's promotion rounds run inline after each step (same policy as the server's worker thread, but
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, replace
@@ -30,21 +29,13 @@ from moetplan.runtime import quality as Q  # noqa: E402
 
 
 def machine_info() -> dict[str, object]:
-    cpu = platform.processor() or None
+    from moetplan.report.machine import machine_info as base
+
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        load = os.getloadavg()
+        load = os.getloadavg()  # a shared box: the load says how busy it was
     except OSError:
         load = None
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "loadavg": load}
+    return base(torch_threads=torch.get_num_threads(), loadavg=load)
 
 
 def markdown(d: dict) -> str:
@@ -89,7 +80,7 @@ def markdown(d: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tau", type=float, default=0.3)
-    ap.add_argument("--eval-tokens", type=int, default=768)
+    ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--reserve-share", type=float, default=0.25)
     ap.add_argument("--train-steps", type=int, default=Q.TinyMoeSpec.train_steps)
     ap.add_argument("--sweep", default="", help="comma-separated extra tau values for the gated variant")

@@ -25,6 +25,7 @@
 #include <type_traits>
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <algorithm>
 
 namespace moet {
 
@@ -521,6 +522,8 @@ __global__ void combine_kernel(const float* partial, const float* w, T* out, int
   store_out(out + idx, acc);
 }
 
+#include "moe_decode.cuh"
+
 // ---------------------------------------------------------------------------------------------------------- host
 #define CHECK_CUDA_T(x, what) TORCH_CHECK((x).is_cuda(), what " must be a CUDA tensor")
 
@@ -657,6 +660,106 @@ void stage(int64_t fmt, bool w13, torch::Tensor pool, torch::Tensor slot_of,
   else dispatch_fmt<FMT_FP4>(a, w13, tiles, gy, routed, b.scalar_type(), stream);
 }
 
+int64_t gemv_max_pairs() { return GEMV_MAX_PAIRS; }
+
+// x [T, H] bf16/fp32 -> xp [T, planes, H] bf16 paired (planes = 2 for fp32 x: hi and lo).
+void xprep(torch::Tensor x, torch::Tensor xp, bool pdl) {
+  CHECK_CUDA_T(x, "x");
+  TORCH_CHECK(x.is_contiguous() && xp.is_contiguous() && x.dim() == 2 && x.size(1) % 8 == 0, "x: contiguous [T, H]");
+  const int T = int(x.size(0)), H = int(x.size(1));
+  const bool split = x.scalar_type() == torch::kFloat32;
+  TORCH_CHECK(xp.scalar_type() == torch::kBFloat16 && xp.numel() == int64_t(T) * H * (split ? 2 : 1),
+              "xp must be bf16 [T, planes, H]");
+  const at::cuda::CUDAGuard guard(x.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t groups = int64_t(T) * H / 8;
+  if (groups == 0) return;
+  const int threads = 256;
+  const int blocks = int((groups + threads - 1) / threads);
+  auto* out = reinterpret_cast<__nv_bfloat16*>(xp.data_ptr<at::BFloat16>());
+  if (split) {
+    launch(xprep_kernel<float>, dim3(blocks), dim3(threads), 0, stream, pdl,
+           static_cast<const float*>(x.data_ptr<float>()), out, T, H);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16 or float32 here");
+    launch(xprep_kernel<__nv_bfloat16>, dim3(blocks), dim3(threads), 0, stream, pdl,
+           static_cast<const __nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>())),
+           out, T, H);
+  }
+}
+
+template <bool W13, bool SPLIT>
+void launch_gemv(const GemvArgs& a, int max_units, cudaStream_t stream, bool pdl) {
+  static int per_sm = -1, sms = 0;  // occupancy of this instantiation (one device type per process)
+  if (per_sm < 0) {
+    int dev = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_stage_kernel<W13, SPLIT>,
+                                                                 32 * GEMV_WARPS, 0));
+    per_sm = std::max(per_sm, 1);
+  }
+  // Every warp gets the same number of units (to one): fewest warps that keep the per-warp count minimal.
+  const int64_t wmax = int64_t(per_sm) * sms * GEMV_WARPS;
+  const int64_t per = (max_units + wmax - 1) / wmax;
+  const int64_t warps = (max_units + per - 1) / per;
+  const int blocks = int(std::max<int64_t>(1, (warps + GEMV_WARPS - 1) / GEMV_WARPS));
+  launch(gemv_stage_kernel<W13, SPLIT>, dim3(blocks), dim3(32 * GEMV_WARPS), 0, stream, pdl, a);
+}
+
+// One decode stage over the 2-bit experts of a step (experts with an FP4 copy are skipped).
+// w13: b = xp [T, planes, H] (planes 2 when split), writes act [P, 2, Ir]; w2: b = act, writes partial [P, H].
+void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
+                c10::optional<torch::Tensor> fp4_slot_of, int64_t q_off, int64_t s_off, int64_t H, int64_t Ir,
+                torch::Tensor topk_ids, int64_t topk, torch::Tensor b, c10::optional<torch::Tensor> act,
+                c10::optional<torch::Tensor> partial, double limit, bool has_limit, torch::Tensor error_flag,
+                bool pdl) {
+  CHECK_CUDA_T(pool, "pool");
+  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1 &&
+                  pool.stride(0) % 16 == 0, "pool must be uint8 [S, stride] with 16-byte aligned rows");
+  TORCH_CHECK(H % GEMV_CHUNK == 0 && Ir % GEMV_CHUNK == 0, "decode stages need H and Ir multiples of ",
+              GEMV_CHUNK);
+  TORCH_CHECK(slot_of.scalar_type() == torch::kInt32 && topk_ids.is_contiguous() &&
+                  (topk_ids.scalar_type() == torch::kInt64 || topk_ids.scalar_type() == torch::kInt32),
+              "slot_of int32, topk_ids contiguous int32/int64");
+  TORCH_CHECK(topk_ids.numel() <= GEMV_MAX_PAIRS, "decode stages take at most ", GEMV_MAX_PAIRS, " pairs");
+  TORCH_CHECK(b.scalar_type() == torch::kBFloat16 && b.is_contiguous(), "B operand: contiguous bf16 planes");
+  TORCH_CHECK(w13 || split, "the w2 stage reads the hi/lo intermediate");
+  const at::cuda::CUDAGuard guard(pool.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  GemvArgs a{};
+  a.pool = pool.data_ptr<uint8_t>();
+  a.stride = pool.stride(0);
+  a.slot_of = slot_of.data_ptr<int32_t>();
+  a.fp4_slot_of = fp4_slot_of.has_value() ? fp4_slot_of->data_ptr<int32_t>() : nullptr;
+  a.q_off = q_off; a.s_off = s_off;
+  a.K = int(w13 ? H : Ir);
+  a.Ir = int(Ir); a.H = int(H);
+  a.E = int(slot_of.numel());
+  a.topk_ids = topk_ids.data_ptr();
+  a.ids64 = topk_ids.scalar_type() == torch::kInt64 ? 1 : 0;
+  a.P = int(topk_ids.numel());
+  a.topk = int(topk);
+  a.b = b.data_ptr();
+  a.limit = float(limit);
+  a.has_limit = has_limit ? 1 : 0;
+  a.error_flag = error_flag.data_ptr<int>();
+  a.tiles = int(w13 ? Ir / 8 : H / 16);
+  if (w13) {
+    TORCH_CHECK(act.has_value() && act->scalar_type() == torch::kBFloat16 && act->numel() >= int64_t(a.P) * 2 * Ir,
+                "w13 decode stage needs act bf16 [P, 2, Ir]");
+    a.act = reinterpret_cast<__nv_bfloat16*>(act->data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(partial.has_value() && partial->scalar_type() == torch::kFloat32, "w2 stage needs partial fp32");
+    a.partial = partial->data_ptr<float>();
+  }
+  if (a.P == 0) return;
+  const int max_units = std::min(a.P, a.E) * a.tiles;
+  if (w13 && split) launch_gemv<true, true>(a, max_units, stream, pdl);
+  else if (w13) launch_gemv<true, false>(a, max_units, stream, pdl);
+  else launch_gemv<false, true>(a, max_units, stream, pdl);
+}
+
 void combine(torch::Tensor partial, torch::Tensor weights, torch::Tensor out, int64_t topk, bool pdl) {
   const int Tn = int(out.size(0)), H = int(out.size(1));
   const at::cuda::CUDAGuard guard(out.device());
@@ -695,5 +798,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stage", &moet::stage, "one MoE stage (w13 fused SiLU*up, or w2) for one format");
   m.def("scan_max_pairs", &moet::scan_max_pairs, "largest pair count of the route-free (decode) mode");
   m.def("combine", &moet::combine, "weighted per-token sum of the w2 partials");
-  m.attr("ABI_VERSION") = 1;
+  m.def("xprep", &moet::xprep, "x -> bf16 hi(/lo) planes in the decode stages' K pairing");
+  m.def("gemv_stage", &moet::gemv_stage, "decode stage (few pairs per expert) over the 2-bit experts");
+  m.def("gemv_max_pairs", &moet::gemv_max_pairs, "largest pair count of the decode stages");
+  m.attr("ABI_VERSION") = 2;
 }

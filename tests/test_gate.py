@@ -6,7 +6,7 @@ import torch
 
 from moetplan.errors import ConfigError, UsageError
 from moetplan.runtime.format import RowLayout, pack_expert_row
-from moetplan.runtime.gate import GateController
+from moetplan.runtime.gate import GateController, run_record_kpis
 from moetplan.runtime.ops import moe_forward
 from moetplan.runtime.reserve import FP4Reserve, QuantizingRowSource
 
@@ -94,6 +94,11 @@ def test_fire_promotes_the_steps_experts_and_recomputes_with_them():
     assert torch.equal(out, m.forward()), "the recompute must read the promoted FP4 rows"
     d = g.counters()
     assert d["fires"] == 1 and d["steps"] == 1 and d["promotions"] == 4 and d["fire_share"] == 1.0
+    g.run_step(m.forward)  # fires again, nothing new to promote: not re-run
+    k = run_record_kpis(g, r)
+    assert k["gate_fire_share"] == 0.5 and k["gate"]["fires"] == 2
+    assert k["fp4_reserve"]["gate_promotions"] == 4
+    assert run_record_kpis(None) == {}
 
 
 def test_promotions_are_bounded_router_rank_first_and_counted_capped():

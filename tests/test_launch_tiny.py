@@ -86,16 +86,17 @@ def test_fp8_export_holds_exactly_the_bf16_expert_values(cache):
     fp8 = load_file(str(fp8_dir / "model.safetensors"))
     cfg = json.loads((fp8_dir / "config.json").read_text())
     qc = cfg["quantization_config"]
-    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [tiny.FP8_BLOCK, tiny.FP8_BLOCK]
     assert "model.layers.0.self_attn.q_proj" in qc["ignored_layers"] and "lm_head" in qc["ignored_layers"]
     name = "model.layers.1.mlp.experts.3.gate_proj.weight"
     codes, scale = fp8[name], fp8[name + "_scale_inv"]
-    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (1, 1)
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (1, 2)  # gate [64, 128] in 64x64 tiles
     assert torch.log2(scale).frac().abs().max() == 0  # powers of two
     for key, w in base.items():
         if ".experts." in key and key.endswith("_proj.weight"):
             s = fp8[key + "_scale_inv"]
-            full = s.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+            b = tiny.FP8_BLOCK
+            full = s.repeat_interleave(b, 0)[: w.shape[0]].repeat_interleave(b, 1)[:, : w.shape[1]]
             assert torch.equal(fp8[key].double() * full.double(), w.double()), key
         else:
             assert torch.equal(fp8[key], w)

@@ -259,6 +259,40 @@ def test_decode_2bit_emulation_all_scales():
                     assert got == math.ldexp(CODE_VALUES[code], b - 127), (b, w, r, j)
 
 
+def _prmt(a: int, b: int, s: int) -> int:
+    """PTX prmt.b32 (default mode): selector nibbles 0..3 of s; nibble bit 3 would replicate a sign bit."""
+    src = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
+    out = 0
+    for i in range(4):
+        sel = (s >> (4 * i)) & 0xF
+        assert sel < 8, "the decode never sets the sign-replicate bit"
+        out |= ((src >> (8 * sel)) & 0xFF) << (8 * i)
+    return out
+
+
+def _decode_2bit_fast(w: int, b: int) -> list[tuple[float, float]]:
+    """decode_2bit_fast in csrc/moe_decode.cuh: one and_or selector word per two registers (low / high half)."""
+    table = ((b >> 1) * 0x01010101 + 0x81800100) & 0xFFFFFFFF
+    low = (b & 1) << 7
+    m, o = 0x30303030, 0x04040404
+    mask = 0xFFFFFFFF
+    sels = [((w * 16) & mask & m) | o, ((w * 4) & mask & m) | o, (w & m) | o, ((w * (1 << 30)) >> 32 & m) | o]
+    regs = [_prmt(table, low, s) for s in sels] + [_prmt(table, low, (s * (1 << 16)) >> 32) for s in sels]
+    return [(_bf16_bits_to_float(r & 0xFFFF), _bf16_bits_to_float(r >> 16)) for r in regs]
+
+
+def test_decode_2bit_fast_emulation_all_scales():
+    from moetplan.runtime.format import CODE_VALUES
+
+    g = np.random.default_rng(1)
+    lo = [0, 1, 2, 3, 8, 9, 10, 11]  # same register pairing as the first decode: the B operand layout relies on it
+    for b in range(1, 253):
+        for w in [int(v) for v in g.integers(0, 2**32, 3)] + [0, 0xFFFFFFFF, 0x1B1B1B1B]:
+            for r, (a, c) in enumerate(_decode_2bit_fast(w, b)):
+                for j, got in ((lo[r], a), (lo[r] + 4, c)):
+                    assert got == math.ldexp(CODE_VALUES[(w >> (2 * j)) & 3], b - 127), (b, hex(w), r, j)
+
+
 def test_decode_fp4_emulation_all_scales():
     vals = torch.tensor(list(range(16)), dtype=torch.int64)
     from moetplan.runtime.format import e2m1_values
@@ -422,6 +456,112 @@ class _FakeExtension:
         self.calls.append("combine")
         T, H = out.shape
         out.copy_((partial.view(T, k, H) * w.unsqueeze(-1)).sum(1))
+
+
+# The decode stages' B operand and intermediate: bf16 planes in the K pairing e0,e4,e1,e5,e2,e6,e3,e7 per group
+# of 8 (csrc/moe_decode.cuh, paired_pos), hi plane = bf16(v), lo plane = bf16(v - hi).
+_PAIRED = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
+
+
+def _to_paired(v: torch.Tensor) -> torch.Tensor:
+    return v.reshape(*v.shape[:-1], -1, 8)[..., _PAIRED].reshape(v.shape)
+
+
+def _from_paired(v: torch.Tensor) -> torch.Tensor:
+    return v.reshape(*v.shape[:-1], -1, 8)[..., torch.argsort(_PAIRED)].reshape(v.shape)
+
+
+def _hi_lo(v: torch.Tensor) -> torch.Tensor:
+    hi = v.float().to(torch.bfloat16)
+    return torch.stack([hi, (v.float() - hi.float()).to(torch.bfloat16)], dim=-2)
+
+
+class _FakeGemvExtension(_FakeExtension):
+    """Adds the streaming decode stages (xprep / gemv_stage) with their buffer layouts, on the CPU."""
+
+    def gemv_max_pairs(self) -> int:
+        return 64
+
+    def xprep(self, x, xp, pdl):
+        self.calls.append("xprep")
+        planes = _hi_lo(x) if x.dtype == torch.float32 else x.unsqueeze(1)
+        xp.copy_(_to_paired(planes))
+
+    def gemv_stage(self, w13, split, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk, b, act, partial,
+                   limit, has_limit, flag, pdl):
+        self.calls.append(f"gemv{'13' if w13 else '2'}")
+        assert b.dtype == torch.bfloat16 and b.shape[1] == (2 if split else 1)
+        src = _from_paired(b.float()).sum(dim=1)  # hi + lo
+        N, K = (2 * Ir, H) if w13 else (H, Ir)
+        for p in range(ids.numel()):
+            e = int(ids[p])
+            if fp4_slot_of is not None and int(fp4_slot_of[e]) >= 0:
+                continue  # the FP4 launch computes it
+            slot = int(slot_of[e])
+            if slot < 0:
+                flag[0] = e + 1
+                continue
+            row = pool[slot]
+            W = ops.dequantize_rows(row[q_off:q_off + N * K // 4].view(N, K // 4),
+                                    row[s_off:s_off + N * K // 32].view(N, K // 32), "2bit")
+            if w13:
+                h = W @ src[p // topk]
+                gate, up = h[:Ir], h[Ir:]
+                if has_limit:
+                    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                act[p] = _to_paired(_hi_lo(torch.nn.functional.silu(gate) * up))
+            else:
+                partial[p] = W @ src[p]
+
+
+def test_paired_order_round_trips_and_matches_the_kernel_position_rule():
+    v = torch.arange(32.0)
+    assert torch.equal(_from_paired(_to_paired(v)), v)
+    pos = [r * 2 if r < 4 else 2 * (r - 4) + 1 for r in range(8)]  # paired_pos() in csrc/moe_decode.cuh
+    assert [int(i) for i in _to_paired(v)[:8]] == [pos.index(i) for i in range(8)]
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp4", [False, True])
+def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, monkeypatch):
+    H, I, E, T, k = 256, 256, 16, 3, 4
+    lay2 = RowLayout.for_expert(H, I, fmt="2bit")
+    lay4 = RowLayout.for_expert(H, I, fmt="fp4")
+    pool = _pool(lay2, E, seed=1)
+    extra = {}
+    if fp4:
+        f4 = torch.full((E,), -1, dtype=torch.int32)
+        f4[torch.tensor([1, 5, 9])] = torch.tensor([0, 1, 2], dtype=torch.int32)
+        extra = dict(fp4_pool=_pool(lay4, 3, seed=2), fp4_slot_of=f4, fp4_layout=lay4)
+    ids, w = _routing(T, k, E, seed=5)
+    x = (torch.randn(T, H, generator=_rng(3)) * 0.3).to(x_dtype)
+    fake = _FakeGemvExtension()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
+    got = ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, extra.get("fp4_pool"),
+                        extra.get("fp4_slot_of"), extra.get("fp4_layout"), None, None)
+    ref = ops.moe_forward_reference(x, ids, w, pool, torch.arange(E), lay2, **extra)
+    assert fake.calls[:3] == ["xprep", "gemv13", "gemv2"]
+    assert ("stage13s" in fake.calls) == fp4  # FP4-resident experts still take the tile stages
+    # fp32 x travels as bf16 hi + lo (~16 mantissa bits), the intermediate too.
+    assert _rel(got.float(), ref.float()) < (1e-4 if x_dtype == torch.float32 else 8e-3)
+    # The first version's decode tiles stay selectable.
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "mma")
+    fake.calls.clear()
+    ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, None, None, None, None, None)
+    assert "gemv13" not in fake.calls and "stage13s" in fake.calls
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "fast")
+    with pytest.raises(UsageError, match="MOETPLAN_DECODE_KERNEL"):
+        ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, None, None, None, None, None)
+
+
+def test_gemv_takes_only_small_aligned_steps(monkeypatch):
+    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
+    fake = _FakeGemvExtension()
+    assert ops.use_gemv(fake, 64, RowLayout.for_expert(7168, 2048, tp=4))  # Ir = 512
+    assert not ops.use_gemv(fake, 65, RowLayout.for_expert(7168, 2048))
+    assert not ops.use_gemv(fake, 8, RowLayout.for_expert(4096 + 64, 2048))  # not whole 256-weight chunks
+    assert not ops.use_gemv(_FakeExtension(), 8, RowLayout.for_expert(4096, 2048))  # an older build
 
 
 @pytest.mark.parametrize("T,E", [(3, 16), (80, 16)])

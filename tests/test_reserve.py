@@ -77,7 +77,7 @@ def test_promoted_rows_are_the_fp4_rows_and_op_uses_them():
     x, ids = x_and_ids(experts=[1, 2])
     out = run(x, ids, reserve=r)
     assert not torch.equal(out, run(x, ids))
-    w13_4, w2_4 = unpack_expert_row(r.data[int(r.slot_of(0)[1])], LAY4)
+    w13_4, _ = unpack_expert_row(r.data[int(r.slot_of(0)[1])], LAY4)
     assert torch.allclose(w13_4, dequantize_fp4(*quantize_fp4(W13[0, 1])))
 
 
@@ -275,7 +275,7 @@ def test_mxfp4_bytes_are_used_as_is():
 
     src = Mxfp4RowSource(mx, LAY4, L, E)
     g.manual_seed(9)
-    p13, s13, p2, s2 = mx(0, 0)
+    p13, _, _, s2 = mx(0, 0)
     g.manual_seed(9)
     r = FP4Reserve(src, 1, layout=LAY4, background=False)
     r.promote_now([(0, 0)])

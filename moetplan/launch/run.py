@@ -175,17 +175,22 @@ def _solve(spec: Any, box: str | None, gpus: str | None, hw: str | None, ctx: in
     return plan
 
 
-def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str) -> Any:
-    """Plan for this machine: its GPUs through the solver, or the CPU backend when it has none."""
+def local_gpu_count() -> int:
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        n = pynvml.nvmlDeviceGetCount()
-        pynvml.nvmlShutdown()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
     except Exception:
-        n = 0
-    if n == 0:
+        return 0
+
+
+def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str) -> Any:
+    """Plan for this machine: its GPUs through the solver, or the CPU backend when it has none."""
+    if local_gpu_count() == 0:
         pins = {}
         for item in set_ or []:
             k, _, v = item.partition("=")
@@ -194,8 +199,14 @@ def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str
         if unknown:
             raise UsageError(f"--set {', '.join(sorted(unknown))}: a CPU-backend plan takes only context and "
                              "max_num_seqs")
-        return plan_for_cpu(spec, context=int(pins.get("context", ctx or 0)) or None, expert_format=experts,
-                            max_num_seqs=int(pins.get("max_num_seqs", 4)))
+        from moetplan.plan.solver import _parse_tokens
+
+        try:
+            context = _parse_tokens(pins["context"]) if "context" in pins else ctx
+            seqs = int(pins.get("max_num_seqs", 4))
+        except ValueError:
+            raise UsageError(f"--set {' '.join(set_ or [])}: not a number") from None
+        return plan_for_cpu(spec, context=context, expert_format=experts, max_num_seqs=seqs)
     return _solve(spec, None, None, None, ctx, set_)
 
 
@@ -213,6 +224,13 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def serve(plan: Any, plan_path: Path, *, host: str, port: int, show_logs: bool, as_json: bool, timeout: float,
           extra_args: list[str], console: Any, err: Any) -> int:
     if not is_cpu_plan(plan):
+        have, want = local_gpu_count(), plan.placement.tp * plan.placement.pp
+        if have < want:
+            where = plan.hardware.box_id or plan.hardware.description or "another machine"
+            raise UsageError(
+                f"this plan is for {want} GPU(s) ({where}); this machine has {have}. Use --dry-run to print its "
+                "command, run it on that machine, or plan for this one (`moetplan run --model NAME` without --box)"
+            )
         try:  # the installed vLLM's own list of attention splitting ops (build_launch uses it when loaded)
             import vllm.config.compilation  # noqa: F401
         except Exception:
@@ -303,7 +321,7 @@ def serve(plan: Any, plan_path: Path, *, host: str, port: int, show_logs: bool, 
 
 def run_command(
     plan_file: Optional[str] = typer.Argument(None, metavar="[PLAN.JSON]", help="plan to serve"),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="plan first: tiny-moe, tiny-moe-mla, an hwdb "
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="plan first: tiny-moe, tiny-moe-mla, tiny-moe-fp8, an hwdb "
                                         "model id or a checkpoint folder"),
     box: Optional[str] = typer.Option(None, "--box", help="with --model: plan for a reference box"),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="with --model: inline GPUs, e.g. 2xrtx-5090"),

@@ -1,12 +1,17 @@
 """Tiny random-weight MoE checkpoints with a locally built tokenizer, generated once and cached.
 
 They let `moetplan run --model tiny-moe` show the whole path (plan -> vLLM -> plugin -> endpoint) on any
-machine, and give the vLLM end-to-end tests something to serve without a model hub. Two flavours:
+machine, and give the vLLM end-to-end tests something to serve without a model hub:
 
 - ``tiny-moe``: Qwen3-MoE style (GQA attention, softmax router, no shared expert).
 - ``tiny-moe-mla``: DeepSeek-V3 style MLA (kv_lora_rank 512 and qk_rope_head_dim 64, the only MLA geometry the
   vLLM CPU kernel accepts; ``topk_method: noaux_tc`` sigmoid router with correction bias; one shared expert,
   first layer dense).
+- ``tiny-moe-fp8``: ``tiny-moe`` with its routed experts stored as FP8 block-scaled e4m3 (the checkpoint format
+  of DeepSeek/GLM FP8 releases) holding exactly the bf16 values, so both must give the same 2-bit rows.
+
+Weights are random (seeded); routed experts are snapped to FP8-representable values (see
+`_snap_experts_to_fp8_grid`). Checkpoints are bf16 with a byte-level BPE tokenizer trained here.
 
 Dims are multiples of 32 so the 2-bit format's block-32 scales apply, and head sizes are ones the CPU
 attention backend supports.
@@ -25,7 +30,7 @@ from typing import Any
 from moetplan.errors import UnknownNameError
 
 # Bump when the generator changes what it writes, so cached copies are regenerated.
-GENERATOR_VERSION = 3
+GENERATOR_VERSION = 4
 
 _SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"]  # ids 0..3, referenced by the configs below
 _VOCAB = 512
@@ -114,12 +119,14 @@ TINY_MODELS: dict[str, TinyModel] = {
 }
 TINY_MODELS["tiny-moe-fp8"] = TinyModel(
     name="tiny-moe-fp8",
-    description="tiny-moe with routed experts stored as FP8 e4m3 (block-128 scales), the rest bf16",
+    description="tiny-moe with routed experts stored as FP8 e4m3 (block-64 scales), the rest bf16",
     config=TINY_MODELS["tiny-moe"].config,
     fp8_of="tiny-moe",
 )
 
-FP8_BLOCK = 128
+# 64, not DeepSeek's 128: the tiny experts' FFN (64) must be a multiple of the block, or vLLM re-grids the
+# scales (and its re-gridding does not handle experts smaller than one block).
+FP8_BLOCK = 64
 E4M3_MAX = 448.0
 
 
@@ -243,7 +250,7 @@ def _is_expert_weight(name: str) -> bool:
 
 
 def _fp8_blocks(w: Any) -> tuple[Any, Any]:
-    """w [N, K] -> (e4m3 codes [N, K], power-of-two scale_inv [ceil(N/128), ceil(K/128)]), w ~= codes * scale."""
+    """w [N, K] -> (e4m3 codes [N, K], power-of-two scale_inv per FP8_BLOCK^2 tile), w ~= codes * scale."""
     import torch
 
     n, k = w.shape
@@ -276,7 +283,7 @@ def _snap_experts_to_fp8_grid(path: Path) -> None:
 
 
 def _write_fp8_export(base_dir: Path, out_dir: Path) -> None:
-    """Routed experts as FP8 e4m3 + `weight_scale_inv` (DeepSeek-style block-128); dense layers stay bf16 and are
+    """Routed experts as FP8 e4m3 + `weight_scale_inv` (DeepSeek-style block scales); dense layers stay bf16 and are
     listed in `ignored_layers` (vLLM's CPU backend has no FP8 dense kernels)."""
     import shutil
 

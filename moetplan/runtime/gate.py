@@ -178,6 +178,22 @@ class GateController:
         return d
 
 
+def run_record_kpis(controller: GateController | None, reserve: Any = None) -> dict[str, Any]:
+    """The gate and reserve KPIs for RunRecord.runtime, in the Plan's vocabulary.
+
+    `gate_fire_share` is the share of decode steps that were computed twice (what a fire costs; Prediction's
+    field of the same name); steps under tau that found every expert at FP4 already are not re-run.
+    """
+    out: dict[str, Any] = {}
+    if controller is not None:
+        c = controller.counters()
+        out["gate"] = c
+        out["gate_fire_share"] = c["recomputes"] / c["steps"] if c["steps"] else None
+    if reserve is not None:
+        out["fp4_reserve"] = reserve.stats()
+    return out
+
+
 # --------------------------------------------------------------------------- vLLM (eager mode)
 
 
@@ -275,4 +291,4 @@ def wrap_vllm_model(model: torch.nn.Module, controller: GateController,
     return model
 
 
-__all__ = ["GateController", "GateCounters", "wrap_vllm_model"]
+__all__ = ["GateController", "GateCounters", "run_record_kpis", "wrap_vllm_model"]

@@ -107,8 +107,11 @@ def gencode_flags(archs: list[str]) -> list[str]:
 def build_key(archs: list[str]) -> str:
     import torch
 
-    src = source_dir() / "moe_kernels.cu"
-    h = hashlib.sha256(src.read_bytes())
+    # Every source file counts (moe_kernels.cu includes the .cuh headers beside it).
+    h = hashlib.sha256()
+    for src in sorted(source_dir().glob("*.cu*")):
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
     h.update(json.dumps([torch.__version__, torch.version.cuda, archs]).encode())
     return h.hexdigest()[:16]
 

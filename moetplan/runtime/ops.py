@@ -26,6 +26,9 @@ from moetplan.runtime.format import BLOCK, CODE_VALUES, RowLayout, e2m1_values
 PREFILL_PAIRS_PER_EXPERT = 8
 # Cap on the fp32 per-pair partial buffer [T*k, H] of one kernel call; longer prefills are chunked over tokens.
 PARTIAL_BYTES_CAP = 1 << 30
+# The streaming decode stages (csrc/moe_decode.cuh) read code rows in 256-weight chunks per quad of threads.
+GEMV_ALIGN = 256
+DECODE_KERNELS = ("gemv", "mma")
 
 
 class ResidencyError(MoetplanError):
@@ -207,6 +210,23 @@ def _check_residency() -> bool:
     return os.environ.get("MOETPLAN_CHECK_RESIDENCY", "1") != "0"
 
 
+def decode_kernel() -> str:
+    """Which decode path small steps take: 'gemv' (streaming stages, csrc/moe_decode.cuh; the default) or 'mma'
+    (the first version's scan-mode tiles), from MOETPLAN_DECODE_KERNEL."""
+    v = os.environ.get("MOETPLAN_DECODE_KERNEL", "gemv").strip().lower() or "gemv"
+    if v not in DECODE_KERNELS:
+        raise UsageError(f"MOETPLAN_DECODE_KERNEL={v!r} is not one of {', '.join(DECODE_KERNELS)}; unset it for "
+                         "the default (gemv)")
+    return v
+
+
+def use_gemv(mod, P: int, layout: RowLayout) -> bool:
+    """The streaming decode stages take a step when it has few pairs (<= the extension's gemv_max_pairs) and the
+    2-bit rows split into whole 256-weight chunks (H and Ir multiples of 256: every target model)."""
+    return (hasattr(mod, "gemv_stage") and decode_kernel() == "gemv" and P <= mod.gemv_max_pairs()
+            and layout.hidden % GEMV_ALIGN == 0 and layout.inter_per_rank % GEMV_ALIGN == 0)
+
+
 def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of, fp4_layout,
               swiglu_limit, out) -> torch.Tensor:
     T, H = x.shape
@@ -239,10 +259,23 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             segs = torch.empty(3, 2 * M, dtype=torch.int32, device=dev)
             nseg = torch.empty(2, dtype=torch.int32, device=dev)
             mod.route(ids, slot32, f4slot32, order, segs[0], segs[1], segs[2], nseg, flag)
-        act = torch.empty(P, ir, dtype=torch.float32, device=dev)
         partial = torch.empty(P, H, dtype=torch.float32, device=dev)
         xs = x[t0:t1] if x.dtype != torch.float16 else x[t0:t1].float()  # the kernels take bf16 or fp32 x
-        for f, pl, so, lay in fmts:
+        todo = fmts
+        if not routed and use_gemv(mod, P, layout):
+            # 2-bit experts: x -> bf16 planes in the stages' K pairing, w13 (+SiLU) -> bf16 hi/lo intermediate,
+            # w2 -> partial rows. FP4-resident experts (if any) still take the tiles below.
+            split = xs.dtype == torch.float32
+            xp = torch.empty(xs.shape[0], 2 if split else 1, H, dtype=torch.bfloat16, device=dev)
+            act_hl = torch.empty(P, 2, ir, dtype=torch.bfloat16, device=dev)
+            mod.xprep(xs, xp, pdl)
+            mod.gemv_stage(True, split, pool, slot32, f4slot32, layout.w13_q_off, layout.w13_s_off, H, ir, ids, k,
+                           xp, act_hl, None, lim, swiglu_limit is not None, flag, pdl)
+            mod.gemv_stage(False, True, pool, slot32, f4slot32, layout.w2_q_off, layout.w2_s_off, H, ir, ids, k,
+                           act_hl, None, partial, lim, swiglu_limit is not None, flag, pdl)
+            todo = fmts[1:]
+        act = torch.empty(P, ir, dtype=torch.float32, device=dev) if todo else None
+        for f, pl, so, lay in todo:
             code = 0 if lay.fmt == "2bit" else 1
             if routed:
                 sl = slice(f * M, (f + 1) * M)

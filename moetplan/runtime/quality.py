@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from moetplan.errors import UsageError
@@ -327,9 +326,10 @@ def reserve_slots(cfg: Any, q: QualityConfig) -> tuple[int, int]:
     return min(rows, slots), step_set
 
 
-def run_quality(model: Any, tok: Any, q: QualityConfig = QualityConfig(),
+def run_quality(model: Any, tok: Any, q: QualityConfig | None = None,
                 log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The three variants against the float model on held-out stdlib text; a JSON-ready dict."""
+    q = q or QualityConfig()
     say = log or (lambda s: None)
     cfg = model.config
     held = torch.tensor(tok.encode(module_text(HELDOUT_MODULES)).ids[: q.eval_tokens + 1], dtype=torch.long)

@@ -276,21 +276,26 @@ def _store_forward(st: LayerState, x: torch.Tensor, topk_weights: torch.Tensor,
 
     store = st.store.get()
     layer = st.moe_index
-    try:
-        store.ensure(layer, topk_ids)
-        return moe_forward(x, topk_ids, topk_weights, store.data, store.residency[layer], st.layout,
-                           swiglu_limit=st.swiglu_limit)
-    except StoreCapacityError:
-        pass
-    out = torch.zeros_like(x)
-    for mask, _slots in store.ensure_chunks(layer, topk_ids):
+    if x.shape[0] <= store.prefill_tokens:  # decode: the step's working set fits (the planner's guard)
+        try:
+            store.ensure(layer, topk_ids)
+            return moe_forward(x, topk_ids, topk_weights, store.data, store.residency[layer], st.layout,
+                               swiglu_limit=st.swiglu_limit)
+        except StoreCapacityError as e:
+            log.warning("moetplan: %s; computing this step in chunks", e)
+    out = None
+    for mask, _slots in store.ensure_chunks(layer, topk_ids, num_tokens=int(x.shape[0])):
         mask = mask.to(topk_ids.device)
-        stand_in = topk_ids[mask][0]
-        ids = torch.where(mask, topk_ids, stand_in)
-        wts = torch.where(mask, topk_weights, torch.zeros_like(topk_weights))
-        out += moe_forward(x, ids, wts, store.data, store.residency[layer], st.layout,
-                           swiglu_limit=st.swiglu_limit)
-    return out
+        if not bool(mask.any()):
+            continue
+        if bool(mask.all()):
+            ids, wts = topk_ids, topk_weights
+        else:
+            ids = torch.where(mask, topk_ids, topk_ids[mask][0])
+            wts = torch.where(mask, topk_weights, torch.zeros_like(topk_weights))
+        y = moe_forward(x, ids, wts, store.data, store.residency[layer], st.layout, swiglu_limit=st.swiglu_limit)
+        out = y if out is None else out + y
+    return out if out is not None else torch.zeros_like(x)
 
 
 _LAYERS: dict[int, LayerState] = {}
@@ -422,6 +427,26 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
         self.source_method = source_method
         self.key: int | None = None
 
+    # vLLM's expert weight loader asks the layer's method how the checkpoint stores its experts (block-scale
+    # refinement, global scale factors, FP4 scale patterns, and by class name ModelOpt / compressed-tensors):
+    # answer as the checkpoint's own method would, so its tensors land exactly as they do without us.
+    def __getattr__(self, name: str) -> Any:
+        src = self.__dict__.get("source_method")
+        if src is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(src, name)
+
+    def uses_weight_scale_2_pattern(self) -> bool:
+        return bool(self.source_method is not None and self.source_method.uses_weight_scale_2_pattern())
+
+    @property
+    def is_monolithic(self) -> bool:
+        return False  # vLLM routes, we compute: apply() gets topk ids and weights
+
+    @property
+    def supports_eplb(self) -> bool:
+        return False
+
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
         if self.moe.moe_parallel_config.use_ep:
@@ -478,10 +503,6 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
     def get_fused_moe_quant_config(self, layer):
         return FUSED_MOE_UNQUANTIZED_CONFIG
 
-    @property
-    def supports_eplb(self) -> bool:
-        return False
-
     def process_weights_after_loading(self, layer) -> None:
         t0 = time.perf_counter()
         s = settings()
@@ -496,8 +517,6 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
         else:
             src = source_expert_weights(layer)
             E, H, inter, device, source = src.num_experts, src.hidden, src.inter, src.device, src.name
-            if os.environ.get("H6DBG"):
-                torch.save({"w": [src.expert(e) for e in range(E)], "params": {n: p.data.clone() for n, p in layer.named_parameters(recurse=False)}}, f"/tmp/h6/dbg_{key}.pt")
         st = LayerState(
             key=key, moe_index=key, name=layer.layer_name, fmt=s.expert_format, tier=s.expert_tier,
             num_experts=E, hidden=H, inter=inter, swiglu_limit=getattr(layer, "swiglu_limit", None),
@@ -547,6 +566,21 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
         if self.key is None:
             raise ConfigError(f"{layer.layer_name}: moetplan experts used before weights were processed")
         return torch.ops.moetplan.routed_experts(x, topk_weights, topk_ids, self.key)
+
+
+_WRAPPED: dict[type, type] = {}
+
+
+def method_for(moe: Any, source: Any = None) -> MoetplanMoEMethod:
+    """Our MoE method; over a quantized checkpoint, a subclass named after the checkpoint's method (vLLM's
+    loader branches on that name, e.g. "ModelOpt" for NVFP4 scales)."""
+    if source is None:
+        return MoetplanMoEMethod(moe)
+    cls = _WRAPPED.get(type(source))
+    if cls is None:
+        cls = type(f"Moetplan{type(source).__name__}", (MoetplanMoEMethod,), {"__module__": __name__})
+        _WRAPPED[type(source)] = cls
+    return cls(moe, source)
 
 
 class MoetplanConfig(QuantizationConfig):
@@ -607,7 +641,7 @@ class MoetplanConfig(QuantizationConfig):
             source = self.inner.get_quant_method(layer, prefix) if self.inner is not None else None
             if source is not None and type(source).__name__ == "UnquantizedFusedMoEMethod":
                 source = None
-            return MoetplanMoEMethod(layer.moe_config, source)
+            return method_for(layer.moe_config, source)
         if self.inner is not None:
             return self.inner.get_quant_method(layer, prefix)
         if isinstance(layer, LinearBase):
