@@ -197,9 +197,10 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     variants: dict[str, Any] = {}
     outs0: dict[str, torch.Tensor] = {}
     d0 = layers[0]
-    for dk in decode_kernels:
+    for i, dk in enumerate(decode_kernels):
         os.environ["MOETPLAN_DECODE_KERNEL"] = dk
-        for pdl_name, env in (("pdl", "1"), ("no_pdl", "0")):
+        # Both launch modes for the headline kernel; the others with the default (PDL on sm_90+).
+        for pdl_name, env in ((("pdl", "1"), ("no_pdl", "0")) if i == 0 else (("pdl", "1"),)):
             name = f"{dk}_{pdl_name}"
             os.environ["MOETPLAN_PDL"] = env
             try:
@@ -280,6 +281,38 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     return res
 
 
+# ------------------------------------------------------------------------------------------------ 0. smoke
+
+
+def smoke(gen: torch.Generator) -> list[dict[str, Any]]:
+    """Each decode kernel against the float32 torch reference on a few small steps (run first: a failing kernel
+    shows here, with its shape, before the timed sections)."""
+    out = []
+    for H, I, k, T, dtype in ((4096, 2048, 6, 1, torch.bfloat16), (6144, 1024, 8, 3, torch.float32),
+                              (7168, 512, 8, 8, torch.bfloat16), (4096, 1024, 8, 8, torch.float32)):
+        E = 32
+        lay = RowLayout.for_expert(H, I, fmt="2bit")
+        pool = random_pool(lay, E, gen)
+        slot_of = torch.randperm(E, device="cuda", generator=gen).to(torch.int32)
+        ids, w = routing(T, k, E, gen)
+        x = (torch.randn(T, H, device="cuda", generator=gen) * 0.3).to(dtype)
+        ref = ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
+        row: dict[str, Any] = {"H": H, "I": I, "k": k, "T": T, "x": str(dtype)}
+        for dk in ("gemv", "mma"):
+            os.environ["MOETPLAN_DECODE_KERNEL"] = dk
+            try:
+                got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+                torch.cuda.synchronize()
+                row[dk] = float(torch.linalg.vector_norm(got.double() - ref.double()) /
+                                torch.linalg.vector_norm(ref.double()))
+            except Exception as e:
+                row[dk] = f"{type(e).__name__}: {str(e)[:200]}"
+        os.environ.pop("MOETPLAN_DECODE_KERNEL", None)
+        print(f"smoke {row}", flush=True)
+        out.append(row)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ 3. prefill
 
 
@@ -357,7 +390,7 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,2,4,8")
     ap.add_argument("--prefill", default="512,2048,8192")
     ap.add_argument("--models", default="", help="comma-separated subset of model names")
-    ap.add_argument("--sections", default="bw,decode,prefill")
+    ap.add_argument("--sections", default="smoke,bw,decode,prefill")
     ap.add_argument("--decode-kernels", default="gemv,mma",
                     help="MOETPLAN_DECODE_KERNEL values to time; the first is the headline figure")
     ap.add_argument("--no-baselines", action="store_true",
@@ -381,6 +414,9 @@ def main() -> int:
     res["models"] = models
     secs = args.sections.split(",")
     ref = 4000.0
+    if "smoke" in secs:
+        res["smoke"] = smoke(gen)
+        atomic_write_json(out, res)
     if "bw" in secs:
         res["read_bandwidth"] = read_bandwidth(args.quick)
         ref = res["read_bandwidth"]["reference_gbps"]

@@ -46,6 +46,12 @@ struct GemvArgs {
   int has_limit;
   int* error_flag;
   int tiles;                   // 16-row tiles per expert (w13: Ir / 8, w2: H / 16)
+  // w2 with the combine folded in (no FP4 launch in the step): the warp that writes the last of a token's k
+  // partial rows of a tile sums them in j order into out (the combine kernel's order and arithmetic).
+  const float* weights;        // [T, k] float32, or nullptr: a separate combine kernel runs
+  void* out;                   // [T, H]
+  int out_kind;                // 0 float32, 1 bfloat16, 2 float16
+  int* counter;                // [T, H / 16], zeroed by xprep_kernel
 };
 
 // Unscaled-free 2-bit decode: same table trick as decode_2bit (scale folded into the bf16 exponent), with the
@@ -92,11 +98,12 @@ __device__ __forceinline__ int paired_pos(int r) { return r < 4 ? 2 * r : 2 * (r
 // x [T, H] (bf16 or fp32) -> xp [T, planes, H] bf16 in the paired order: plane 0 = bf16(x), plane 1 (fp32 x
 // only) = bf16(x - plane 0). One thread per group of 8; the decode stages then load B with plain 16-byte loads.
 template <typename XT>
-__global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H) {
+__global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H, int* counter) {
   griddep_wait();
   griddep_launch_dependents();
   constexpr bool SPLIT = std::is_same<XT, float>::value;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // group of 8
+  if (counter != nullptr && i < int64_t(T) * (H / 16)) counter[i] = 0;  // the fused combine's arrival counts
   if (i >= int64_t(T) * H / 8) return;
   const int64_t tok = i / (H / 8), k0 = (i % (H / 8)) * 8;
   float f[8];
@@ -314,6 +321,29 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
             float* dst = a.partial + int64_t(p) * a.H + tile * 16 + g;
             dst[0] = v[i];
             dst[8] = v[2 + i];
+          }
+        }
+        if (!W13 && a.weights != nullptr) {
+          // Fused combine: count this unit's pairs into their token's tile; the last arrival sums the k rows.
+          __threadfence();  // this lane's partial rows before the count (syncwarp orders the lanes for lane 0)
+          __syncwarp();
+          for (int col = 0; col < cnt; ++col) {
+            const int tok = ep_pair[ep][col] / a.topk;
+            int old = 0;
+            if (lane == 0) old = atomicAdd(a.counter + int64_t(tok) * a.tiles + tile, 1);
+            old = __shfl_sync(0xffffffffu, old, 0);
+            if (old != a.topk - 1) continue;
+            __threadfence();
+            if (lane < 16) {
+              const int h = tile * 16 + lane;
+              float acc_o = 0.f;
+              for (int jj = 0; jj < a.topk; ++jj)
+                acc_o += a.weights[tok * a.topk + jj] * __ldcg(a.partial + (int64_t(tok) * a.topk + jj) * a.H + h);
+              const int64_t o = int64_t(tok) * a.H + h;
+              if (a.out_kind == 0) store_out(reinterpret_cast<float*>(a.out) + o, acc_o);
+              else if (a.out_kind == 1) store_out(reinterpret_cast<__nv_bfloat16*>(a.out) + o, acc_o);
+              else store_out(reinterpret_cast<__half*>(a.out) + o, acc_o);
+            }
           }
         }
 #pragma unroll

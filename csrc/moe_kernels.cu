@@ -663,7 +663,7 @@ void stage(int64_t fmt, bool w13, torch::Tensor pool, torch::Tensor slot_of,
 int64_t gemv_max_pairs() { return GEMV_MAX_PAIRS; }
 
 // x [T, H] bf16/fp32 -> xp [T, planes, H] bf16 paired (planes = 2 for fp32 x: hi and lo).
-void xprep(torch::Tensor x, torch::Tensor xp, bool pdl) {
+void xprep(torch::Tensor x, torch::Tensor xp, c10::optional<torch::Tensor> counter, bool pdl) {
   CHECK_CUDA_T(x, "x");
   TORCH_CHECK(x.is_contiguous() && xp.is_contiguous() && x.dim() == 2 && x.size(1) % 8 == 0, "x: contiguous [T, H]");
   const int T = int(x.size(0)), H = int(x.size(1));
@@ -674,17 +674,23 @@ void xprep(torch::Tensor x, torch::Tensor xp, bool pdl) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t groups = int64_t(T) * H / 8;
   if (groups == 0) return;
+  int* cnt = nullptr;
+  if (counter.has_value()) {
+    TORCH_CHECK(counter->scalar_type() == torch::kInt32 && counter->numel() >= int64_t(T) * (H / 16),
+                "counter must be int32 [T, H / 16]");
+    cnt = counter->data_ptr<int>();
+  }
   const int threads = 256;
   const int blocks = int((groups + threads - 1) / threads);
   auto* out = reinterpret_cast<__nv_bfloat16*>(xp.data_ptr<at::BFloat16>());
   if (split) {
     launch(xprep_kernel<float>, dim3(blocks), dim3(threads), 0, stream, pdl,
-           static_cast<const float*>(x.data_ptr<float>()), out, T, H);
+           static_cast<const float*>(x.data_ptr<float>()), out, T, H, cnt);
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16 or float32 here");
     launch(xprep_kernel<__nv_bfloat16>, dim3(blocks), dim3(threads), 0, stream, pdl,
            static_cast<const __nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>())),
-           out, T, H);
+           out, T, H, cnt);
   }
 }
 
@@ -712,8 +718,9 @@ void launch_gemv(const GemvArgs& a, int max_units, cudaStream_t stream, bool pdl
 void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
                 c10::optional<torch::Tensor> fp4_slot_of, int64_t q_off, int64_t s_off, int64_t H, int64_t Ir,
                 torch::Tensor topk_ids, int64_t topk, torch::Tensor b, c10::optional<torch::Tensor> act,
-                c10::optional<torch::Tensor> partial, double limit, bool has_limit, torch::Tensor error_flag,
-                bool pdl) {
+                c10::optional<torch::Tensor> partial, c10::optional<torch::Tensor> weights,
+                c10::optional<torch::Tensor> out, c10::optional<torch::Tensor> counter, double limit,
+                bool has_limit, torch::Tensor error_flag, bool pdl) {
   CHECK_CUDA_T(pool, "pool");
   TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1 &&
                   pool.stride(0) % 16 == 0, "pool must be uint8 [S, stride] with 16-byte aligned rows");
@@ -752,6 +759,22 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
   } else {
     TORCH_CHECK(partial.has_value() && partial->scalar_type() == torch::kFloat32, "w2 stage needs partial fp32");
     a.partial = partial->data_ptr<float>();
+    if (weights.has_value()) {  // fused combine
+      TORCH_CHECK(out.has_value() && counter.has_value() && out->is_contiguous() &&
+                      weights->scalar_type() == torch::kFloat32 && weights->is_contiguous() &&
+                      counter->scalar_type() == torch::kInt32, "fused combine: weights f32, out, counter int32");
+      TORCH_CHECK(out->numel() * a.topk == int64_t(a.P) * H && counter->numel() >= out->numel() / 16,
+                  "fused combine: out [T, H] and counter [T, H/16] for this step");
+      a.weights = weights->data_ptr<float>();
+      a.out = out->data_ptr();
+      a.counter = counter->data_ptr<int>();
+      switch (out->scalar_type()) {
+        case torch::kFloat32: a.out_kind = 0; break;
+        case torch::kBFloat16: a.out_kind = 1; break;
+        case torch::kFloat16: a.out_kind = 2; break;
+        default: TORCH_CHECK(false, "out dtype must be float32, bfloat16 or float16");
+      }
+    }
   }
   if (a.P == 0) return;
   const int max_units = std::min(a.P, a.E) * a.tiles;

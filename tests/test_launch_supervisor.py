@@ -158,3 +158,47 @@ def test_diagnoses(lines, needle):
 
 def test_no_diagnosis_for_unknown_failures():
     assert diagnose(["Traceback (most recent call last):", "KeyError: 'foo'"]) is None
+
+
+def test_run_command_flow_with_a_stand_in_server(tmp_path, monkeypatch):
+    """`moetplan run plan.json --json --logs` end to end without vLLM: progress, ready, the server dying on its
+    own (non-zero exit, last lines), and the stop report."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetplan.cli import app
+    from moetplan.launch import run as run_mod
+    from moetplan.launch.command import build_launch as real_build
+    from moetplan.models.spec import Attention, ModelSpec
+    from moetplan.plan.schema import save_json
+
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE.replace("while True:\n    time.sleep(0.1)", "time.sleep(1.5)\nsys.exit(3)"))
+    port = _port()
+
+    def fake_build(plan, **kw):
+        la = real_build(plan, **kw)
+        la.argv = [sys.executable, str(script), str(port), "normal"]
+        return la
+
+    monkeypatch.setattr(run_mod, "build_launch", fake_build)
+    spec = ModelSpec(id="local:fake", name="fake", local_path=str(tmp_path), num_layers=1, moe_layers=1,
+                     hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, top_k=2, vocab_size=64,
+                     max_position_embeddings=128, attention=Attention(kind="gqa", num_heads=1),
+                     kv_bytes_per_token={"bf16": 1.0}, non_routed_params_b=1e-6)
+    plan_path = tmp_path / "plan.json"
+    save_json(run_mod.plan_for_cpu(spec, context=128), plan_path)
+    res = CliRunner().invoke(app, ["run", str(plan_path), "--json", "--logs", "--port", str(port)])
+    events = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "starting" and "ready" in kinds and kinds[-1] == "stopped", kinds
+    ready = next(e for e in events if e["event"] == "ready")
+    assert ready["model"] == "fake-model" and ready["endpoint"] == f"http://127.0.0.1:{port}/v1"
+    assert ready["run_record"].endswith("plan.run.json")
+    assert "server: up" in [e.get("message") for e in events]
+    exited = next(e for e in events if e["event"] == "exited")
+    assert "code 3" in exited["message"] and any("Application startup complete" in ln for ln in exited["tail"])
+    assert events[-1]["leftover"] == []
+    assert res.exit_code == 1
+    assert (tmp_path / "plan.server.log").exists()

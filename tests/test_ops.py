@@ -482,13 +482,16 @@ class _FakeGemvExtension(_FakeExtension):
     def gemv_max_pairs(self) -> int:
         return 64
 
-    def xprep(self, x, xp, pdl):
+    def xprep(self, x, xp, counter, pdl):
         self.calls.append("xprep")
+        if counter is not None:
+            assert counter.dtype == torch.int32 and counter.numel() == x.shape[0] * x.shape[1] // 16
+            counter.zero_()
         planes = _hi_lo(x) if x.dtype == torch.float32 else x.unsqueeze(1)
         xp.copy_(_to_paired(planes))
 
     def gemv_stage(self, w13, split, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk, b, act, partial,
-                   limit, has_limit, flag, pdl):
+                   weights, out, counter, limit, has_limit, flag, pdl):
         self.calls.append(f"gemv{'13' if w13 else '2'}")
         assert b.dtype == torch.bfloat16 and b.shape[1] == (2 if split else 1)
         src = _from_paired(b.float()).sum(dim=1)  # hi + lo
@@ -512,6 +515,10 @@ class _FakeGemvExtension(_FakeExtension):
                 act[p] = _to_paired(_hi_lo(torch.nn.functional.silu(gate) * up))
             else:
                 partial[p] = W @ src[p]
+        if weights is not None:  # the fused combine: every pair of the step is a 2-bit one
+            assert fp4_slot_of is None and not w13 and counter is not None
+            T = out.shape[0]
+            out.copy_((partial.view(T, topk, H) * weights.unsqueeze(-1)).sum(1))
 
 
 def test_paired_order_round_trips_and_matches_the_kernel_position_rule():
@@ -543,6 +550,7 @@ def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, monkeypatch)
     ref = ops.moe_forward_reference(x, ids, w, pool, torch.arange(E), lay2, **extra)
     assert fake.calls[:3] == ["xprep", "gemv13", "gemv2"]
     assert ("stage13s" in fake.calls) == fp4  # FP4-resident experts still take the tile stages
+    assert ("combine" in fake.calls) == fp4  # otherwise the w2 stage does the per-token sum
     # fp32 x travels as bf16 hi + lo (~16 mantissa bits), the intermediate too.
     assert _rel(got.float(), ref.float()) < (1e-4 if x_dtype == torch.float32 else 8e-3)
     # The first version's decode tiles stay selectable.

@@ -265,14 +265,20 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
         if not routed and use_gemv(mod, P, layout):
             # 2-bit experts: x -> bf16 planes in the stages' K pairing, w13 (+SiLU) -> bf16 hi/lo intermediate,
             # w2 -> partial rows. FP4-resident experts (if any) still take the tiles below.
+            # Without FP4 experts the w2 stage also does the weighted per-token sum (one launch less per layer).
             split = xs.dtype == torch.float32
+            fused = fp4_pool is None
             xp = torch.empty(xs.shape[0], 2 if split else 1, H, dtype=torch.bfloat16, device=dev)
             act_hl = torch.empty(P, 2, ir, dtype=torch.bfloat16, device=dev)
-            mod.xprep(xs, xp, pdl)
+            counter = torch.empty(xs.shape[0], H // 16, dtype=torch.int32, device=dev) if fused else None
+            mod.xprep(xs, xp, counter, pdl)
             mod.gemv_stage(True, split, pool, slot32, f4slot32, layout.w13_q_off, layout.w13_s_off, H, ir, ids, k,
-                           xp, act_hl, None, lim, swiglu_limit is not None, flag, pdl)
+                           xp, act_hl, None, None, None, None, lim, swiglu_limit is not None, flag, pdl)
             mod.gemv_stage(False, True, pool, slot32, f4slot32, layout.w2_q_off, layout.w2_s_off, H, ir, ids, k,
-                           act_hl, None, partial, lim, swiglu_limit is not None, flag, pdl)
+                           act_hl, None, partial, weights[t0:t1] if fused else None, out[t0:t1] if fused else None,
+                           counter, lim, swiglu_limit is not None, flag, pdl)
+            if fused:
+                continue
             todo = fmts[1:]
         act = torch.empty(P, ir, dtype=torch.float32, device=dev) if todo else None
         for f, pl, so, lay in todo:

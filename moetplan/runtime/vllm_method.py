@@ -738,13 +738,26 @@ class TieredExperts:
             backing = PackArenaStore(pack, max(1, arena))
         self.rows.clear()  # the backing holds its own copy
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        store = ExpertStore(backing, s.cache_slots, device=device, prefill_tokens=s.decode_batch_tokens)
+        _route_store_log()
+        # KPI line in the server log every 30 s (hit rate, zero-miss steps, misses per step, transfer rates)
+        store = ExpertStore(backing, s.cache_slots, device=device, prefill_tokens=s.decode_batch_tokens,
+                            kpi_every_s=30.0)
         log.info("moetplan: store %s tier=%s slots=%d layers=%d experts=%d", type(backing).__name__,
                  s.expert_tier, s.cache_slots, L, E)
         return store
 
 
 _TIERED: TieredExperts | None = None
+
+
+def _route_store_log() -> None:
+    """The store logs to "moetplan.store"; inside vLLM send it through vLLM's handlers into the server log."""
+    lg = logging.getLogger("moetplan.store")
+    if not lg.handlers:
+        for h in logging.getLogger("vllm").handlers:
+            lg.addHandler(h)
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
 _PACK: dict[str, Any] = {}
 
 
