@@ -387,3 +387,205 @@ def test_method_over_a_quantized_checkpoint_answers_like_its_source():
     assert type(plain) is vm.MoetplanMoEMethod and plain.uses_weight_scale_2_pattern() is False
     with pytest.raises(AttributeError):
         plain.weight_scale_refine
+
+
+# --------------------------------------------------------------------------- FP4 reserve and gate glue (H12)
+
+
+class _FakeMoELayer(torch.nn.Module):
+    def __init__(self, name):
+        super().__init__()
+        self.layer_name, self.params_dtype = name, torch.float32
+
+
+def _load_through_method(s, monkeypatch, tmp_path, L=2, E=8, H=64, I=32):
+    """Drive the real MoE method (create_weights -> weights land -> process_weights_after_loading) per layer."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    (ckpt / "model.safetensors").write_bytes(b"\0" * 16)
+    (ckpt / "config.json").write_text("{}")
+    monkeypatch.setattr(vm, "_model_dir", lambda: str(ckpt))
+    vm._reset_for_tests(s)
+    moe = SimpleNamespace(moe_parallel_config=SimpleNamespace(use_ep=False, tp_size=1), is_act_and_mul=True,
+                          has_bias=False)
+    methods, layers, weights = [], [], []
+    for li in range(L):  # vLLM builds every layer first, then loads and processes them
+        m, layer = vm.method_for(moe), _FakeMoELayer(f"model.layers.{li}.mlp.experts")
+        m.create_weights(layer, E, H, I, torch.float32)
+        methods.append(m)
+        layers.append(layer)
+    for li, (m, layer) in enumerate(zip(methods, layers)):
+        w13, w2 = _experts(E, H, I, seed=20 + li)
+        layer.w13_weight.data.copy_(w13)
+        layer.w2_weight.data.copy_(w2)
+        weights.append((w13, w2))
+        m.process_weights_after_loading(layer)
+    return weights
+
+
+def test_reserve_slots_from_plan_slots_or_gib():
+    lay = RowLayout.for_expert(64, 32, 1, "fp4")
+    s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=5))
+    assert vm.reserve_wanted(s) and vm.reserve_slots(s, lay, 2, 8) == 5
+    s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_gib=3 * lay.stride / 2**30))
+    assert vm.reserve_slots(s, lay, 2, 8) == 3
+    s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=100))
+    assert vm.reserve_slots(s, lay, 2, 8) == 16  # never more rows than experts
+    assert not vm.reserve_wanted(vm.RuntimeSettings.from_plan(_plan()))
+
+
+def test_promoter_mode_is_validated(monkeypatch):
+    monkeypatch.delenv(vm.PROMOTER_ENV, raising=False)
+    assert vm.promoter_mode() == "background"
+    monkeypatch.setenv(vm.PROMOTER_ENV, "gate")
+    assert vm.promoter_mode() == "gate"
+    monkeypatch.setenv(vm.PROMOTER_ENV, "sometimes")
+    with pytest.raises(ConfigError, match="MOETPLAN_FP4_PROMOTER='sometimes'.*background"):
+        vm.promoter_mode()
+
+
+def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_path, monkeypatch):
+    from moetplan.runtime.format import pack_expert_row
+    from moetplan.runtime.ops import moe_forward_reference
+
+    monkeypatch.setenv(vm.PROMOTER_ENV, "gate")  # the test promotes by hand
+    s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=4))
+    weights = _load_through_method(s, monkeypatch, tmp_path)
+    res = vm._GATE_STATE.reserve
+    assert res is not None and res.pool.num_slots == 4 and res.num_layers == 2 and res.num_experts == 8
+    assert vm._GATE_STATE.source.startswith("quantized at load")  # no pack_dir: rows in host RAM
+    st = vm._LAYERS[1]
+    fp4 = RowLayout.for_expert(64, 32, 1, "fp4")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+    ids, w = _routing(3, 2, 8)
+    before = st.forward(x, w, ids)  # nothing promoted yet: the 2-bit result
+    assert torch.allclose(before, moe_forward_reference(x, ids, w, st.rows, st.slot_of, st.layout), atol=1e-5)
+    assert res.stats()["steps"] == 0 and res.c.routings == ids.numel()  # observed (heat), no FP4 routing yet
+    hot = int(ids[0, 0])
+    assert res.promote_now([(1, hot)]) == [(1, hot)]
+    after = st.forward(x, w, ids)
+    w13, w2 = weights[1]
+    fp4_rows = torch.stack([pack_expert_row(w13[e], w2[e], fp4) for e in range(8)])
+    slot = torch.full((8,), -1, dtype=torch.int32)
+    slot[hot] = 0
+    expect = moe_forward_reference(x, ids, w, st.rows, st.slot_of, st.layout, fp4_pool=fp4_rows[hot:hot + 1],
+                                   fp4_slot_of=slot, fp4_layout=fp4)
+    assert torch.allclose(after, expect, atol=1e-5)
+    assert not torch.allclose(after, before, atol=1e-6)  # the FP4 row really was used
+    st.forward(x, w, ids, warmup=True)  # profile runs compute but do not heat the reserve
+    assert res.c.routings == 2 * ids.numel()
+    kp = vm._reserve_kpis()
+    assert kp["fp4_reserve"]["gate_promotions"] == 1 and kp["fp4_reserve"]["slots"] == 4
+    assert "gate" not in kp  # no controller installed
+
+
+def test_reserve_rows_go_to_an_fp4_pack_and_the_next_boot_reads_them(tmp_path, monkeypatch):
+    monkeypatch.setenv(vm.PROMOTER_ENV, "gate")
+    plan = _plan(fp4_reserve_slots=4, pack_dir=str(tmp_path / "packs"))
+    _load_through_method(vm.RuntimeSettings.from_plan(plan), monkeypatch, tmp_path)
+    src = vm._GATE_STATE.source
+    assert src.startswith("pack:") and "fp4" in src
+    rows_a = vm._GATE_STATE.reserve.source
+    buf_a = np.empty((2, rows_a.stride), dtype=np.uint8)
+    rows_a.read_rows([rows_a.row_index(1, 3), rows_a.row_index(0, 7)], buf_a)
+    vm._reset_for_tests(None)
+    # second boot: the FP4 pack is found at create_weights, so the layer quantizes no FP4 rows
+    calls = []
+    orig = vm._collect_fp4_rows
+    monkeypatch.setattr(vm, "_collect_fp4_rows", lambda key, src, lay, E: calls.append(key) or orig(key, src, lay, E))
+    _load_through_method(vm.RuntimeSettings.from_plan(plan), monkeypatch, tmp_path)
+    g = vm._GATE_STATE
+    assert g.fp4_pack is not None and g.source == src and not g.fp4_rows
+    buf_b = np.empty_like(buf_a)
+    g.reserve.source.read_rows([g.reserve.source.row_index(1, 3), g.reserve.source.row_index(0, 7)], buf_b)
+    assert np.array_equal(buf_a, buf_b)
+
+
+def test_unquantized_experts_get_no_reserve_and_say_so(tmp_path, monkeypatch, caplog):
+    s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=4, expert_format="unquantized"))
+    with caplog.at_level("INFO", logger="vllm.moetplan"):
+        _load_through_method(s, monkeypatch, tmp_path)
+    assert vm._GATE_STATE.reserve is None and "unquantized" in vm._GATE_STATE.note
+    assert any("do not apply to unquantized" in r.getMessage() for r in caplog.records)
+    assert vm._reserve_kpis()["fp4_reserve_note"].startswith("not applicable")
+
+
+class _Router:
+    capture_fn = None
+
+    def set_capture_fn(self, fn):
+        self.capture_fn = fn
+
+
+class _Runner(torch.nn.Module):
+    def __init__(self, layer_id):
+        super().__init__()
+        self.layer_id, self.router = layer_id, _Router()
+
+
+class _TinyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.moe = torch.nn.ModuleList([_Runner(0), _Runner(1)])
+
+    def forward(self, input_ids=None, positions=None):
+        return torch.zeros(1, 4)
+
+    def compute_logits(self, hidden):
+        return hidden
+
+
+def test_after_model_loaded_installs_the_plan_gate_with_the_reserve(tmp_path, monkeypatch):
+    monkeypatch.setenv(vm.PROMOTER_ENV, "gate")
+    plan = _plan(fp4_reserve_slots=4, gate=schema.Gate(enabled=True, tau=0.25, max_promotions_per_step=3))
+    _load_through_method(vm.RuntimeSettings.from_plan(plan), monkeypatch, tmp_path)
+    model = vm.after_model_loaded(_TinyModel(), SimpleNamespace(model_config=SimpleNamespace(enforce_eager=True)))
+    ctrl = model._moetplan_gate
+    assert ctrl is vm._GATE_STATE.controller and ctrl.reserve is vm._GATE_STATE.reserve
+    assert ctrl.enabled and ctrl.tau == 0.25 and ctrl.max_promotions_per_step == 3
+    assert vm.after_model_loaded(model) is model  # once per process
+    kp = vm._reserve_kpis()
+    assert kp["gate"]["enabled"] and kp["gate"]["steps"] == 0 and "fp4_reserve" in kp
+    rec = vm._make_record()  # merged with the store stats in the run record's runtime section
+    assert rec.runtime["gate"]["tau"] == 0.25 and rec.runtime["token_hit_rate"] == 1.0
+
+
+def test_gate_without_a_reserve_or_off_is_not_installed(tmp_path, monkeypatch):
+    plan = _plan(gate=schema.Gate(enabled=True, tau=0.5))  # no reserve
+    _load_through_method(vm.RuntimeSettings.from_plan(plan), monkeypatch, tmp_path)
+    m = _TinyModel()
+    assert vm.after_model_loaded(m) is m and getattr(m, "_moetplan_gate", None) is None
+    assert "no FP4 reserve" in vm._reserve_kpis()["gate_note"]
+    vm._reset_for_tests(None)
+    _load_through_method(vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=4)), monkeypatch, tmp_path)
+    assert getattr(vm.after_model_loaded(m), "_moetplan_gate", None) is None  # gate off in the plan
+    vm._reset_for_tests(None)
+    assert vm.after_model_loaded(m) is m  # not a moetplan model: untouched
+
+
+def test_gate_is_refused_under_cuda_graphs(tmp_path, monkeypatch):
+    plan = _plan(fp4_reserve_slots=4, gate=schema.Gate(enabled=True))
+    _load_through_method(vm.RuntimeSettings.from_plan(plan), monkeypatch, tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    m = vm.after_model_loaded(_TinyModel(), SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False)))
+    assert getattr(m, "_moetplan_gate", None) is None
+    assert "--enforce-eager" in vm._reserve_kpis()["gate_note"]
+
+
+def test_plugin_load_hook_hands_the_loaded_model_to_the_method(monkeypatch):
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from moetplan.runtime import plugin
+
+    assert plugin.install_load_hook() and plugin.install_load_hook()  # idempotent
+    hooked = BaseModelLoader.load_model
+    assert hooked._moetplan_hook
+    seen = []
+    monkeypatch.setattr(vm, "after_model_loaded", lambda model, cfg: seen.append((model, cfg)) or "wrapped")
+    orig = hooked.__wrapped__
+    monkeypatch.setattr(hooked, "__wrapped__", orig)
+    # call the hook with the original replaced by a stand-in through the closure's cell
+    cell = [c for c in hooked.__closure__ if c.cell_contents is orig][0]
+    monkeypatch.setattr(cell, "cell_contents", lambda self, vc, mc, *a, **k: ("model", vc))
+    assert hooked(None, "vcfg", "mcfg") == "wrapped"
+    assert seen == [(("model", "vcfg"), "vcfg")]

@@ -539,7 +539,7 @@ def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, monkeypatch)
     if fp4:
         f4 = torch.full((E,), -1, dtype=torch.int32)
         f4[torch.tensor([1, 5, 9])] = torch.tensor([0, 1, 2], dtype=torch.int32)
-        extra = dict(fp4_pool=_pool(lay4, 3, seed=2), fp4_slot_of=f4, fp4_layout=lay4)
+        extra = {"fp4_pool": _pool(lay4, 3, seed=2), "fp4_slot_of": f4, "fp4_layout": lay4}
     ids, w = _routing(T, k, E, seed=5)
     x = (torch.randn(T, H, generator=_rng(3)) * 0.3).to(x_dtype)
     fake = _FakeGemvExtension()

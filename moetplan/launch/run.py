@@ -75,15 +75,21 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2b
             shortfalls=[f"host RAM short by {memory.host_gib - (host.ram_available_gib or 0):.1f} GiB"],
             suggestions=["serve a tiny model (`moetplan run --model tiny-moe`)", "plan for a GPU box (--box)"],
         )
+    from moetplan.cost_model import predict
+
+    hw = _schema.HardwareProfile(source="probe:host", host=host,
+                                 description="this machine, no NVIDIA GPU: vLLM CPU backend")
+    # The cost model prices a GPU-less host as one rank with its own 'cpu' factor family, so plan-vs-run diffs
+    # and `moetplan calibrate` work on CPU runs too (the factors are rough until calibrated on this machine).
+    prediction = predict(spec, hw, placement)
+    prediction.notes.append("CPU-backend plans are for checking the path; calibrate with `moetplan calibrate`")
     return _schema.Plan(
         model=spec,
-        hardware=_schema.HardwareProfile(source="probe:host", host=host,
-                                         description="this machine, no NVIDIA GPU: vLLM CPU backend"),
+        hardware=hw,
         goals=_schema.Goals(context=context),
         placement=placement,
         memory=memory,
-        prediction=_schema.Prediction(decode_tok_s=0.0, bottleneck="cpu backend (not modelled)",
-                                      notes=["CPU-backend plans are for checking the path, not for speed"]),
+        prediction=prediction,
         reasons=[_schema.Reason(knob="expert_tier", text="no NVIDIA GPU here: vLLM's CPU backend with every "
                                 "routed expert resident in RAM"),
                  _schema.Reason(knob="kv_cache_gib", text="1 GiB CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")],

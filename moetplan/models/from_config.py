@@ -285,7 +285,7 @@ def _qwen_geometry(c: _Cfg) -> _Geometry:
     step = c.int("decoder_sparse_step", "which layers are MoE", default=1)
     dense_only = set(c.get("mlp_only_layers", []) or [])
     moe_ids = [i for i in range(L) if i not in dense_only and (i + 1) % step == 0]
-    E = c.first_int(("num_experts", "n_routed_experts"), "the routed expert count")
+    E = c.first_int(("num_experts", "n_routed_experts", "num_local_experts"), "the routed expert count")
     I_moe = c.int("moe_intermediate_size", "the routed expert size")
     I_dense = c.get("intermediate_size")
     if len(moe_ids) < L and not I_dense:

@@ -1,17 +1,47 @@
 """vLLM general plugin (entry point `vllm.general_plugins: moetplan = moetplan.runtime.plugin:register`).
 
 vLLM calls `register()` in every process it starts (API server, engine core, each worker) before the model
-config is built, so it must be idempotent and cheap: it registers the "moetplan" quantization method and, on
-the CPU platform, the rotary-embedding workaround. The plan itself (MOETPLAN_PLAN) is read lazily, when vLLM
-builds the method's config in the worker, so the API server never pays for it.
+config is built, so it must be idempotent and cheap: it registers the "moetplan" quantization method, on the
+CPU platform the rotary-embedding workaround, and a model-loader hook. The plan itself (MOETPLAN_PLAN) is read
+lazily, when vLLM builds the method's config in the worker, so the API server never pays for it.
+
+The model-loader hook: the confidence gate wraps the loaded model's forward / compute_logits (docs/GATE.md), so it
+needs the model object, which the MoE method never sees. vLLM's model runners (GPU and CPU) get the model from
+`BaseModelLoader.load_model` in the worker process; wrapping that method hands the finished model to
+`vllm_method.after_model_loaded`, which does nothing unless this process serves moetplan experts with a gate.
 """
 from __future__ import annotations
 
+import functools
 import logging
+from typing import Any
 
 log = logging.getLogger("moetplan.runtime")
 
 _DONE = False
+
+
+def install_load_hook() -> bool:
+    """Wrap vLLM's BaseModelLoader.load_model once (idempotent); False when this vLLM has no such method."""
+    try:
+        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    except ImportError:  # pragma: no cover - another vLLM layout: the gate is then not installed (logged)
+        log.warning("moetplan: vLLM has no BaseModelLoader; the confidence gate cannot be installed")
+        return False
+    orig = BaseModelLoader.load_model
+    if getattr(orig, "_moetplan_hook", False):
+        return True
+
+    @functools.wraps(orig)
+    def load_model(self: Any, vllm_config: Any, model_config: Any, *args: Any, **kwargs: Any) -> Any:
+        model = orig(self, vllm_config, model_config, *args, **kwargs)
+        from moetplan.runtime.vllm_method import after_model_loaded
+
+        return after_model_loaded(model, vllm_config)
+
+    load_model._moetplan_hook = True  # type: ignore[attr-defined]
+    BaseModelLoader.load_model = load_model  # type: ignore[method-assign]
+    return True
 
 
 def register() -> None:
@@ -24,4 +54,5 @@ def register() -> None:
     register_method()
     if apply_rotary_fix():
         log.debug("moetplan: CPU rotary-embedding fallback for 3-D / strided q,k installed")
+    install_load_hook()
     _DONE = True

@@ -6,7 +6,14 @@ claims it when the user asked for moetplan, and `from_config` receives the check
 keep as the *inner* config: dense layers and the expert weight loading go through it unchanged, and only the
 routed experts are re-quantized at load. Users point at the official checkpoint; nothing is edited on disk.
 
-Configuration comes from the Plan only (env `MOETPLAN_PLAN`): expert tier, cache sizes, pack dir, gate.
+Configuration comes from the Plan only (env `MOETPLAN_PLAN`): expert tier, cache sizes, pack dir, FP4 reserve, gate.
+
+FP4 reserve and confidence gate (docs/GATE.md): when the plan sizes a reserve (placement.fp4_reserve_slots, or
+fp4_reserve_gib), each worker builds one FP4Reserve over all its MoE layers once the last one has loaded; every
+MoE call feeds it the routed ids and computes resident experts from their FP4 rows. Its rows come from the FP4
+pack when a valid one exists, else from the checkpoint's experts quantized to FP4 at load (written to an FP4 pack
+when the plan has a pack_dir, so the next boot reads it). The gate is installed on the loaded model by the plugin's
+model-loader hook (`after_model_loaded`), in the worker process.
 
 Routed-expert computation runs behind an opaque custom op (`torch.ops.moetplan.routed_experts`) so
 torch.compile / Dynamo does not trace into the data-dependent bookkeeping (unique ids, cache lookups).
@@ -53,6 +60,9 @@ class RuntimeSettings:
     host_arena_gib: float = 0.0
     pack_dir: str | None = None
     gate: dict[str, Any] = field(default_factory=dict)
+    fp4_reserve_slots: int = 0
+    fp4_reserve_gib: float = 0.0
+    mtp: int = 0
     decode_batch_tokens: int = 1
     record_interval_s: float = 2.0
 
@@ -90,6 +100,9 @@ class RuntimeSettings:
             host_arena_gib=float(pl.host_arena_gib),
             pack_dir=pl.pack_dir,
             gate=pl.gate.model_dump(),
+            fp4_reserve_slots=int(pl.fp4_reserve_slots),
+            fp4_reserve_gib=float(pl.fp4_reserve_gib),
+            mtp=int(pl.mtp),
             decode_batch_tokens=max(1, int(pl.max_num_seqs) * (1 + int(pl.mtp))),
         )
 
@@ -118,6 +131,7 @@ def _reset_for_tests(s: RuntimeSettings | None = None) -> None:
     _MOE_COUNTER[0] = 0
     global _TIERED
     _TIERED = None
+    _reset_reserve()
 
 
 # --------------------------------------------------------------------------- per-process stats + run record
@@ -165,15 +179,41 @@ def _store_kpis() -> dict[str, Any]:
     return out
 
 
+def _reserve_kpis() -> dict[str, Any]:
+    """Gate and FP4-reserve counters (gate fires, steps, promotions, recomputes, gate_fire_share, reserve stats)."""
+    from moetplan.runtime.gate import run_record_kpis
+
+    try:
+        out = run_record_kpis(_GATE_STATE.controller, _GATE_STATE.reserve)
+    except Exception as e:  # a broken KPI read must not take the worker down
+        return {"fp4_kpi_error": repr(e)}
+    if _GATE_STATE.note:
+        out["fp4_reserve_note"] = _GATE_STATE.note
+    if _GATE_STATE.gate_note:
+        out["gate_note"] = _GATE_STATE.gate_note
+    if _GATE_STATE.source:
+        out["fp4_source"] = _GATE_STATE.source
+    return out
+
+
 def _make_record():
     s = _SETTINGS
     return records.build_run_record(
         s.plan if s else None,
         s.plan_path if s else None,
         stats(),
-        store_kpis=_store_kpis(),
+        store_kpis={**_store_kpis(), **_reserve_kpis()},
         extra_runtime={"tp_rank": _tp_rank(), "worker_pid": os.getpid()},
     )
+
+
+def _record_version() -> tuple[Any, ...]:
+    """Changes whenever the record would: MoE calls, and gate steps / reserve promotions (the gate judges a step
+    after its MoE calls, and the background promoter works between steps)."""
+    st = stats()
+    g, r = _GATE_STATE.controller, _GATE_STATE.reserve
+    return (st.moe_calls, st.warmup_calls, st.layers, g.c.steps if g is not None else None,
+            (r.c.promotions, r.c.gate_promotions, r.c.routings) if r is not None else None)
 
 
 def writer() -> records.RecordWriter | None:
@@ -181,9 +221,7 @@ def writer() -> records.RecordWriter | None:
     s = _SETTINGS
     if _WRITER is None and s is not None and s.plan_path:
         path = os.environ.get("MOETPLAN_RUN_RECORD") or str(records.run_record_path(s.plan_path, _tp_rank()))
-        st = stats()
-        _WRITER = records.RecordWriter(path, _make_record, s.record_interval_s,
-                                       version=lambda: (st.moe_calls, st.warmup_calls, st.layers))
+        _WRITER = records.RecordWriter(path, _make_record, s.record_interval_s, version=_record_version)
         _WRITER.start_flusher()
         atexit.register(_WRITER.write)
     return _WRITER
@@ -247,24 +285,37 @@ class LayerState:
     source: str = ""  # where the rows came from: the checkpoint dtype (quantized at load) or pack:<file>
     first: bool = False  # first MoE layer of the model: marks a step
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                warmup: bool = False) -> torch.Tensor:
         if self.fmt == "unquantized":
             assert self.w13 is not None and self.w2 is not None
             w13, w2 = self.w13, self.w2
             return moe_reference(x, topk_weights, topk_ids, lambda e: (w13[e], w2[e]), self.swiglu_limit)
-        return self._forward_2bit(x, topk_weights, topk_ids)
+        return self._forward_2bit(x, topk_weights, topk_ids, warmup)
 
-    def _forward_2bit(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def fp4_args(self, topk_ids: torch.Tensor, warmup: bool = False) -> dict[str, Any]:
+        """The FP4 reserve's arguments for this call (read every call: a promotion becomes visible through them).
+        Profile / dummy runs are not traffic: they do not heat the reserve."""
+        res = _GATE_STATE.reserve
+        if res is None or self.moe_index >= res.num_layers:
+            return {}
+        if not warmup:
+            res.observe(self.moe_index, topk_ids)
+        return res.op_args(self.moe_index)
+
+    def _forward_2bit(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      warmup: bool = False) -> torch.Tensor:
         from moetplan.runtime.ops import moe_forward
 
+        fp4 = self.fp4_args(topk_ids, warmup)
         if self.store is None:
             return moe_forward(x, topk_ids, topk_weights, self.rows, self.slot_of, self.layout,
-                               swiglu_limit=self.swiglu_limit)
-        return _store_forward(self, x, topk_weights, topk_ids)
+                               swiglu_limit=self.swiglu_limit, **fp4)
+        return _store_forward(self, x, topk_weights, topk_ids, fp4)
 
 
 def _store_forward(st: LayerState, x: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> torch.Tensor:
+                   topk_ids: torch.Tensor, fp4: dict[str, Any] | None = None) -> torch.Tensor:
     """Tiered experts: make this layer's routed experts resident in the slot pool, then compute from it.
 
     A call that needs more rows than the cache may hold (a long prefill) is computed in chunks: each chunk's
@@ -280,7 +331,7 @@ def _store_forward(st: LayerState, x: torch.Tensor, topk_weights: torch.Tensor,
         try:
             store.ensure(layer, topk_ids)
             return moe_forward(x, topk_ids, topk_weights, store.data, store.residency[layer], st.layout,
-                               swiglu_limit=st.swiglu_limit)
+                               swiglu_limit=st.swiglu_limit, **(fp4 or {}))
         except StoreCapacityError as e:
             log.warning("moetplan: %s; computing this step in chunks", e)
     out = None
@@ -293,7 +344,8 @@ def _store_forward(st: LayerState, x: torch.Tensor, topk_weights: torch.Tensor,
         else:
             ids = torch.where(mask, topk_ids, topk_ids[mask][0])
             wts = torch.where(mask, topk_weights, torch.zeros_like(topk_weights))
-        y = moe_forward(x, ids, wts, store.data, store.residency[layer], st.layout, swiglu_limit=st.swiglu_limit)
+        y = moe_forward(x, ids, wts, store.data, store.residency[layer], st.layout, swiglu_limit=st.swiglu_limit,
+                        **(fp4 or {}))
         out = y if out is None else out + y
     return out if out is not None else torch.zeros_like(x)
 
@@ -317,8 +369,9 @@ def _is_warmup() -> bool:
 def _run_layer(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, key: int) -> torch.Tensor:
     st = _LAYERS[key]
     t0 = time.perf_counter()
-    out = st.forward(x, topk_weights, topk_ids)
-    stats().on_call(st.first, int(x.shape[0]), int(topk_ids.numel()), _is_warmup(), time.perf_counter() - t0)
+    warmup = _is_warmup()
+    out = st.forward(x, topk_weights, topk_ids, warmup)
+    stats().on_call(st.first, int(x.shape[0]), int(topk_ids.numel()), warmup, time.perf_counter() - t0)
     w = writer()
     if w is not None:
         w.maybe_write()
@@ -463,6 +516,7 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
         self.dims = (num_experts, hidden_size, intermediate_size_per_partition)
         _model_dir()  # remember the checkpoint while vLLM's config is current
         self.layout = None
+        self.fp4_layout = None
         self.pack = None
         s = settings()
         if s.expert_format == "2bit":
@@ -473,6 +527,9 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
             pack = _cached_pack(s, self.layout, num_experts)
             if pack is not None and self.key < pack.num_layers:
                 self.pack = pack
+            if reserve_wanted(s):
+                self.fp4_layout = RowLayout.for_expert(hidden_size, intermediate_size_per_partition * tp, tp, "fp4")
+                _cached_fp4_pack(s, self.fp4_layout, num_experts)
         if self.source_method is not None:
             self.source_method.create_weights(layer, num_experts, hidden_size,
                                               intermediate_size_per_partition, params_dtype,
@@ -492,9 +549,11 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
             )
             layer.register_parameter("w2_weight", w2)
             set_weight_attrs(w2, extra_weight_attrs)
-        if self.pack is not None:
+        fp4_needs_weights = self.fp4_layout is not None and not _fp4_pack_covers(self.key)
+        if self.pack is not None and not fp4_needs_weights:
             # A valid pack holds this layer's rows: the checkpoint's experts are never materialised (an NVFP4
-            # GLM-5.2 would not fit in VRAM); their tensors stream past a loader that drops them.
+            # GLM-5.2 would not fit in VRAM); their tensors stream past a loader that drops them. (Unless the FP4
+            # reserve has no pack yet: then its rows are quantized from these weights at load.)
             for name, p in list(layer.named_parameters(recurse=False)):
                 if name.startswith(("w13_", "w2_")):
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -509,11 +568,13 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
         key = self.key
         if key is None:
             raise ConfigError(f"{layer.layer_name}: weights processed before they were created")
+        src = None
         if self.pack is not None:
             E, H, inter = self.dims
             device = _layer_device(layer)
-            src = None
             source = f"pack:{self.pack.path.name}"
+            if layer.w13_weight.data.numel():  # materialised for the FP4 reserve's rows
+                src = source_expert_weights(layer)
         else:
             src = source_expert_weights(layer)
             E, H, inter, device, source = src.num_experts, src.hidden, src.inter, src.device, src.name
@@ -542,6 +603,8 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
                     w13_e, w2_e = src.expert(e)
                     pack_expert_row(w13_e, w2_e, layout, out=rows[e])  # quantized where the weights are
             st.layout = layout
+            if self.fp4_layout is not None:
+                _collect_fp4_rows(key, src, self.fp4_layout, E)
             if s.expert_tier == "resident":
                 st.rows = rows.to(device)
                 st.slot_of = torch.arange(E, device=device, dtype=torch.int32)
@@ -552,6 +615,12 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
             p = getattr(layer, pname)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         _LAYERS[key] = st
+        if s.expert_format == "unquantized" and reserve_wanted(s) and key == 0:
+            log.info("moetplan: the plan's FP4 reserve (and gate) do not apply to unquantized experts: "
+                     "every expert is computed at the checkpoint's precision already")
+            _GATE_STATE.note = "not applicable: experts unquantized"
+        if s.expert_format == "2bit" and reserve_wanted(s) and len(_LAYERS) == _MOE_COUNTER[0]:
+            _build_reserve(s, device)  # the last MoE layer of this worker: the reserve spans them all
         stats().layers = len(_LAYERS)
         stats().load_s += time.perf_counter() - t0
         log.info(
@@ -812,7 +881,8 @@ def _pack_dir(s: RuntimeSettings) -> str:
 
 
 def open_valid_pack(s: RuntimeSettings, layout: Any, num_experts: int) -> Any:
-    """The finished pack of this checkpoint / TP rank / layout in the plan's pack_dir, or None (reason logged)."""
+    """The finished pack of this checkpoint / TP rank / layout (its format: 2bit or fp4) in the plan's pack_dir,
+    or None (reason logged)."""
     if not s.pack_dir or not os.path.isdir(s.pack_dir):
         return None
     from moetplan.runtime.packs import Pack, StalePackError
@@ -824,13 +894,13 @@ def open_valid_pack(s: RuntimeSettings, layout: Any, num_experts: int) -> Any:
     # checkpoint under another folder name).
     for mk in (key, None):
         try:
-            pack = Pack.open(s.pack_dir, model_key=mk, tp=layout.tp, tp_rank=_tp_rank(), fmt="2bit",
+            pack = Pack.open(s.pack_dir, model_key=mk, tp=layout.tp, tp_rank=_tp_rank(), fmt=layout.fmt,
                              expect_identity=ident, expect_layout=layout)
             break
         except (StalePackError, ConfigError, UsageError) as e:
             reasons.append(str(e))
     if pack is None:
-        log.info("moetplan: pack not used (%s); quantizing at load", reasons[0])
+        log.info("moetplan: %s pack not used (%s); quantizing at load", layout.fmt, reasons[0])
         return None
     if pack.num_experts != num_experts:
         log.info("moetplan: pack %s has %d experts per layer, model has %d; quantizing at load",
@@ -846,7 +916,7 @@ def _write_and_open_pack(data: Any, L: int, E: int, layout: Any, s: RuntimeSetti
     key, ident = _pack_identity()
     pack_dir = _pack_dir(s)
     try:
-        return Pack.open(pack_dir, model_key=key, tp=layout.tp, tp_rank=_tp_rank(), fmt="2bit",
+        return Pack.open(pack_dir, model_key=key, tp=layout.tp, tp_rank=_tp_rank(), fmt=layout.fmt,
                          expect_identity=ident, expect_layout=layout)
     except StalePackError as e:
         log.info("moetplan: pack (re)build: %s", e)
@@ -857,5 +927,179 @@ def _write_and_open_pack(data: Any, L: int, E: int, layout: Any, s: RuntimeSetti
                 w.write_row(layer, e, data[layer * E + e])
         w.commit()
     log.info("moetplan: pack written %s (%d layers x %d experts)", w.path, L, E)
-    return Pack.open(pack_dir, model_key=key, tp=layout.tp, tp_rank=_tp_rank(), fmt="2bit",
+    return Pack.open(pack_dir, model_key=key, tp=layout.tp, tp_rank=_tp_rank(), fmt=layout.fmt,
                      expect_identity=ident, expect_layout=layout)
+
+
+# --------------------------------------------------------------------------- FP4 reserve and confidence gate
+
+
+@dataclass
+class GateState:
+    """This worker's FP4 reserve and gate controller (one per process: one TP rank)."""
+
+    reserve: Any = None  # moetplan.runtime.reserve.FP4Reserve
+    controller: Any = None  # moetplan.runtime.gate.GateController, once installed on the model
+    fp4_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [E, fp4 stride], until built
+    fp4_pack: Any = None
+    fp4_pack_checked: bool = False
+    source: str = ""
+    note: str = ""  # why the reserve is absent although the plan asked for one
+    gate_note: str = ""  # why the gate is not installed although the plan enabled it
+
+
+_GATE_STATE = GateState()
+
+
+def _reset_reserve() -> None:
+    global _GATE_STATE
+    if _GATE_STATE.reserve is not None:
+        _GATE_STATE.reserve.close()
+    _GATE_STATE = GateState()
+
+
+PROMOTER_ENV = "MOETPLAN_FP4_PROMOTER"
+PROMOTER_MODES = ("background", "gate")
+
+
+def promoter_mode() -> str:
+    """Who fills the reserve: "background" (default: the hottest experts, promoted off the critical path) or
+    "gate" (only the gate's synchronous promotions). A debugging switch, not a plan knob: with "gate" a run's
+    tokens do not depend on the background thread's timing, which makes runs comparable token for token."""
+    mode = os.environ.get(PROMOTER_ENV, "background").strip().lower() or "background"
+    if mode not in PROMOTER_MODES:
+        raise ConfigError(f"{PROMOTER_ENV}={mode!r} is not one of {', '.join(PROMOTER_MODES)}; unset it for the "
+                          "default (background)")
+    return mode
+
+
+def reserve_wanted(s: RuntimeSettings) -> bool:
+    return s.fp4_reserve_slots > 0 or s.fp4_reserve_gib > 0
+
+
+def reserve_slots(s: RuntimeSettings, fp4_layout: Any, num_layers: int, num_experts: int) -> int:
+    """Rows the reserve holds: the plan's slot count, else its GiB over the FP4 row size; never more rows than
+    there are experts."""
+    slots = s.fp4_reserve_slots
+    if slots <= 0:
+        slots = int(s.fp4_reserve_gib * 2**30 // fp4_layout.stride)
+    return max(0, min(int(slots), num_layers * num_experts))
+
+
+def _cached_fp4_pack(s: RuntimeSettings, layout: Any, num_experts: int) -> Any:
+    g = _GATE_STATE
+    if not g.fp4_pack_checked:
+        g.fp4_pack_checked = True
+        g.fp4_pack = open_valid_pack(s, layout, num_experts)
+        if g.fp4_pack is not None:
+            log.info("moetplan: FP4 pack %s valid, the reserve reads its rows", g.fp4_pack.path)
+    return g.fp4_pack
+
+
+def _fp4_pack_covers(moe_index: int) -> bool:
+    p = _GATE_STATE.fp4_pack
+    return p is not None and moe_index < p.num_layers
+
+
+def _collect_fp4_rows(key: int, src: ExpertSource | None, fp4_layout: Any, num_experts: int) -> None:
+    """Quantize this layer's experts to FP4 reserve rows while the checkpoint's weights are still loaded (they are
+    freed right after); skipped when the FP4 pack already holds them."""
+    if _fp4_pack_covers(key):
+        return
+    if src is None:
+        return  # no weights and no pack: _build_reserve says so
+    from moetplan.runtime.format import pack_expert_row
+
+    rows = torch.empty(num_experts, fp4_layout.stride, dtype=torch.uint8)
+    for e in range(num_experts):
+        w13_e, w2_e = src.expert(e)
+        pack_expert_row(w13_e, w2_e, fp4_layout, out=rows[e])
+    _GATE_STATE.fp4_rows[key] = rows
+
+
+def _build_reserve(s: RuntimeSettings, device: Any) -> Any:
+    """The worker's FP4 reserve over all its MoE layers (None, with the reason logged, when it cannot be built)."""
+    from moetplan.runtime.reserve import FP4Reserve
+
+    g = _GATE_STATE
+    L = len(_LAYERS)
+    E = _LAYERS[0].num_experts
+    first = _LAYERS[0]
+    tp = first.layout.tp
+    from moetplan.runtime.format import RowLayout
+
+    fp4_layout = RowLayout.for_expert(first.hidden, first.inter * tp, tp, "fp4")
+    if g.fp4_pack is not None and g.fp4_pack.num_layers >= L and g.fp4_pack.num_experts == E:
+        source, g.source = g.fp4_pack, f"pack:{g.fp4_pack.path.name}"
+    elif sorted(g.fp4_rows) == list(range(L)):
+        import numpy as np
+
+        from moetplan.runtime.backing import ArrayRowSource
+
+        data = np.concatenate([g.fp4_rows[i].numpy() for i in range(L)])
+        g.fp4_rows.clear()
+        if s.pack_dir:
+            # The FP4 rows persist like the 2-bit ones: the next boot reads the pack instead of quantizing.
+            try:
+                source = _write_and_open_pack(data, L, E, fp4_layout, s)
+                g.source = f"pack:{source.path.name}"
+            except Exception as e:  # a read-only pack dir must not stop the server: serve from RAM
+                log.warning("moetplan: FP4 pack not written (%s); reserve rows held in host RAM", e)
+                source, g.source = ArrayRowSource(data, L, E), "quantized at load (host RAM)"
+        else:
+            source, g.source = ArrayRowSource(data, L, E), "quantized at load (host RAM)"
+    else:
+        g.note = ("no FP4 source: the 2-bit pack was read and the FP4 pack is missing or stale; run "
+                  "`moetplan quantize` with the FP4 reserve, or remove the 2-bit pack so this boot re-quantizes")
+        log.warning("moetplan: FP4 reserve not built: %s", g.note)
+        return None
+    slots = reserve_slots(s, fp4_layout, L, E)
+    if slots <= 0:
+        g.note = f"fp4_reserve_gib {s.fp4_reserve_gib} holds no {fp4_layout.stride}-byte FP4 row"
+        log.warning("moetplan: FP4 reserve not built: %s", g.note)
+        return None
+    background = promoter_mode() == "background"
+    g.reserve = FP4Reserve(source, slots, layout=fp4_layout, device=device, background=background,
+                           name=f"fp4_reserve.rank{_tp_rank()}")
+    log.info("moetplan: FP4 reserve %d slots x %d B over %d layers x %d experts, rows from %s, promoter %s", slots,
+             fp4_layout.stride, L, E, g.source, promoter_mode())
+    return g.reserve
+
+
+def after_model_loaded(model: Any, vllm_config: Any = None) -> Any:
+    """Called by the plugin's model-loader hook in the worker once the model is loaded: installs the plan's
+    confidence gate on it (when this process serves moetplan experts and the plan enables the gate)."""
+    s = _SETTINGS
+    if s is None or not _LAYERS or _GATE_STATE.controller is not None:
+        return model
+    if not s.gate.get("enabled"):
+        return model
+    g = _GATE_STATE
+    if g.reserve is None:
+        g.gate_note = ("not installed: no FP4 reserve to promote into" +
+                       (f" ({g.note})" if g.note else "; plan an fp4_reserve_gib > 0"))
+        log.warning("moetplan: confidence gate %s", g.gate_note)
+        return model
+    if s.mtp > 0:
+        log.info("moetplan: confidence gate off: speculative decoding (MTP %d) verify steps are not judged "
+                 "(docs/GATE.md); steps are counted as skipped", s.mtp)
+    if torch.cuda.is_available() and not _eager(vllm_config):
+        g.gate_note = "not installed: CUDA graphs are on; start vLLM with --enforce-eager"
+        log.warning("moetplan: confidence gate needs eager execution on CUDA (the recompute re-runs Python the "
+                    "graphs would skip); %s", g.gate_note)
+        return model
+    from moetplan.runtime.gate import GateController, wrap_vllm_model
+
+    controller = GateController.from_plan(s.plan, g.reserve)
+    wrap_vllm_model(model, controller)
+    g.controller = controller
+    log.info("moetplan: confidence gate installed: tau=%.3g max_promotions_per_step=%s", controller.tau,
+             controller.max_promotions_per_step)
+    return model
+
+
+def _eager(vllm_config: Any) -> bool:
+    try:
+        return bool(vllm_config.model_config.enforce_eager)
+    except AttributeError:
+        return False
