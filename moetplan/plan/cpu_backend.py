@@ -1,0 +1,79 @@
+"""Plans for vLLM's CPU backend: a machine with no NVIDIA GPU serves small models with every expert in RAM.
+
+The GPU solver has nothing to place on such a machine; this plan still carries the ledger, a cost-model prediction
+and (through `moetplan run`) the launch, so the rest of the path — plugin, run record, diff, calibrate — is the same.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from moetplan.plan import schema as _schema
+
+
+def host_info() -> Any:
+    """This machine's host facts, cheaply (no bandwidth tests): enough to plan a CPU-backend run."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return _schema.HostInfo(
+        ram_gib=round(vm.total / 2**30, 2), ram_available_gib=round(vm.available / 2**30, 2),
+        cores=os.cpu_count(), sources={"ram_gib": "measured", "ram_available_gib": "measured", "cores": "measured"},
+    )
+
+
+def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2bit",
+                 max_num_seqs: int = 4) -> Any:
+    """A Plan that serves `spec` on vLLM's CPU backend: experts resident in RAM, 1 GiB of KV cache.
+
+    The GPU solver has nothing to place on a machine without a GPU; this plan still carries the ledger and
+    the launch so the rest of the path (plugin, run record, diff) is the same as on a GPU box.
+    """
+    host = host_info()
+    ctx = int(min(context or 2048, spec.max_position_embeddings))
+    kv_gib = 1.0
+    fmt_bits = "2bit" if expert_format == "2bit" else spec.expert_precision
+    experts_gib = spec.routed_gib(fmt_bits if fmt_bits in ("2bit", "bf16", "fp16", "fp32", "fp8") else "bf16")
+    dense_gib = spec.dense_bytes() / 2**30
+    placement = _schema.Placement(
+        tp=1, pp=1, expert_tier="resident", kv_dtype="bf16", kv_cache_gib=kv_gib, context=ctx,
+        max_num_seqs=max_num_seqs, concurrency=1, max_num_batched_tokens=max(2048, ctx),
+        gpu_memory_utilization=0.9, expert_format=expert_format,
+    )
+    memory = _schema.MemoryLedger(
+        host_gib=round(experts_gib + dense_gib + kv_gib, 4), host_total_gib=host.ram_gib,
+        host_items=[
+            _schema.LedgerItem(name="routed experts", gib=round(experts_gib, 6), note=f"{expert_format}, resident"),
+            _schema.LedgerItem(name="dense weights", gib=round(dense_gib, 6), note=spec.dense_precision),
+            _schema.LedgerItem(name="kv cache", gib=kv_gib, note="VLLM_CPU_KVCACHE_SPACE"),
+        ],
+        guards=["cpu backend: no GPU guards apply"],
+    )
+    if memory.host_gib > (host.ram_available_gib or host.ram_gib) * 0.9:
+        from moetplan.errors import InfeasibleError
+
+        raise InfeasibleError(
+            f"{spec.id} needs ~{memory.host_gib:.1f} GiB of RAM on the CPU backend, this machine has "
+            f"{host.ram_available_gib:.1f} GiB available",
+            shortfalls=[f"host RAM short by {memory.host_gib - (host.ram_available_gib or 0):.1f} GiB"],
+            suggestions=["serve a tiny model (`moetplan run --model tiny-moe`)", "plan for a GPU box (--box)"],
+        )
+    from moetplan.cost_model import predict
+
+    hw = _schema.HardwareProfile(source="probe:host", host=host,
+                                 description="this machine, no NVIDIA GPU: vLLM CPU backend")
+    # The cost model prices a GPU-less host as one rank with its own 'cpu' factor family, so plan-vs-run diffs
+    # and `moetplan calibrate` work on CPU runs too (the factors are rough until calibrated on this machine).
+    prediction = predict(spec, hw, placement)
+    prediction.notes.append("CPU-backend plans are for checking the path; calibrate with `moetplan calibrate`")
+    return _schema.Plan(
+        model=spec,
+        hardware=hw,
+        goals=_schema.Goals(context=context),
+        placement=placement,
+        memory=memory,
+        prediction=prediction,
+        reasons=[_schema.Reason(knob="expert_tier", text="no NVIDIA GPU here: vLLM's CPU backend with every "
+                                "routed expert resident in RAM"),
+                 _schema.Reason(knob="kv_cache_gib", text="1 GiB CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")],
+    )
