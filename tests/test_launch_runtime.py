@@ -489,10 +489,7 @@ def test_reserve_rows_go_to_an_fp4_pack_and_the_next_boot_reads_them(tmp_path, m
     buf_a = np.empty((2, rows_a.stride), dtype=np.uint8)
     rows_a.read_rows([rows_a.row_index(1, 3), rows_a.row_index(0, 7)], buf_a)
     vm._reset_for_tests(None)
-    # second boot: the FP4 pack is found at create_weights, so the layer quantizes no FP4 rows
-    calls = []
-    orig = vm._collect_fp4_rows
-    monkeypatch.setattr(vm, "_collect_fp4_rows", lambda key, src, lay, E: calls.append(key) or orig(key, src, lay, E))
+    # second boot: the FP4 pack is found at create_weights, so the layers quantize no FP4 rows
     _load_through_method(vm.RuntimeSettings.from_plan(plan), monkeypatch, tmp_path)
     g = vm._GATE_STATE
     assert g.fp4_pack is not None and g.source == src and not g.fp4_rows
@@ -577,15 +574,16 @@ def test_plugin_load_hook_hands_the_loaded_model_to_the_method(monkeypatch):
 
     from moetplan.runtime import plugin
 
-    assert plugin.install_load_hook() and plugin.install_load_hook()  # idempotent
-    hooked = BaseModelLoader.load_model
-    assert hooked._moetplan_hook
+    assert plugin.install_load_hook() and plugin.install_load_hook()  # idempotent on vLLM's loader
+    assert BaseModelLoader.load_model._moetplan_hook and not hasattr(BaseModelLoader.load_model.__wrapped__,
+                                                                     "_moetplan_hook")
+
+    class Loader:
+        def load_model(self, vllm_config, model_config, prefix=""):
+            return ("model", vllm_config, prefix)
+
     seen = []
     monkeypatch.setattr(vm, "after_model_loaded", lambda model, cfg: seen.append((model, cfg)) or "wrapped")
-    orig = hooked.__wrapped__
-    monkeypatch.setattr(hooked, "__wrapped__", orig)
-    # call the hook with the original replaced by a stand-in through the closure's cell
-    cell = [c for c in hooked.__closure__ if c.cell_contents is orig][0]
-    monkeypatch.setattr(cell, "cell_contents", lambda self, vc, mc, *a, **k: ("model", vc))
-    assert hooked(None, "vcfg", "mcfg") == "wrapped"
-    assert seen == [(("model", "vcfg"), "vcfg")]
+    assert plugin.install_load_hook(Loader) and plugin.install_load_hook(Loader)
+    assert Loader().load_model("vcfg", "mcfg", prefix="p") == "wrapped"
+    assert seen == [(("model", "vcfg", "p"), "vcfg")]

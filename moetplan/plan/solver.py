@@ -154,6 +154,13 @@ def _context_options(model: ModelSpec, goals: Goals, pins: dict[str, Any]) -> li
     return sorted(set([lo] + grid))
 
 
+def _default_pack_dir() -> str:
+    """Packs are the quantization cache for every tier; without a probed/given pack dir, the user cache dir."""
+    from moetplan.hw.storage import default_pack_dir
+
+    return str(default_pack_dir())
+
+
 def goal_context(goals: Goals, model: ModelSpec) -> int:
     if goals.context:
         return min(goals.context, model.max_position_embeddings)
@@ -176,7 +183,7 @@ def size_placement(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: di
         mtp_acceptance=pins.get("mtp_acceptance", model.mtp_accept(mtp)),
         max_num_seqs=seqs, concurrency=conc, gpu_memory_utilization=util,
         max_num_batched_tokens=pins.get("max_num_batched_tokens", max(8192, min(context, 16384))),
-        pack_dir=goals.pack_dir or hw.storage.path,
+        pack_dir=goals.pack_dir or hw.storage.path or _default_pack_dir(),
         gate=Gate(enabled=bool(gate_tau), tau=gate_tau or 0.5),
     )
     budget = vram * util

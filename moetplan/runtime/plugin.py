@@ -21,14 +21,16 @@ log = logging.getLogger("moetplan.runtime")
 _DONE = False
 
 
-def install_load_hook() -> bool:
-    """Wrap vLLM's BaseModelLoader.load_model once (idempotent); False when this vLLM has no such method."""
-    try:
-        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-    except ImportError:  # pragma: no cover - another vLLM layout: the gate is then not installed (logged)
-        log.warning("moetplan: vLLM has no BaseModelLoader; the confidence gate cannot be installed")
-        return False
-    orig = BaseModelLoader.load_model
+def install_load_hook(loader_cls: Any = None) -> bool:
+    """Wrap vLLM's BaseModelLoader.load_model (or `loader_cls.load_model`) once (idempotent); False when this vLLM
+    has no such method."""
+    if loader_cls is None:
+        try:
+            from vllm.model_executor.model_loader.base_loader import BaseModelLoader as loader_cls
+        except ImportError:  # pragma: no cover - another vLLM layout: the gate is then not installed (logged)
+            log.warning("moetplan: vLLM has no BaseModelLoader; the confidence gate cannot be installed")
+            return False
+    orig = loader_cls.load_model
     if getattr(orig, "_moetplan_hook", False):
         return True
 
@@ -40,7 +42,7 @@ def install_load_hook() -> bool:
         return after_model_loaded(model, vllm_config)
 
     load_model._moetplan_hook = True  # type: ignore[attr-defined]
-    BaseModelLoader.load_model = load_model  # type: ignore[method-assign]
+    loader_cls.load_model = load_model
     return True
 
 
