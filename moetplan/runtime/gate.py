@@ -38,9 +38,14 @@ class GateCounters:
     capped: int = 0  # fires whose promotions hit max_promotions_per_step
     skipped: int = 0  # steps the gate could not judge (mixed prefill / speculative verify batches)
 
+    @property
+    def judged(self) -> int:
+        """Steps the gate judged (decode steps): skipped ones (prefill, mixed, speculative verify) excluded."""
+        return self.steps - self.skipped
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["fire_share"] = self.fires / self.steps if self.steps else None
+        d["fire_share"] = self.fires / self.judged if self.judged else None
         return d
 
 
@@ -63,6 +68,7 @@ class GateController:
         self.c = GateCounters()
         self._routes: dict[int, list[torch.Tensor]] = {}
         self._recording = True
+        self.recomputing = False  # True while the second forward of a fired step runs (runtime stats skip it)
 
     @classmethod
     def from_plan(cls, plan: Any, reserve: Any = None) -> "GateController":
@@ -126,7 +132,9 @@ class GateController:
         self._recording = True
         res = self.reserve
         if res is not None:
-            res.begin_step()
+            # keep_routes: the first pass already ran and the reserve inferred its step from observe(): adopt it
+            # (ending it here would count the step twice and decay the heat twice per step)
+            res.begin_step(adopt=keep_routes)
         try:
             logits = forward()
             self.c.steps += 1
@@ -156,12 +164,14 @@ class GateController:
             if not promoted:  # everything was at FP4 already: a recompute would give the same logits
                 return logits
             self._recording = False
+            self.recomputing = True
             with res.heat_paused():
                 logits = forward()
             self.c.recomputes += 1
             return logits
         finally:
             self._recording = True
+            self.recomputing = False
             if res is not None:
                 res.end_step()
 
@@ -182,13 +192,15 @@ def run_record_kpis(controller: GateController | None, reserve: Any = None) -> d
     """The gate and reserve KPIs for RunRecord.runtime, in the Plan's vocabulary.
 
     `gate_fire_share` is the share of decode steps that were computed twice (what a fire costs; Prediction's
-    field of the same name); steps under tau that found every expert at FP4 already are not re-run.
+    field of the same name); steps under tau that found every expert at FP4 already are not re-run, and steps
+    the gate does not judge (prefill, mixed batches, speculative verify) are not decode steps of the share.
     """
     out: dict[str, Any] = {}
     if controller is not None:
         c = controller.counters()
         out["gate"] = c
-        out["gate_fire_share"] = c["recomputes"] / c["steps"] if c["steps"] else None
+        judged = c["steps"] - c["skipped"]
+        out["gate_fire_share"] = c["recomputes"] / judged if judged else None
     if reserve is not None:
         out["fp4_reserve"] = reserve.stats()
     return out
@@ -269,6 +281,8 @@ def wrap_vllm_model(model: torch.nn.Module, controller: GateController,
         args, kwargs, ctx = state.pop("args", ()), state.pop("kwargs", {}), state.pop("ctx", None)
         if logits is None or not controller.enabled or hidden is None:
             return logits
+        if ctx is not None and getattr(ctx, "attn_metadata", True) is None:
+            return logits  # vLLM's profile / dummy run: not traffic, not judged, not counted
         rows = _logits_rows(hidden, hidden_states)
         if rows is None or controller.spec_tokens > 0:
             controller.skip_step()

@@ -39,6 +39,7 @@ class RuntimeStats:
     decode_batch_tokens: int = 1
     moe_calls: int = 0
     warmup_calls: int = 0
+    recompute_calls: int = 0  # MoE calls of the confidence gate's second pass of a step (not new steps or tokens)
     tokens: int = 0  # tokens through the first MoE layer (= tokens processed by the model)
     routings: int = 0  # (token, expert) pairs over all layers
     steps: int = 0
@@ -56,10 +57,15 @@ class RuntimeStats:
     _last_step_tokens: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def on_call(self, first_layer: bool, n_tokens: int, n_routings: int, warmup: bool, seconds: float) -> None:
+    def on_call(self, first_layer: bool, n_tokens: int, n_routings: int, warmup: bool, seconds: float,
+                recompute: bool = False) -> None:
         with self._lock:
             if warmup:
                 self.warmup_calls += 1
+                return
+            if recompute:  # the step's time includes it (gap between first layers); its tokens were counted
+                self.recompute_calls += 1
+                self.moe_s += seconds
                 return
             self.moe_calls += 1
             self.routings += n_routings
@@ -91,6 +97,7 @@ class RuntimeStats:
             d: dict[str, Any] = {
                 "moe_calls": self.moe_calls,
                 "warmup_moe_calls": self.warmup_calls,
+                "gate_recompute_moe_calls": self.recompute_calls,
                 "moe_layers": self.layers,
                 "steps": self.steps,
                 "tokens": self.tokens,

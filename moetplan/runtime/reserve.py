@@ -212,9 +212,15 @@ class FP4Reserve:
             self.score /= self._inc
             self._inc = 1.0
 
-    def begin_step(self) -> None:
-        """Open a step explicitly (observe() then stops inferring boundaries until end_step())."""
+    def begin_step(self, adopt: bool = False) -> None:
+        """Open a step explicitly (observe() then stops inferring boundaries until end_step()).
+
+        `adopt`: a step that observe() opened implicitly is this step (its first pass already ran): keep it open
+        and make it explicit instead of ending it and starting another."""
         with self._lock:
+            if adopt and self._open and not self._explicit:
+                self._explicit = True
+                return
             if self._open:
                 self._end_locked()
             self._begin_locked()

@@ -212,7 +212,7 @@ def _record_version() -> tuple[Any, ...]:
     after its MoE calls, and the background promoter works between steps)."""
     st = stats()
     g, r = _GATE_STATE.controller, _GATE_STATE.reserve
-    return (st.moe_calls, st.warmup_calls, st.layers, g.c.steps if g is not None else None,
+    return (st.moe_calls, st.warmup_calls, st.recompute_calls, st.layers, g.c.steps if g is not None else None,
             (r.c.promotions, r.c.gate_promotions, r.c.routings) if r is not None else None)
 
 
@@ -370,8 +370,10 @@ def _run_layer(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
     st = _LAYERS[key]
     t0 = time.perf_counter()
     warmup = _is_warmup()
+    ctrl = _GATE_STATE.controller
     out = st.forward(x, topk_weights, topk_ids, warmup)
-    stats().on_call(st.first, int(x.shape[0]), int(topk_ids.numel()), warmup, time.perf_counter() - t0)
+    stats().on_call(st.first, int(x.shape[0]), int(topk_ids.numel()), warmup, time.perf_counter() - t0,
+                    recompute=ctrl is not None and ctrl.recomputing)
     w = writer()
     if w is not None:
         w.maybe_write()
