@@ -523,6 +523,7 @@ __global__ void combine_kernel(const float* partial, const float* w, T* out, int
 }
 
 #include "moe_decode.cuh"
+#include "moe_rowdot.cuh"
 
 // ---------------------------------------------------------------------------------------------------------- host
 #define CHECK_CUDA_T(x, what) TORCH_CHECK((x).is_cuda(), what " must be a CUDA tensor")
@@ -783,6 +784,125 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
   else launch_gemv<false, true>(a, max_units, stream, pdl);
 }
 
+template <bool W13, int NP, typename XT>
+void launch_rowdot(const RowdotArgs& a, int max_units, cudaStream_t stream, bool pdl) {
+  static int per_sm = -1, sms = 0;  // occupancy of this instantiation (one device type per process)
+  if (per_sm < 0) {
+    int dev = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, rowdot_stage_kernel<W13, NP, XT>,
+                                                                 32 * ROWDOT_WARPS, 0));
+    per_sm = std::max(per_sm, 1);
+  }
+  // Every warp gets the same number of units (to one): fewest warps that keep the per-warp count minimal.
+  const int64_t wmax = int64_t(per_sm) * sms * ROWDOT_WARPS;
+  const int64_t per = std::max<int64_t>(1, (max_units + wmax - 1) / wmax);
+  const int64_t warps = (max_units + per - 1) / per;
+  int blocks = int(std::max<int64_t>(1, (warps + ROWDOT_WARPS - 1) / ROWDOT_WARPS));
+  launch(rowdot_stage_kernel<W13, NP, XT>, dim3(blocks), dim3(32 * ROWDOT_WARPS), 0, stream, pdl, a);
+}
+
+// Lanes per row: the largest power of two <= min(32, K / 64), so that row groups are aligned lane groups.
+int rowdot_lpr(int64_t K) {
+  int lpr = 32;
+  while (lpr > 1 && int64_t(lpr) * 64 > K) lpr >>= 1;
+  return lpr;
+}
+
+int64_t rowdot_rows_per_unit(int64_t K) { return ROWDOT_R * 32 / rowdot_lpr(K); }
+
+// One "rowdot" decode stage (CUDA cores, 1-2 pairs per expert pass) over the 2-bit experts of a step.
+// w13: b = x [T, H] (float32 or bfloat16), writes act float32 [P, Ir] and zeroes `counter` when given;
+// w2: b = act, writes partial [P, H] (+ the fused combine into out when weights are given).
+void rowdot_stage(bool w13, int64_t np, torch::Tensor pool, torch::Tensor slot_of,
+                  c10::optional<torch::Tensor> fp4_slot_of, int64_t q_off, int64_t s_off, int64_t H, int64_t Ir,
+                  torch::Tensor topk_ids, int64_t topk, torch::Tensor b, c10::optional<torch::Tensor> act,
+                  c10::optional<torch::Tensor> partial, c10::optional<torch::Tensor> weights,
+                  c10::optional<torch::Tensor> out, c10::optional<torch::Tensor> counter, double limit,
+                  bool has_limit, torch::Tensor error_flag, bool pdl) {
+  CHECK_CUDA_T(pool, "pool");
+  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1 &&
+                  pool.stride(0) % 16 == 0, "pool must be uint8 [S, stride] with 16-byte aligned rows");
+  TORCH_CHECK(H % GEMV_CHUNK == 0 && Ir % GEMV_CHUNK == 0, "rowdot stages need H and Ir multiples of ",
+              GEMV_CHUNK);
+  TORCH_CHECK(np == 1 || np == 2, "rowdot: 1 or 2 pairs per pass");
+  TORCH_CHECK(slot_of.scalar_type() == torch::kInt32 && topk_ids.is_contiguous() &&
+                  (topk_ids.scalar_type() == torch::kInt64 || topk_ids.scalar_type() == torch::kInt32),
+              "slot_of int32, topk_ids contiguous int32/int64");
+  TORCH_CHECK(topk_ids.numel() <= GEMV_MAX_PAIRS, "rowdot stages take at most ", GEMV_MAX_PAIRS, " pairs");
+  TORCH_CHECK(b.is_contiguous() && b.data_ptr() != nullptr && reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0,
+              "B operand: contiguous, 16-byte aligned");
+  const at::cuda::CUDAGuard guard(pool.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  RowdotArgs a{};
+  a.pool = pool.data_ptr<uint8_t>();
+  a.stride = pool.stride(0);
+  a.slot_of = slot_of.data_ptr<int32_t>();
+  a.fp4_slot_of = fp4_slot_of.has_value() ? fp4_slot_of->data_ptr<int32_t>() : nullptr;
+  a.q_off = q_off; a.s_off = s_off;
+  a.K = int(w13 ? H : Ir);
+  a.Ir = int(Ir); a.H = int(H);
+  a.E = int(slot_of.numel());
+  a.topk_ids = topk_ids.data_ptr();
+  a.ids64 = topk_ids.scalar_type() == torch::kInt64 ? 1 : 0;
+  a.P = int(topk_ids.numel());
+  a.topk = int(topk);
+  a.b = b.data_ptr();
+  a.limit = float(limit);
+  a.has_limit = has_limit ? 1 : 0;
+  a.error_flag = error_flag.data_ptr<int>();
+  a.lpr = rowdot_lpr(a.K);
+  a.rows_per_unit = ROWDOT_R * 32 / a.lpr;
+  a.units_per_ep = w13 ? int(Ir / (a.rows_per_unit / 2)) : int(H / a.rows_per_unit);
+  if (counter.has_value()) {
+    TORCH_CHECK(counter->scalar_type() == torch::kInt32 && counter->is_contiguous(), "counter: int32");
+    a.counter = counter->data_ptr<int>();
+    a.n_counter = int(counter->numel());
+  }
+  if (w13) {
+    TORCH_CHECK(b.dim() == 2 && b.size(1) == H && (b.scalar_type() == torch::kFloat32 ||
+                b.scalar_type() == torch::kBFloat16), "w13 rowdot stage: x float32 or bfloat16 [T, H]");
+    TORCH_CHECK(act.has_value() && act->scalar_type() == torch::kFloat32 && act->is_contiguous() &&
+                    act->numel() >= int64_t(a.P) * Ir, "w13 rowdot stage needs act float32 [P, Ir]");
+    a.act = act->data_ptr<float>();
+  } else {
+    TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() >= int64_t(a.P) * Ir, "w2 rowdot: act f32 [P, Ir]");
+    TORCH_CHECK(partial.has_value() && partial->scalar_type() == torch::kFloat32, "w2 stage needs partial fp32");
+    a.partial = partial->data_ptr<float>();
+    if (weights.has_value()) {  // fused combine
+      TORCH_CHECK(out.has_value() && a.counter != nullptr && out->is_contiguous() &&
+                      weights->scalar_type() == torch::kFloat32 && weights->is_contiguous(),
+                  "fused combine: weights f32, out, counter int32");
+      TORCH_CHECK(out->numel() * a.topk == int64_t(a.P) * H &&
+                      a.n_counter >= out->size(0) * a.units_per_ep,
+                  "fused combine: out [T, H] and counter [T, H / rows_per_unit] for this step");
+      a.weights = weights->data_ptr<float>();
+      a.out = out->data_ptr();
+      switch (out->scalar_type()) {
+        case torch::kFloat32: a.out_kind = 0; break;
+        case torch::kBFloat16: a.out_kind = 1; break;
+        case torch::kFloat16: a.out_kind = 2; break;
+        default: TORCH_CHECK(false, "out dtype must be float32, bfloat16 or float16");
+      }
+    }
+  }
+  if (a.P == 0) return;
+  const int max_units = std::min(a.P, a.E + a.P / int(np)) * a.units_per_ep;  // passes <= both
+  const bool xf = b.scalar_type() == torch::kFloat32;
+  if (w13 && np == 1) {
+    if (xf) launch_rowdot<true, 1, float>(a, max_units, stream, pdl);
+    else launch_rowdot<true, 1, __nv_bfloat16>(a, max_units, stream, pdl);
+  } else if (w13) {
+    if (xf) launch_rowdot<true, 2, float>(a, max_units, stream, pdl);
+    else launch_rowdot<true, 2, __nv_bfloat16>(a, max_units, stream, pdl);
+  } else if (np == 1) {
+    launch_rowdot<false, 1, float>(a, max_units, stream, pdl);
+  } else {
+    launch_rowdot<false, 2, float>(a, max_units, stream, pdl);
+  }
+}
+
 void combine(torch::Tensor partial, torch::Tensor weights, torch::Tensor out, int64_t topk, bool pdl) {
   const int Tn = int(out.size(0)), H = int(out.size(1));
   const at::cuda::CUDAGuard guard(out.device());
@@ -824,5 +944,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("xprep", &moet::xprep, "x -> bf16 hi(/lo) planes in the decode stages' K pairing");
   m.def("gemv_stage", &moet::gemv_stage, "decode stage (few pairs per expert) over the 2-bit experts");
   m.def("gemv_max_pairs", &moet::gemv_max_pairs, "largest pair count of the decode stages");
-  m.attr("ABI_VERSION") = 2;
+  m.def("rowdot_stage", &moet::rowdot_stage, "decode stage on CUDA cores (1-2 pairs per expert pass)");
+  m.def("rowdot_rows_per_unit", &moet::rowdot_rows_per_unit, "rows per rowdot unit for contraction K");
+  m.attr("ABI_VERSION") = 3;
 }

@@ -86,9 +86,9 @@ def runs(tmp_path_factory):
     plans = {
         "plain": _plan_file(tmp, ckpt, "plain"),
         "reserve": _plan_file(tmp, ckpt, "reserve", fp4_reserve_slots=16, pack_dir=packs),
-        "gate": _plan_file(tmp, ckpt, "gate", gate=dict(enabled=True, tau=1.0), fp4_reserve_slots=32,
+        "gate": _plan_file(tmp, ckpt, "gate", gate={"enabled": True, "tau": 1.0}, fp4_reserve_slots=32,
                            pack_dir=packs),
-        "gate_never": _plan_file(tmp, ckpt, "gate_never", gate=dict(enabled=True, tau=0.0), fp4_reserve_slots=32,
+        "gate_never": _plan_file(tmp, ckpt, "gate_never", gate={"enabled": True, "tau": 0.0}, fp4_reserve_slots=32,
                                  pack_dir=packs),
     }
     m = str(ckpt)

@@ -137,6 +137,24 @@ def test_no_recompute_when_everything_is_fp4_already():
     assert m.calls == calls + 1 and g.c.fires == 2 and g.c.recomputes == 1
 
 
+def test_fire_share_counts_judged_steps_and_recompute_is_flagged():
+    r = make_reserve(8)
+    g = GateController(r, enabled=True, tau=0.9)
+    m = toy(t=1, scale=0.01, reserve=r, gate=g)
+    seen = []
+
+    def forward():
+        seen.append(g.recomputing)
+        return m.forward()
+
+    g.run_step(forward)
+    assert seen == [False, True] and not g.recomputing
+    g.skip_step()  # a prefill step: not a decode step of the share
+    k = run_record_kpis(g, r)
+    assert k["gate"]["steps"] == 2 and k["gate"]["skipped"] == 1
+    assert k["gate_fire_share"] == 1.0 and k["gate"]["fire_share"] == 1.0
+
+
 def test_bad_configuration_is_refused():
     with pytest.raises(ConfigError, match="no FP4 reserve"):
         GateController(None, enabled=True)
@@ -215,6 +233,14 @@ def test_wrap_vllm_model_recomputes_inside_the_saved_forward_context():
         hidden = model(input_ids=torch.zeros(2, dtype=torch.long))
     model.compute_logits(hidden[1:])
     assert g.c.skipped == 1
+    # vLLM's profile / dummy runs have no attention metadata: not judged, not counted
+    from types import SimpleNamespace
+
+    with override_forward_context(SimpleNamespace(attn_metadata=None)):
+        hidden = model(input_ids=torch.zeros(2, dtype=torch.long))
+    before = g.counters()
+    model.compute_logits(hidden[torch.arange(2)])
+    assert g.counters() == before
     with pytest.raises(UsageError, match="already"):
         wrap_vllm_model(model, g)
 

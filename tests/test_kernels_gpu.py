@@ -70,16 +70,17 @@ def _case(H, I, k, T, E=32, fmt_mix=False, dtype=torch.bfloat16, seed=0, limit=N
 SHAPES = [(4096, 2048), (6144, 1024), (7168, 2048), (7168, 512)]
 
 
-@pytest.fixture(params=["gemv", "mma"])
+@pytest.fixture(params=["rowdot", "gemv", "mma"])
 def decode_kernel(request, monkeypatch):
-    """Both decode paths: the streaming stages (default) and the first version's tiles (MOETPLAN_DECODE_KERNEL)."""
+    """Every decode path (MOETPLAN_DECODE_KERNEL): the CUDA-core rowdot stages, the mma.sync streaming stages and
+    the first version's tiles."""
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", request.param)
     return request.param
 
 
 @pytest.mark.parametrize("H,I", SHAPES)
 @pytest.mark.parametrize("k", [6, 8])
-@pytest.mark.parametrize("T", [1, 3, 8, 64])
+@pytest.mark.parametrize("T", [1, 2, 3, 8, 64])
 def test_decode_matches_reference(mod, decode_kernel, H, I, k, T):
     x, ids, w, pool, slot_of, lay, _ = _case(H, I, k, T, E=128 if T == 64 else 32, seed=H + I + k + T)
     got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
@@ -212,3 +213,36 @@ def test_gemv_and_mma_decode_agree(mod, monkeypatch):
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "mma")
     b = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
     assert _rel(a, b) < DECODE_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowdot_many_pairs_per_expert(mod, monkeypatch, dtype):
+    # Up to 8 pairs per expert: passes of 2 pairs each re-read the rows; still exact to float32 rounding.
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "rowdot")
+    x, ids, w, pool, slot_of, lay, _ = _case(4096, 1024, 8, 8, E=9, dtype=dtype, seed=21)
+    assert ops.use_rowdot(mod, ids.numel(), lay, 8)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    ref = ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
+    assert _rel(got.float(), ref) < (DECODE_TOL if dtype == torch.float32 else 8e-3)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("H,I", SHAPES + [(4096, 768)])  # Ir = 768: 12 lanes' worth of a row -> groups of 8
+def test_rowdot_and_gemv_decode_agree(mod, monkeypatch, T, H, I):
+    x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, dtype=torch.float32, seed=31 + T)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "rowdot")
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    b = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert _rel(a, b) < DECODE_TOL
+    # rowdot is fp32 end to end: against the float32 reference it is as close as float32 summation order allows.
+    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    assert _rel(a, ref) < 1e-5
+
+
+def test_default_decode_kernel_is_valid(mod, monkeypatch):
+    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
+    lay = RowLayout.for_expert(7168, 2048)
+    for T in (1, 2, 3, 8):
+        # Exactly one decode path per small step under the default selection.
+        assert ops.use_rowdot(mod, 8 * T, lay, T) != ops.use_gemv(mod, 8 * T, lay, T)

@@ -157,3 +157,19 @@ def test_serving_a_gpu_plan_on_a_machine_without_those_gpus_is_refused(tmp_path,
     assert res.exit_code == 2
     doc = json.loads(res.output.strip().splitlines()[-1])
     assert "this plan is for 2 GPU(s)" in doc["error"] and "--dry-run" in doc["error"]
+
+
+def test_gate_on_cuda_launches_eager() -> None:
+    """The confidence gate recomputes steps from Python: a CUDA launch with the gate on must be eager."""
+    from moetplan import hwdb
+    from moetplan.launch.command import build_launch
+    from moetplan.plan.schema import Goals
+    from moetplan.plan.solver import parse_set, solve
+
+    spec, hw = hwdb.model_spec("ds4-flash"), hwdb.box_profile("rtx-pro-6000x1")
+    gated = solve(spec, hw, Goals(pinned=parse_set(["gate_tau=0.3", "mtp=0"])))
+    assert gated.placement.gate.enabled and gated.placement.fp4_reserve_slots > 0
+    argv = build_launch(gated).argv
+    assert "--enforce-eager" in argv and "--compilation-config" not in argv
+    plain = build_launch(solve(spec, hw, Goals(pinned=parse_set(["mtp=0"])))).argv
+    assert "--enforce-eager" not in plain and "--compilation-config" in plain

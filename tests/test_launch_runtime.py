@@ -287,6 +287,17 @@ def test_stats_split_decode_and_prefill_steps_and_skip_idle_gaps(monkeypatch):
     assert snap["measured"]["decode_tok_s"] == pytest.approx(2 / 0.015, rel=1e-4)
 
 
+def test_gate_recompute_calls_are_not_new_steps_or_tokens():
+    st = records.RuntimeStats(decode_batch_tokens=1)
+    st.on_call(True, 1, 4, False, 0.001)
+    st.on_call(False, 1, 4, False, 0.001)
+    st.on_call(True, 1, 4, False, 0.002, recompute=True)  # the gate's second pass of the same step
+    st.on_call(False, 1, 4, False, 0.002, recompute=True)
+    snap = st.snapshot()["runtime"]
+    assert snap["steps"] == 1 and snap["tokens"] == 1 and snap["routings"] == 8 and snap["moe_calls"] == 2
+    assert snap["gate_recompute_moe_calls"] == 2 and st.moe_s == pytest.approx(0.006)
+
+
 def test_run_record_is_written_next_to_the_plan_and_loads(tmp_path):
     plan = _plan()
     path = records.run_record_path(tmp_path / "plan.json")
@@ -477,6 +488,21 @@ def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_pa
     kp = vm._reserve_kpis()
     assert kp["fp4_reserve"]["gate_promotions"] == 1 and kp["fp4_reserve"]["slots"] == 4
     assert "gate" not in kp  # no controller installed
+
+
+def test_reserve_is_built_once_a_later_drafter_layer_does_not_replace_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(vm.PROMOTER_ENV, "gate")
+    _load_through_method(vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=4)), monkeypatch, tmp_path)
+    res = vm._GATE_STATE.reserve
+    moe = SimpleNamespace(moe_parallel_config=SimpleNamespace(use_ep=False, tp_size=1), is_act_and_mul=True,
+                          has_bias=False)
+    m, layer = vm.method_for(moe), _FakeMoELayer("drafter.layers.0.mlp.experts")  # e.g. an MTP drafter's MoE
+    m.create_weights(layer, 8, 64, 32, torch.float32)
+    layer.w13_weight.data.copy_(_experts()[0])
+    layer.w2_weight.data.copy_(_experts()[1])
+    m.process_weights_after_loading(layer)
+    assert vm._GATE_STATE.reserve is res and not vm._GATE_STATE.fp4_rows and len(vm._LAYERS) == 3
+    assert vm._LAYERS[2].fp4_args(torch.tensor([[0, 1]])) == {}  # outside the reserve: 2-bit only
 
 
 def test_reserve_rows_go_to_an_fp4_pack_and_the_next_boot_reads_them(tmp_path, monkeypatch):

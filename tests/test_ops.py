@@ -608,3 +608,106 @@ def test_kernel_shape_rule():
     assert ops.kernel_supports(RowLayout.for_expert(7168, 2048, tp=4), _Cuda())
     assert not ops.kernel_supports(RowLayout.for_expert(224, 96), _Cuda())  # 56-byte code rows
     assert ops.kernel_supports(RowLayout.for_expert(224, 96, fmt="fp4"), _Cuda())
+
+
+class _FakeRowdotExtension(_FakeGemvExtension):
+    """Adds the CUDA-core rowdot stages (rowdot_stage) with their buffer contract, on the CPU."""
+
+    def rowdot_rows_per_unit(self, K: int) -> int:
+        lpr = 32
+        while lpr > 1 and lpr * 64 > K:
+            lpr //= 2
+        return 4 * 32 // lpr
+
+    def rowdot_stage(self, w13, np_, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk, b, act, partial,
+                     weights, out, counter, limit, has_limit, flag, pdl):
+        self.calls.append(f"rowdot{'13' if w13 else '2'}/{np_}")
+        assert np_ in (1, 2)
+        if w13:
+            assert b.dtype in (torch.float32, torch.bfloat16) and b.shape[1] == H  # x read directly
+            assert act.dtype == torch.float32 and tuple(act.shape) == (ids.numel(), Ir)
+            if counter is not None:
+                assert counter.dtype == torch.int32 and counter.shape[1] == H // self.rowdot_rows_per_unit(Ir)
+                counter.zero_()
+        src = b.float()
+        N, K = (2 * Ir, H) if w13 else (H, Ir)
+        for p in range(ids.numel()):
+            e = int(ids[p])
+            if fp4_slot_of is not None and int(fp4_slot_of[e]) >= 0:
+                continue
+            slot = int(slot_of[e])
+            if slot < 0:
+                flag[0] = e + 1
+                continue
+            row = pool[slot]
+            W = ops.dequantize_rows(row[q_off:q_off + N * K // 4].view(N, K // 4),
+                                    row[s_off:s_off + N * K // 32].view(N, K // 32), "2bit")
+            if w13:
+                h = W @ src[p // topk]
+                gate, up = h[:Ir], h[Ir:]
+                if has_limit:
+                    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                act[p] = torch.nn.functional.silu(gate) * up
+            else:
+                partial[p] = W @ src[p]
+        if weights is not None:
+            assert fp4_slot_of is None and not w13 and counter is not None
+            T = out.shape[0]
+            out.copy_((partial.view(T, topk, H) * weights.unsqueeze(-1)).sum(1))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp4", [False, True])
+@pytest.mark.parametrize("T", [1, 2])
+def test_rowdot_decode_plumbing_with_stand_in_extension(x_dtype, fp4, T, monkeypatch):
+    H, I, E, k = 256, 256, 16, 4
+    lay2 = RowLayout.for_expert(H, I, fmt="2bit")
+    lay4 = RowLayout.for_expert(H, I, fmt="fp4")
+    pool = _pool(lay2, E, seed=1)
+    extra = {}
+    if fp4:
+        f4 = torch.full((E,), -1, dtype=torch.int32)
+        f4[torch.tensor([1, 5, 9])] = torch.tensor([0, 1, 2], dtype=torch.int32)
+        extra = {"fp4_pool": _pool(lay4, 3, seed=2), "fp4_slot_of": f4, "fp4_layout": lay4}
+    ids, w = _routing(T, k, E, seed=5)
+    x = (torch.randn(T, H, generator=_rng(3)) * 0.3).to(x_dtype)
+    fake = _FakeRowdotExtension()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "rowdot")
+    got = ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, extra.get("fp4_pool"),
+                        extra.get("fp4_slot_of"), extra.get("fp4_layout"), None, None)
+    ref = ops.moe_forward_reference(x, ids, w, pool, torch.arange(E), lay2, **extra)
+    np_ = 1 if T == 1 else 2
+    assert fake.calls[:2] == [f"rowdot13/{np_}", f"rowdot2/{np_}"]
+    assert "xprep" not in fake.calls and "gemv13" not in fake.calls
+    assert ("stage13s" in fake.calls) == fp4
+    assert ("combine" in fake.calls) == fp4
+    # fp32 intermediate and fp32 x: the only rounding left is the output dtype's.
+    tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}[x_dtype]
+    assert _rel(got.float(), ref.float()) < tol
+
+
+def test_decode_kernel_selection(monkeypatch):
+    fake = _FakeRowdotExtension()
+    lay = RowLayout.for_expert(4096, 2048)
+    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
+    assert ops.decode_kernel() == "auto"
+    # auto: rowdot only up to ROWDOT_MAX_TOKENS tokens, gemv above; exactly one of them per step.
+    monkeypatch.setattr(ops, "ROWDOT_MAX_TOKENS", 2)
+    assert ops.use_rowdot(fake, 12, lay, 2) and not ops.use_gemv(fake, 12, lay, 2)
+    assert not ops.use_rowdot(fake, 24, lay, 3) and ops.use_gemv(fake, 24, lay, 3)
+    monkeypatch.setattr(ops, "ROWDOT_MAX_TOKENS", 0)
+    assert not ops.use_rowdot(fake, 6, lay, 1) and ops.use_gemv(fake, 6, lay, 1)
+    # Forced choices, shape limits and builds without the stage.
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "rowdot")
+    assert ops.use_rowdot(fake, 64, lay, 8) and not ops.use_gemv(fake, 64, lay, 8)
+    assert not ops.use_rowdot(fake, 65, lay, 9)
+    assert not ops.use_rowdot(fake, 8, RowLayout.for_expert(4096 + 64, 2048), 1)
+    assert not ops.use_rowdot(_FakeGemvExtension(), 8, lay, 1)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    assert not ops.use_rowdot(fake, 6, lay, 1) and ops.use_gemv(fake, 6, lay, 1)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "mma")
+    assert not ops.use_rowdot(fake, 6, lay, 1) and not ops.use_gemv(fake, 6, lay, 1)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "bogus")
+    with pytest.raises(UsageError, match="auto"):
+        ops.decode_kernel()

@@ -297,6 +297,22 @@ def test_reserve_from_plan_and_fp4_routing_share():
         FP4Reserve(source(), 2, layout=LAY4, decay=0.0)
 
 
+def test_begin_step_can_adopt_the_step_observe_opened():
+    """The gate judges a step after its first pass: adopting the inferred step counts it (and decays heat) once."""
+    r = FP4Reserve(source(), 2, layout=LAY4, background=False, decay=0.5)
+    ids = torch.tensor([[1, 2]])
+    r.observe(0, ids)  # first pass of a step: opened implicitly
+    r.begin_step(adopt=True)
+    r.observe(0, ids)  # the recompute: explicit step, no new boundary inferred
+    r.end_step()
+    assert r.stats()["steps"] == 1
+    assert r.heat()[0, 1] == pytest.approx(2 * 0.5)  # two observations, one decay tick
+    r.observe(0, ids)
+    r.begin_step()  # without adopt: the open step ends, a new one starts
+    r.end_step()
+    assert r.stats()["steps"] == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_reserve_on_gpu_background_and_gate_paths():

@@ -131,8 +131,13 @@ def build_launch(
         spec = speculative_config(plan)
         if spec:
             argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
-        comp = {"cudagraph_mode": "PIECEWISE", "splitting_ops": _attention_split_ops() + list(_MOE_SPLIT_OPS)}
-        argv += ["--compilation-config", json.dumps(comp, separators=(",", ":"))]
+        if p.gate.enabled:
+            # The confidence gate re-runs a step's forward from Python after the logits: no CUDA graphs.
+            argv += ["--enforce-eager"]
+        else:
+            comp = {"cudagraph_mode": "PIECEWISE",
+                    "splitting_ops": _attention_split_ops() + list(_MOE_SPLIT_OPS)}
+            argv += ["--compilation-config", json.dumps(comp, separators=(",", ":"))]
         if p.tp * p.pp > 1 and not plan.hardware.p2p:
             env["NCCL_P2P_DISABLE"] = "1"
         if p.expert_tier != "resident":

@@ -19,6 +19,7 @@ COMPARED_METRICS: tuple[tuple[str, str], ...] = (
     ("token_hit_rate", "share"),
     ("zero_miss_step_share", "share"),
     ("misses_per_step", "experts"),
+    ("gate_fire_share", "share"),
 )
 
 

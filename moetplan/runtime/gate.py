@@ -74,8 +74,9 @@ class GateController:
     def from_plan(cls, plan: Any, reserve: Any = None) -> "GateController":
         """The gate the Plan configured (placement.gate; MTP depth decides the speculative-decoding limit)."""
         g = plan.placement.gate
-        return cls(reserve, enabled=bool(g.enabled), tau=float(g.tau), max_promotions_per_step=g.max_promotions_per_step,
-                   degraded=bool(g.degraded), spec_tokens=int(plan.placement.mtp))
+        return cls(reserve, enabled=bool(g.enabled), tau=float(g.tau),
+                   max_promotions_per_step=g.max_promotions_per_step, degraded=bool(g.degraded),
+                   spec_tokens=int(plan.placement.mtp))
 
     # ------------------------------------------------------------------ recording (called by MoE layers)
 

@@ -28,7 +28,10 @@ PREFILL_PAIRS_PER_EXPERT = 8
 PARTIAL_BYTES_CAP = 1 << 30
 # The streaming decode stages (csrc/moe_decode.cuh) read code rows in 256-weight chunks per quad of threads.
 GEMV_ALIGN = 256
-DECODE_KERNELS = ("gemv", "mma")
+DECODE_KERNELS = ("auto", "rowdot", "gemv", "mma")
+# "auto": the CUDA-core rowdot stages for steps of at most this many tokens (1-2 pairs per expert), the gemv stages
+# above it. Set from the H200 run of bench/kernels.py (docs/KERNELS.md); 0 keeps gemv everywhere.
+ROWDOT_MAX_TOKENS = 0
 
 
 class ResidencyError(MoetplanError):
@@ -211,20 +214,39 @@ def _check_residency() -> bool:
 
 
 def decode_kernel() -> str:
-    """Which decode path small steps take: 'gemv' (streaming stages, csrc/moe_decode.cuh; the default) or 'mma'
-    (the first version's scan-mode tiles), from MOETPLAN_DECODE_KERNEL."""
-    v = os.environ.get("MOETPLAN_DECODE_KERNEL", "gemv").strip().lower() or "gemv"
+    """Which decode path small steps take, from MOETPLAN_DECODE_KERNEL: 'auto' (the default: rowdot for steps of
+    <= ROWDOT_MAX_TOKENS tokens, else gemv), 'rowdot' (CUDA-core row streaming, csrc/moe_rowdot.cuh), 'gemv'
+    (mma.sync streaming stages, csrc/moe_decode.cuh) or 'mma' (the first version's scan-mode tiles)."""
+    v = os.environ.get("MOETPLAN_DECODE_KERNEL", "auto").strip().lower() or "auto"
     if v not in DECODE_KERNELS:
         raise UsageError(f"MOETPLAN_DECODE_KERNEL={v!r} is not one of {', '.join(DECODE_KERNELS)}; unset it for "
-                         "the default (gemv)")
+                         "the default (auto)")
     return v
 
 
-def use_gemv(mod, P: int, layout: RowLayout) -> bool:
-    """The streaming decode stages take a step when it has few pairs (<= the extension's gemv_max_pairs) and the
-    2-bit rows split into whole 256-weight chunks (H and Ir multiples of 256: every target model)."""
-    return (hasattr(mod, "gemv_stage") and decode_kernel() == "gemv" and P <= mod.gemv_max_pairs()
+def _decode_shape_ok(mod, P: int, layout: RowLayout, fn: str) -> bool:
+    return (hasattr(mod, fn) and P <= mod.gemv_max_pairs()
             and layout.hidden % GEMV_ALIGN == 0 and layout.inter_per_rank % GEMV_ALIGN == 0)
+
+
+def use_rowdot(mod, P: int, layout: RowLayout, T: int | None = None) -> bool:
+    """The rowdot stages take a step when asked for (MOETPLAN_DECODE_KERNEL=rowdot), or under 'auto' when it has
+    at most ROWDOT_MAX_TOKENS tokens; same shape rules as the gemv stages (<= 64 pairs, H and Ir multiples of
+    256)."""
+    dk = decode_kernel()
+    if dk == "auto":
+        want = T is not None and T <= ROWDOT_MAX_TOKENS
+    else:
+        want = dk == "rowdot"
+    return want and _decode_shape_ok(mod, P, layout, "rowdot_stage")
+
+
+def use_gemv(mod, P: int, layout: RowLayout, T: int | None = None) -> bool:
+    """The streaming decode stages take a step when it has few pairs (<= the extension's gemv_max_pairs) and the
+    2-bit rows split into whole 256-weight chunks (H and Ir multiples of 256: every target model), unless the
+    rowdot stages take it."""
+    return (decode_kernel() in ("auto", "gemv") and not use_rowdot(mod, P, layout, T)
+            and _decode_shape_ok(mod, P, layout, "gemv_stage"))
 
 
 def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of, fp4_layout,
@@ -262,7 +284,26 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
         partial = torch.empty(P, H, dtype=torch.float32, device=dev)
         xs = x[t0:t1] if x.dtype != torch.float16 else x[t0:t1].float()  # the kernels take bf16 or fp32 x
         todo = fmts
-        if not routed and use_gemv(mod, P, layout):
+        act = None
+        if not routed and use_rowdot(mod, P, layout, t1 - t0):
+            # 2-bit experts on CUDA cores: w13 (+SiLU) reads x directly and writes an fp32 intermediate; w2 writes
+            # partial rows and, without FP4 experts, does the weighted per-token sum. 1 pair per pass for one
+            # token (every expert has one pair), else 2.
+            np_ = 1 if t1 - t0 == 1 else 2
+            fused = fp4_pool is None
+            xr = xs if xs.dtype in (torch.float32, torch.bfloat16) else xs.float()
+            act = torch.empty(P, ir, dtype=torch.float32, device=dev)
+            counter = (torch.empty(t1 - t0, H // mod.rowdot_rows_per_unit(ir), dtype=torch.int32, device=dev)
+                       if fused else None)
+            mod.rowdot_stage(True, np_, pool, slot32, f4slot32, layout.w13_q_off, layout.w13_s_off, H, ir, ids, k,
+                             xr, act, None, None, None, counter, lim, swiglu_limit is not None, flag, pdl)
+            mod.rowdot_stage(False, np_, pool, slot32, f4slot32, layout.w2_q_off, layout.w2_s_off, H, ir, ids, k,
+                             act, None, partial, weights[t0:t1] if fused else None,
+                             out[t0:t1] if fused else None, counter, lim, swiglu_limit is not None, flag, pdl)
+            if fused:
+                continue
+            todo = fmts[1:]
+        elif not routed and use_gemv(mod, P, layout, t1 - t0):
             # 2-bit experts: x -> bf16 planes in the stages' K pairing, w13 (+SiLU) -> bf16 hi/lo intermediate,
             # w2 -> partial rows. FP4-resident experts (if any) still take the tiles below.
             # Without FP4 experts the w2 stage also does the weighted per-token sum (one launch less per layer).
@@ -280,7 +321,8 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             if fused:
                 continue
             todo = fmts[1:]
-        act = torch.empty(P, ir, dtype=torch.float32, device=dev) if todo else None
+        if todo and act is None:
+            act = torch.empty(P, ir, dtype=torch.float32, device=dev)
         for f, pl, so, lay in todo:
             code = 0 if lay.fmt == "2bit" else 1
             if routed:

@@ -26,7 +26,9 @@ def install_load_hook(loader_cls: Any = None) -> bool:
     has no such method."""
     if loader_cls is None:
         try:
-            from vllm.model_executor.model_loader.base_loader import BaseModelLoader as loader_cls
+            from vllm.model_executor.model_loader.base_loader import (
+                BaseModelLoader as loader_cls,
+            )
         except ImportError:  # pragma: no cover - another vLLM layout: the gate is then not installed (logged)
             log.warning("moetplan: vLLM has no BaseModelLoader; the confidence gate cannot be installed")
             return False

@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
-from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import (
+    FusedMoEMethodBase,
+)
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
@@ -357,7 +359,10 @@ _MOE_COUNTER = [0]
 def _is_warmup() -> bool:
     """True inside vLLM's profile/dummy runs (no attention metadata): not user traffic, not counted."""
     try:
-        from vllm.forward_context import get_forward_context, is_forward_context_available
+        from vllm.forward_context import (
+            get_forward_context,
+            is_forward_context_available,
+        )
 
         if not is_forward_context_available():
             return True
@@ -551,7 +556,8 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
             )
             layer.register_parameter("w2_weight", w2)
             set_weight_attrs(w2, extra_weight_attrs)
-        fp4_needs_weights = self.fp4_layout is not None and not _fp4_pack_covers(self.key)
+        fp4_needs_weights = (self.fp4_layout is not None and not _fp4_pack_covers(self.key)
+                             and not _GATE_STATE.built)
         if self.pack is not None and not fp4_needs_weights:
             # A valid pack holds this layer's rows: the checkpoint's experts are never materialised (an NVFP4
             # GLM-5.2 would not fit in VRAM); their tensors stream past a loader that drops them. (Unless the FP4
@@ -621,8 +627,12 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
             log.info("moetplan: the plan's FP4 reserve (and gate) do not apply to unquantized experts: "
                      "every expert is computed at the checkpoint's precision already")
             _GATE_STATE.note = "not applicable: experts unquantized"
-        if s.expert_format == "2bit" and reserve_wanted(s) and len(_LAYERS) == _MOE_COUNTER[0]:
-            _build_reserve(s, device)  # the last MoE layer of this worker: the reserve spans them all
+        if (s.expert_format == "2bit" and reserve_wanted(s) and not _GATE_STATE.built
+                and len(_LAYERS) == _MOE_COUNTER[0]):
+            # the last MoE layer of this worker: the reserve spans them all (built once: a speculative drafter's
+            # MoE layers, loaded later, are not in it)
+            _GATE_STATE.built = True
+            _build_reserve(s, device)
         stats().layers = len(_LAYERS)
         stats().load_s += time.perf_counter() - t0
         log.info(
@@ -706,7 +716,10 @@ class MoetplanConfig(QuantizationConfig):
 
     def get_quant_method(self, layer, prefix):
         from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.linear import (
+            LinearBase,
+            UnquantizedLinearMethod,
+        )
 
         if isinstance(layer, RoutedExperts):
             source = self.inner.get_quant_method(layer, prefix) if self.inner is not None else None
@@ -733,7 +746,10 @@ class MoetplanConfig(QuantizationConfig):
 
 def register_method() -> type:
     """Register the config class under "moetplan" (idempotent: re-registering the same class is a no-op)."""
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+    from vllm.model_executor.layers.quantization import (
+        QUANTIZATION_METHODS,
+        get_quantization_config,
+    )
 
     if METHOD_NAME not in QUANTIZATION_METHODS or get_quantization_config(METHOD_NAME) is not MoetplanConfig:
         register_quantization_config(METHOD_NAME)(MoetplanConfig)
@@ -786,7 +802,11 @@ class TieredExperts:
     def _build(self) -> Any:
         import numpy as np
 
-        from moetplan.runtime.backing import ArrayRowSource, PackArenaStore, PinnedHostStore
+        from moetplan.runtime.backing import (
+            ArrayRowSource,
+            PackArenaStore,
+            PinnedHostStore,
+        )
         from moetplan.runtime.store import ExpertStore
 
         L = len(self.rows)
@@ -945,6 +965,7 @@ class GateState:
     fp4_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [E, fp4 stride], until built
     fp4_pack: Any = None
     fp4_pack_checked: bool = False
+    built: bool = False  # the reserve was built (or found impossible) once all MoE layers had loaded
     source: str = ""
     note: str = ""  # why the reserve is absent although the plan asked for one
     gate_note: str = ""  # why the gate is not installed although the plan enabled it
@@ -1006,7 +1027,7 @@ def _fp4_pack_covers(moe_index: int) -> bool:
 def _collect_fp4_rows(key: int, src: ExpertSource | None, fp4_layout: Any, num_experts: int) -> None:
     """Quantize this layer's experts to FP4 reserve rows while the checkpoint's weights are still loaded (they are
     freed right after); skipped when the FP4 pack already holds them."""
-    if _fp4_pack_covers(key):
+    if _fp4_pack_covers(key) or _GATE_STATE.built:
         return
     if src is None:
         return  # no weights and no pack: _build_reserve says so
