@@ -5,10 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 from typer.testing import CliRunner
@@ -16,11 +12,7 @@ from typer.testing import CliRunner
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from served import free_port, start_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -30,25 +22,10 @@ def server(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     env = {**os.environ, "MOETPLAN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
-    port = _port()
-    proc = subprocess.Popen([sys.executable, "-m", "moetplan.cli", "run", "--model", "tiny-moe", "--port", str(port),
-                             "--json", "--run-dir", str(run_dir), "--timeout", "400"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ready, events, deadline = None, [], time.monotonic() + 480
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("{"):
-            ev = json.loads(line)
-            events.append(ev)
-            if ev["event"] == "ready":
-                ready = ev
-                break
-            if ev["event"] in ("failed", "error", "exited"):
-                break
+    port = free_port()
+    proc, ready, events = start_run(["--model", "tiny-moe", "--port", str(port), "--run-dir", str(run_dir),
+                                     "--timeout", "400"], env)
     if ready is None:
-        proc.kill()
         pytest.fail(f"server did not come up: {events[-3:]}")
     yield {"url": f"http://127.0.0.1:{port}", "model": ready["model"], "plan": str(run_dir / "plan.json"),
            "env": env}

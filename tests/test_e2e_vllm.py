@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,8 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
+
+from served import free_port, start_run  # noqa: E402
 
 PROMPT = "hello world, the model"
 MAX_TOKENS = 12
@@ -56,12 +57,6 @@ OFFLINE = textwrap.dedent('''
         res = {name: generate(*args) for name, args in jobs.items()}
         print("RESULT " + json.dumps(res), flush=True)
 ''')
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -97,28 +92,11 @@ def _plan_file(tmp: Path, ckpt: Path, fmt: str, tag: str = "", **placement) -> s
 def served(env, checkpoints, tmp_path_factory):
     """`moetplan run --model tiny-moe --experts unquantized` in fp32, as a user would start it."""
     run_dir = tmp_path_factory.mktemp("run")
-    port = _port()
-    cmd = [sys.executable, "-m", "moetplan.cli", "run", "--model", "tiny-moe", "--experts", "unquantized",
-           "--port", str(port), "--json", "--run-dir", str(run_dir), "--timeout", "400",
-           "--", "--dtype", "float32", "--seed", "0"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    events: list[dict] = []
-    ready = None
-    deadline = time.monotonic() + 480
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("{"):
-            ev = json.loads(line)
-            events.append(ev)
-            if ev["event"] == "ready":
-                ready = ev
-                break
-            if ev["event"] in ("failed", "error"):
-                break
+    port = free_port()
+    proc, ready, events = start_run(["--model", "tiny-moe", "--experts", "unquantized", "--port", str(port),
+                                     "--run-dir", str(run_dir), "--timeout", "400",
+                                     "--", "--dtype", "float32", "--seed", "0"], env)
     if ready is None:
-        proc.kill()
         pytest.fail(f"server did not come up: {events[-3:]}")
     yield {"proc": proc, "ready": ready, "events": events, "port": port, "run_dir": run_dir}
     if proc.poll() is None:
