@@ -112,8 +112,6 @@ def plan_cmd(
             from moetplan.cost_model import whatifs as _whatifs
 
             whatifs = _whatifs(plan.model, plan.hardware, plan.placement)
-        for n in notes:
-            _out.print(f"[cyan]note:[/] {n}")
         render_plan(plan, _out, explain=explain, whatifs=whatifs)
         if out:
             _out.print(f"wrote {out}")

@@ -33,10 +33,7 @@ def resolve_hardware(hw_path: str | None = None, box: str | None = None, gpus: s
             default = hwdb.guards()["planner"]["default_box"]
             notes.append(f"this machine has no NVIDIA GPU to plan for; planning for the default box '{default}' "
                          "(use --box, --gpus or --hw for another)")
-            local_host = hw.host
             hw = hwdb.box_profile(default)
-            hw.warnings.append(f"planned for default box {default}: this machine ({local_host.ram_gib:.0f} GiB RAM, "
-                               "no NVIDIA GPU) cannot run this plan")
         return hw, notes
     # Inline overrides on top of a file or box.
     if host_ram_gib is not None and not gpus:

@@ -396,9 +396,12 @@ def _reasons(model: ModelSpec, hw: HardwareProfile, goals: Goals, ch: Candidate,
         r.append(Reason(knob=knob, text=("pinned (--set). " if knob in pins else "") + text))
 
     exp_rank = L.experts_resident_gib(model, p)
-    add("tp", f"TP{p.tp}" + (f" x PP{p.pp}" if p.pp > 1 else "") + f" over {p.tp * p.pp} of {hw.num_gpus} GPU(s): "
-        f"dense {model.dense_bytes() / GIB:.1f} GiB and 2-bit experts {model.routed_gib():.1f} GiB are split "
-        f"{p.tp * p.pp} ways" + (" (PCIe all-reduce per layer; no NVLink)" if p.tp > 1 and not hw.p2p else ""))
+    ranks = p.tp * p.pp
+    add("tp", (f"one GPU of {hw.num_gpus}: " if ranks == 1 else
+               f"TP{p.tp}" + (f" x PP{p.pp}" if p.pp > 1 else "") + f" over {ranks} of {hw.num_gpus} GPUs: ")
+        + f"dense {model.dense_bytes() / GIB:.1f} GiB and 2-bit experts {model.routed_gib():.1f} GiB"
+        + ("" if ranks == 1 else f" are split {ranks} ways")
+        + (" (PCIe all-reduce per layer; no NVLink)" if p.tp > 1 and not hw.p2p else ""))
     if p.expert_tier == "resident":
         add("expert_tier", f"resident: the 2-bit experts ({exp_rank:.1f} GiB/rank) fit in VRAM "
             f"({gpu.vram_gib:.0f} GiB x {p.gpu_memory_utilization:.2f}) beside dense and KV; no expert misses")
