@@ -30,7 +30,8 @@ PARTIAL_BYTES_CAP = 1 << 30
 GEMV_ALIGN = 256
 DECODE_KERNELS = ("auto", "rowdot", "gemv", "mma")
 # "auto": the CUDA-core rowdot stages for steps of at most this many tokens (1-2 pairs per expert), the gemv stages
-# above it. Set from the H200 run of bench/kernels.py (docs/KERNELS.md); 0 keeps gemv everywhere.
+# above it. 0 = gemv everywhere: on the H200 rowdot took 1.24-1.55x gemv's time at 1 token and ~2.2x at 2-8
+# (instruction-issue bound, docs/KERNELS.md). Raise it only on a GPU where bench/kernels.py measures rowdot faster.
 ROWDOT_MAX_TOKENS = 0
 
 
