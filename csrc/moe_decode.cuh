@@ -24,6 +24,20 @@ constexpr int GEMV_MAX_PAIRS = 64;  // pairs (T * k) per call that the block-lev
 constexpr int GEMV_PIPE = 4;        // chunks in flight per thread
 constexpr int GEMV_CHUNK = 256;     // weights of one row per chunk: 4 threads of a quad x 16 bytes of codes
 constexpr int GEMV_WARPS = 4;
+// "gemv2": the same stages with the code ring in shared memory, filled by cp.async (sm_80+). Registers no longer
+// hold the ring, so twice the chunks are in flight per thread (8 KiB per warp); H11's runs showed the stages
+// latency-bound (one unit per warp at 1 token, 4 chunks in flight), not instruction-bound. The copies carry the
+// L2::256B prefetch hint (a row's next 3 chunks arrive with the first miss) and the MMA chain alternates two
+// accumulators (summed once per unit, fixed order: still deterministic).
+constexpr int GEMV2_PIPE = 8;
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 struct GemvArgs {
   const uint8_t* pool;
@@ -132,9 +146,12 @@ __global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H, int* 
 
 // B operand: bf16 planes in the paired order (xprep_kernel's xp for w13, the w13 epilogue's act for w2).
 // SPLIT: 2 planes (hi, lo) and 4 pairs per pass (columns 4..7 = lo of pairs 0..3); else 1 plane, 8 pairs.
-template <bool W13, bool SPLIT>
+template <bool W13, bool SPLIT, bool V2>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs a) {
   constexpr int NCOL = SPLIT ? 4 : 8;  // pairs per pass
+  constexpr int PIPE = V2 ? GEMV2_PIPE : GEMV_PIPE;
+  // V2's ring: [PIPE][warps][lanes][2 rows] of 16 bytes; each thread reads back only what it copied itself.
+  __shared__ uint4 sring[V2 ? PIPE * GEMV_WARPS * 32 * 2 : 2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
 
@@ -221,14 +238,21 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
     ls0 = row + a.s_off + r0 * srow + t * 2;
     ls1 = row + a.s_off + r1 * srow + t * 2;
   };
-  auto load = [&](uint4 (&c)[2], uint32_t& s) {
+  auto load = [&](uint4 (&c)[2], uint32_t& s, int j) {
+    uint4* sl = &sring[V2 ? ((j * GEMV_WARPS + warp) * 32 + lane) * 2 : 0];
     if (lq0 != nullptr) {
-      c[0] = ld_stream(lq0 + lc * 64);
-      c[1] = ld_stream(lq1 + lc * 64);
+      if (V2) {
+        cp_async16(sl, lq0 + lc * 64);
+        cp_async16(sl + 1, lq1 + lc * 64);
+      } else {
+        c[0] = ld_stream(lq0 + lc * 64);
+        c[1] = ld_stream(lq1 + lc * 64);
+      }
       s = uint32_t(*reinterpret_cast<const uint16_t*>(ls0 + lc * 8)) |
           (uint32_t(*reinterpret_cast<const uint16_t*>(ls1 + lc * 8)) << 16);
     } else {  // expert without a slot: codes 0 under scale byte 0 decode to exact zeros
-      c[0] = c[1] = make_uint4(0u, 0u, 0u, 0u);
+      if (V2) sl[0] = sl[1] = make_uint4(0u, 0u, 0u, 0u);
+      else c[0] = c[1] = make_uint4(0u, 0u, 0u, 0u);
       s = 0u;
     }
     if (++lc == NC) {
@@ -237,12 +261,14 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
     }
   };
 
-  uint4 ring[GEMV_PIPE][2];
-  uint32_t ring_s[GEMV_PIPE];
+  uint4 ring[V2 ? 1 : PIPE][2];
+  uint32_t ring_s[PIPE];
   if (n_items > 0) set_rows(lu);
 #pragma unroll
-  for (int j = 0; j < GEMV_PIPE; ++j)
-    if (j < n_items) load(ring[j], ring_s[j]);
+  for (int j = 0; j < PIPE; ++j) {
+    if (j < n_items) load(ring[V2 ? 0 : j], ring_s[j], j);
+    if (V2) cp_async_commit();  // one group per item, empty or not: the wait below counts groups
+  }
   griddep_wait();
   griddep_launch_dependents();
 
@@ -250,6 +276,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   int cu = u_begin, cc = 0;
   const uint4* bptr = nullptr;  // this thread's B row (its MMA column's plane), as 16-byte units
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc2[4] = {0.f, 0.f, 0.f, 0.f};  // V2: odd code words (a second, independent MMA chain)
   auto set_b = [&](int u) {
     const int ep = u / a.tiles;
     const int col = SPLIT ? (g & 3) : g;
@@ -263,13 +290,24 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   };
   if (n_items > 0) set_b(cu);
 
-  for (int it0 = 0; it0 < n_items; it0 += GEMV_PIPE) {
+  for (int it0 = 0; it0 < n_items; it0 += PIPE) {
 #pragma unroll
-    for (int j = 0; j < GEMV_PIPE; ++j) {
+    for (int j = 0; j < PIPE; ++j) {
       if (it0 + j >= n_items) break;
-      const uint4 c0 = ring[j][0], c1 = ring[j][1];
+      uint4 c0, c1;
+      if (V2) {
+        // PIPE + (it0 + j) groups committed so far: all but the newest PIPE - 1 done = this item's copies landed.
+        cp_async_wait<PIPE - 1>();
+        const uint4* sl = &sring[((j * GEMV_WARPS + warp) * 32 + lane) * 2];
+        c0 = sl[0];
+        c1 = sl[1];
+      } else {
+        c0 = ring[j][0];
+        c1 = ring[j][1];
+      }
       const uint32_t sc = ring_s[j];
-      if (it0 + j + GEMV_PIPE < n_items) load(ring[j], ring_s[j]);
+      // V2 refills the slot after this chunk's MMAs (its shared words are consumed by then).
+      if (!V2 && it0 + j + PIPE < n_items) load(ring[j], ring_s[j], j);
       // B: 64 K elements of this thread's column for this chunk -> 32 paired registers, 8 per code word.
       // This thread's 64 K elements of the chunk: 8 uint4 of its B plane, 2 per code word.
       const uint4* bq = bptr + (unsigned(cc) * (GEMV_CHUNK / 8) + unsigned(t) * 8);
@@ -291,12 +329,24 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
         decode_2bit_fast(cw0[wq], (sc >> sh) & 0xFFu, r0);
         decode_2bit_fast(cw1[wq], (sc >> (16 + sh)) & 0xFFu, r1);
 #pragma unroll
-        for (int st = 0; st < 4; ++st)
-          mma_bf16(acc, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
+        for (int st = 0; st < 4; ++st) {
+          if (V2 && (wq & 1))
+            mma_bf16(acc2, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
+          else
+            mma_bf16(acc, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
+        }
+      }
+      if (V2) {
+        if (it0 + j + PIPE < n_items) load(ring[0], ring_s[j], j);
+        cp_async_commit();
       }
       if (++cc == NC) {
         // Unit done: epilogue, then the next unit's B row.
         const int ep = cu / a.tiles, tile = cu - ep * a.tiles;
+        if (V2) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) { acc[i] += acc2[i]; acc2[i] = 0.f; }
+        }
         float v[4] = {acc[0], acc[1], acc[2], acc[3]};
         if (SPLIT) {
           // Columns 4..7 hold the lo halves of columns 0..3 (lanes t and t^2): hi + lo, in that order.

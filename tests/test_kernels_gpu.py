@@ -70,10 +70,10 @@ def _case(H, I, k, T, E=32, fmt_mix=False, dtype=torch.bfloat16, seed=0, limit=N
 SHAPES = [(4096, 2048), (6144, 1024), (7168, 2048), (7168, 512)]
 
 
-@pytest.fixture(params=["rowdot", "gemv", "mma"])
+@pytest.fixture(params=["gemv2", "gemv", "rowdot", "mma"])
 def decode_kernel(request, monkeypatch):
-    """Every decode path (MOETPLAN_DECODE_KERNEL): the CUDA-core rowdot stages, the mma.sync streaming stages and
-    the first version's tiles."""
+    """Every decode path (MOETPLAN_DECODE_KERNEL): the mma.sync streaming stages with the cp.async ring (gemv2) and
+    with the register ring (gemv), the CUDA-core rowdot stages and the first version's tiles."""
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", request.param)
     return request.param
 
@@ -194,11 +194,12 @@ def test_cuda_graph_capture_and_replay(mod, decode_kernel):
     assert _rel(out, ref.float()) < 8e-3
 
 
+@pytest.mark.parametrize("kernel", ["gemv", "gemv2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_many_pairs_per_expert(mod, monkeypatch, dtype):
+def test_gemv_many_pairs_per_expert(mod, monkeypatch, dtype, kernel):
     # 9 experts, 8 of them per token: most experts carry 7-8 pairs, i.e. several passes of the decode stages
     # (4 pairs per pass with fp32 x, 8 with bf16 x); P = 64 is still the decode regime.
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", kernel)
     x, ids, w, pool, slot_of, lay, _ = _case(4096, 1024, 8, 8, E=9, dtype=dtype, seed=21)
     assert ops.use_gemv(mod, ids.numel(), lay)
     got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
@@ -213,6 +214,21 @@ def test_gemv_and_mma_decode_agree(mod, monkeypatch):
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "mma")
     b = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
     assert _rel(a, b) < DECODE_TOL
+
+
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("H,I", SHAPES)
+def test_gemv2_and_gemv_decode_agree(mod, monkeypatch, T, H, I):
+    # Same K order per accumulator chain; gemv2 sums two chains per unit, so agreement is to float32 rounding.
+    x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, dtype=torch.float32, seed=41 + T)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv2")
+    assert ops.use_gemv(mod, ids.numel(), lay, T)
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    b = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert _rel(a, b) < 1e-5
+    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    assert _rel(a, ref) < DECODE_TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

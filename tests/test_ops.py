@@ -521,6 +521,14 @@ class _FakeGemvExtension(_FakeExtension):
             out.copy_((partial.view(T, topk, H) * weights.unsqueeze(-1)).sum(1))
 
 
+class _FakeGemv2Extension(_FakeGemvExtension):
+    """A build with the shared-memory-ring variant too (gemv2_stage: same arguments and buffers as gemv_stage)."""
+
+    def gemv2_stage(self, w13, *args):
+        self.gemv_stage(w13, *args)
+        self.calls[-1] = f"gemv2_{'13' if w13 else '2'}"
+
+
 def test_paired_order_round_trips_and_matches_the_kernel_position_rule():
     v = torch.arange(32.0)
     assert torch.equal(_from_paired(_to_paired(v)), v)
@@ -561,6 +569,47 @@ def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, monkeypatch)
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "fast")
     with pytest.raises(UsageError, match="MOETPLAN_DECODE_KERNEL"):
         ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, None, None, None, None, None)
+
+
+@pytest.mark.parametrize("fp4", [False, True])
+def test_gemv2_selected_by_env_and_same_plumbing(fp4, monkeypatch):
+    H, I, E, T, k = 256, 256, 16, 2, 4
+    lay2 = RowLayout.for_expert(H, I, fmt="2bit")
+    lay4 = RowLayout.for_expert(H, I, fmt="fp4")
+    pool = _pool(lay2, E, seed=1)
+    extra = {}
+    if fp4:
+        f4 = torch.full((E,), -1, dtype=torch.int32)
+        f4[torch.tensor([2, 7])] = torch.tensor([0, 1], dtype=torch.int32)
+        extra = {"fp4_pool": _pool(lay4, 2, seed=2), "fp4_slot_of": f4, "fp4_layout": lay4}
+    ids, w = _routing(T, k, E, seed=6)
+    x = (torch.randn(T, H, generator=_rng(4)) * 0.3).to(torch.bfloat16)
+    fake = _FakeGemv2Extension()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv2")
+    assert ops.decode_kernel() == "gemv2" and ops.use_gemv(fake, T * k, lay2, T)
+    assert not ops.use_rowdot(fake, T * k, lay2, T)
+    got = ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, extra.get("fp4_pool"),
+                        extra.get("fp4_slot_of"), extra.get("fp4_layout"), None, None)
+    ref = ops.moe_forward_reference(x, ids, w, pool, torch.arange(E), lay2, **extra)
+    assert fake.calls[:3] == ["xprep", "gemv2_13", "gemv2_2"]
+    assert "gemv13" not in fake.calls
+    assert ("stage13s" in fake.calls) == fp4
+    assert _rel(got.float(), ref.float()) < 8e-3
+    # The default stays on gemv_stage.
+    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL")
+    fake.calls.clear()
+    ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, None, None, None, None, None)
+    assert fake.calls[:3] == ["xprep", "gemv13", "gemv2"]
+
+
+def test_gemv2_needs_a_build_that_has_it(monkeypatch):
+    lay = RowLayout.for_expert(4096, 2048)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv2")
+    # A build without gemv2_stage: neither streaming path, the tile path takes the step.
+    assert not ops.use_gemv(_FakeGemvExtension(), 8, lay, 1)
+    assert ops.use_gemv(_FakeGemv2Extension(), 8, lay, 1)
+    assert not ops.use_gemv(_FakeGemv2Extension(), 65, lay, 8)
 
 
 def test_gemv_takes_only_small_aligned_steps(monkeypatch):
