@@ -102,6 +102,16 @@ class PackSidecar(BaseModel):
     updated_at: str = Field(default_factory=_now)
     runs: int = 0
 
+    # The row geometry lives here, once: writer and reader both answer from their sidecar.
+    def row_index(self, layer: int, expert: int) -> int:
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise UsageError(f"(layer {layer}, expert {expert}) outside the pack "
+                             f"({self.num_layers} x {self.num_experts})")
+        return layer * self.num_experts + expert
+
+    def done(self, row: int) -> bool:
+        return self.checksums[row] is not None
+
 
 def _load_sidecar(path: Path) -> PackSidecar:
     try:
@@ -204,14 +214,11 @@ class PackWriter:
         return self.num_rows * self.layout.stride
 
     def row_index(self, layer: int, expert: int) -> int:
-        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
-            raise UsageError(f"(layer {layer}, expert {expert}) outside the pack "
-                             f"({self.num_layers} x {self.num_experts})")
-        return layer * self.num_experts + expert
+        return self.sidecar.row_index(layer, expert)
 
     # -- state
     def done(self, row: int) -> bool:
-        return self.sidecar.checksums[row] is not None
+        return self.sidecar.done(row)
 
     def missing_experts(self, layer: int) -> list[int]:
         return [e for e in range(self.num_experts) if not self.done(self.row_index(layer, e))]
@@ -354,13 +361,10 @@ class Pack:
         return self.fd
 
     def row_index(self, layer: int, expert: int) -> int:
-        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
-            raise UsageError(f"(layer {layer}, expert {expert}) outside the pack "
-                             f"({self.num_layers} x {self.num_experts})")
-        return layer * self.num_experts + expert
+        return self.sidecar.row_index(layer, expert)
 
     def done(self, row: int) -> bool:
-        return self.sidecar.checksums[row] is not None
+        return self.sidecar.done(row)
 
     def read_rows(self, rows: Sequence[int], out, o_direct: bool = False) -> None:
         """Read rows into out[i] (uint8 [len(rows), stride], numpy or CPU/pinned torch), one preadv per run of
