@@ -476,6 +476,31 @@ def _hi_lo(v: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, (v.float() - hi.float()).to(torch.bfloat16)], dim=-2)
 
 
+def _stage_pairs(w13, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk, src, limit, has_limit, flag):
+    """What a decode stage computes per 2-bit (token, expert) pair: (pair, SiLU(gate)*up) for w13, (pair, W2 act) for
+    w2. FP4-resident experts are left to the FP4 launch; a missing expert sets the sticky flag."""
+    N, K = (2 * Ir, H) if w13 else (H, Ir)
+    for p in range(ids.numel()):
+        e = int(ids[p])
+        if fp4_slot_of is not None and int(fp4_slot_of[e]) >= 0:
+            continue
+        slot = int(slot_of[e])
+        if slot < 0:
+            flag[0] = e + 1
+            continue
+        row = pool[slot]
+        W = ops.dequantize_rows(row[q_off:q_off + N * K // 4].view(N, K // 4),
+                                row[s_off:s_off + N * K // 32].view(N, K // 32), "2bit")
+        if not w13:
+            yield p, W @ src[p]
+            continue
+        h = W @ src[p // topk]
+        gate, up = h[:Ir], h[Ir:]
+        if has_limit:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        yield p, torch.nn.functional.silu(gate) * up
+
+
 class _FakeGemvExtension(_FakeExtension):
     """Adds the streaming decode stages (xprep / gemv_stage) with their buffer layouts, on the CPU."""
 
@@ -495,26 +520,12 @@ class _FakeGemvExtension(_FakeExtension):
         self.calls.append(f"gemv{'13' if w13 else '2'}")
         assert b.dtype == torch.bfloat16 and b.shape[1] == (2 if split else 1)
         src = _from_paired(b.float()).sum(dim=1)  # hi + lo
-        N, K = (2 * Ir, H) if w13 else (H, Ir)
-        for p in range(ids.numel()):
-            e = int(ids[p])
-            if fp4_slot_of is not None and int(fp4_slot_of[e]) >= 0:
-                continue  # the FP4 launch computes it
-            slot = int(slot_of[e])
-            if slot < 0:
-                flag[0] = e + 1
-                continue
-            row = pool[slot]
-            W = ops.dequantize_rows(row[q_off:q_off + N * K // 4].view(N, K // 4),
-                                    row[s_off:s_off + N * K // 32].view(N, K // 32), "2bit")
+        for p, v in _stage_pairs(w13, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk, src, limit,
+                                 has_limit, flag):
             if w13:
-                h = W @ src[p // topk]
-                gate, up = h[:Ir], h[Ir:]
-                if has_limit:
-                    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-                act[p] = _to_paired(_hi_lo(torch.nn.functional.silu(gate) * up))
+                act[p] = _to_paired(_hi_lo(v))
             else:
-                partial[p] = W @ src[p]
+                partial[p] = v
         if weights is not None:  # the fused combine: every pair of the step is a 2-bit one
             assert fp4_slot_of is None and not w13 and counter is not None
             T = out.shape[0]
@@ -679,26 +690,9 @@ class _FakeRowdotExtension(_FakeGemvExtension):
                 assert counter.dtype == torch.int32 and counter.shape[1] == H // self.rowdot_rows_per_unit(Ir)
                 counter.zero_()
         src = b.float()
-        N, K = (2 * Ir, H) if w13 else (H, Ir)
-        for p in range(ids.numel()):
-            e = int(ids[p])
-            if fp4_slot_of is not None and int(fp4_slot_of[e]) >= 0:
-                continue
-            slot = int(slot_of[e])
-            if slot < 0:
-                flag[0] = e + 1
-                continue
-            row = pool[slot]
-            W = ops.dequantize_rows(row[q_off:q_off + N * K // 4].view(N, K // 4),
-                                    row[s_off:s_off + N * K // 32].view(N, K // 32), "2bit")
-            if w13:
-                h = W @ src[p // topk]
-                gate, up = h[:Ir], h[Ir:]
-                if has_limit:
-                    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-                act[p] = torch.nn.functional.silu(gate) * up
-            else:
-                partial[p] = W @ src[p]
+        for p, v in _stage_pairs(w13, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk, src, limit,
+                                 has_limit, flag):
+            (act if w13 else partial)[p] = v
         if weights is not None:
             assert fp4_slot_of is None and not w13 and counter is not None
             T = out.shape[0]
