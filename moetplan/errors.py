@@ -42,3 +42,11 @@ class InfeasibleError(MoetplanError):
         super().__init__(message)
         self.shortfalls = shortfalls or []
         self.suggestions = suggestions or []
+
+
+def validation_summary(e: "Exception") -> str:
+    """A pydantic ValidationError as one line naming the first bad field: "field 'a.b': msg (N error(s) in all)"."""
+    errs = e.errors()  # type: ignore[attr-defined]
+    first = errs[0]
+    loc = ".".join(str(x) for x in first["loc"])
+    return f"field '{loc}': {first['msg']} ({len(errs)} error(s) in all)"

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from moetplan.errors import ConfigError, UnknownNameError, UsageError
+from moetplan.errors import ConfigError, UnknownNameError, UsageError, validation_summary
 from moetplan.models.spec import DENSE_BYTES_PER_PARAM, EXPERT_FORMAT_BITS, ModelSpec
 from moetplan.plan.schema import GPUInfo, HardwareProfile, HostInfo, StorageInfo, ValueSource
 
@@ -64,9 +64,7 @@ def _read_yaml(path: Path) -> Any:
 
 
 def _validation_error(path: Path, entry: str, e: ValidationError) -> ConfigError:
-    first = e.errors()[0]
-    loc = ".".join(str(x) for x in first["loc"])
-    return ConfigError(f"{path}: {entry}field '{loc}': {first['msg']} ({len(e.errors())} error(s) in all)")
+    return ConfigError(f"{path}: {entry}{validation_summary(e)}")
 
 
 # --------------------------------------------------------------------------- name normalisation

@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moetplan.errors import ConfigError
+from moetplan.errors import ConfigError, validation_summary
 from moetplan.plan.schema import HardwareProfile, atomic_write_text
 
 CALIBRATION_FILE = "cost_model.yaml"
@@ -219,9 +219,7 @@ def _validate(data: dict[str, Any], path: Path) -> Calibration:
     try:
         return Calibration.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
-        raise ConfigError(f"{path}: field '{loc}': {first['msg']}; fix it or delete the file to use defaults") from None
+        raise ConfigError(f"{path}: {validation_summary(e)}; fix it or delete the file to use defaults") from None
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from moetplan.errors import ConfigError
+from moetplan.errors import ConfigError, validation_summary
 from moetplan.models.spec import GIB, Attention, ModelSpec
 
 # model_type -> family handler name. kimi_k25 wraps a deepseek_v3 text model in `text_config`.
@@ -639,8 +639,7 @@ def spec_from_config(path: str | Path) -> ModelSpec:
             sources=sources,
         )
     except ValidationError as e:
-        first = e.errors()[0]
-        raise ConfigError(f"{cfg_path}: field '{'.'.join(map(str, first['loc']))}': {first['msg']}") from None
+        raise ConfigError(f"{cfg_path}: {validation_summary(e)}") from None
 
 
 def _check_experts(h: _HeaderCounts, g: _Geometry, cfg_path: Path, expert_params: int) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from moetplan.errors import UsageError
+from moetplan.errors import UsageError, validation_summary
 
 SCHEMA_VERSION = "1.0"
 
@@ -334,9 +334,7 @@ def _validate(cls: type[M], p: Path, data: Any) -> M:
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
-        raise SchemaError(f"{p}: field '{loc}': {first['msg']} ({len(e.errors())} error(s) in all)") from None
+        raise SchemaError(f"{p}: {validation_summary(e)}") from None
 
 
 def load_json(cls: type[M], path: str | os.PathLike[str]) -> M:
