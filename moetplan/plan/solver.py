@@ -503,24 +503,37 @@ def _diagnose(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[st
                     shortfalls.insert(len(seen) - 1, w if w.startswith(tier) else f"{tier}: {w}")
 
     suggestions: list[str] = []
-    # More GPUs of the same kind.
-    for k in (2, 4, 8):
-        if k > n and _fits(model, _with_gpus(hw, k), goals, pins):
-            suggestions.append(f"{k}x {gpu.hwdb_id or gpu.name} (with this host RAM and disk)")
-            break
-    if need_gpu <= budget:
-        ram = math.ceil((host_need) / L.guards()["host"]["usable_fraction"] / 16) * 16
-        if ram > hw.host.ram_gib:
-            suggestions.append(f"host RAM >= {ram} GiB (2-bit base pinned in RAM, tier host)")
-        if free is None or free < disk_need:
-            suggestions.append(f"an NVMe pack dir with >= {math.ceil(disk_need * 1.05)} GiB free (tier nvme: "
-                               "--pack-dir-free-gib / --nvme-gbps, or probe --pack-dir)")
-        if "context" in pins and pins["context"] > min_ctx:
-            suggestions.append(f"a shorter context (--set context={min_ctx})")
+    name = gpu.hwdb_id or gpu.name
+    ram = math.ceil(host_need / L.guards()["host"]["usable_fraction"] / 16) * 16
+    disk = math.ceil(disk_need * 1.05)
+    # What fits, cheapest change first: the same machine with more GPUs of this kind; then with a pinned-RAM base
+    # or an NVMe pack dir, on this many GPUs or the fewest more that make it fit.
+    with_ram = hw.model_copy(update={"host": hw.host.model_copy(update={"ram_gib": float(ram)})})
+    with_disk = hw.model_copy(update={"storage": hw.storage.model_copy(update={
+        "free_gib": float(disk), "seq_read_gbps": hw.storage.seq_read_gbps or 3.5,
+        "rand_read_gbps": hw.storage.rand_read_gbps or 3.0})})
+    options = [(hw, "(with this host RAM and disk)")]
+    if ram > hw.host.ram_gib:
+        options.append((with_ram, f"+ host RAM >= {ram} GiB (2-bit base pinned in RAM, tier host)"))
+    if free is None or free < disk_need:
+        options.append((with_disk, f"+ an NVMe pack dir with >= {disk} GiB free (tier nvme; say so with "
+                                   "--pack-dir-free-gib / --nvme-gbps, or probe --pack-dir)"))
+    plain_k = None  # GPUs that suffice with nothing else changed: options needing as many are not worth listing
+    for base, what in options:
+        for k in (n, 2, 4, 8):
+            if k < n or (k == n and base is hw) or (plain_k is not None and k >= plain_k):
+                continue
+            if _fits(model, _with_gpus(base, k), goals, pins):
+                suggestions.append((f"{k}x {name} " if k > n else "") + (what[2:] if k == n else what))
+                if base is hw:
+                    plain_k = k
+                break
+    if "context" in pins and pins["context"] > min_ctx:
+        suggestions.append(f"a shorter context (--set context={min_ctx})")
     msg = f"{model.name} does not fit on {n}x {gpu.name} with {hw.host.ram_gib:.0f} GiB RAM"
     if "context" in pins:
         msg += f" at context {pins['context']}"
-    return InfeasibleError(msg, shortfalls, suggestions or ["a GPU with more VRAM"])
+    return InfeasibleError(msg, shortfalls, suggestions or [f"GPUs with more VRAM than {n}x {name}"])
 
 
 def _with_gpus(hw: HardwareProfile, k: int) -> HardwareProfile:
