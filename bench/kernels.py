@@ -164,7 +164,7 @@ def read_bandwidth(quick: bool) -> dict[str, Any]:
 
 
 def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator, quick: bool,
-                decode_kernels: tuple[str, ...] = ("gemv", "gemv2", "mma", "rowdot"), baselines: bool = True) -> dict[str, Any]:
+                decode_kernels: tuple[str, ...] = ("gemv", "mma", "rowdot"), baselines: bool = True) -> dict[str, Any]:
     H, I, k, E, L = m["H"], m["I"], m["k"], m["E"], m["L"]
     lay = RowLayout.for_expert(H, I, fmt="2bit")
     # Distinct data per layer, cycled over NL layers whose rows total >= 6 GiB (100x the H200's L2).
@@ -298,7 +298,7 @@ def smoke(gen: torch.Generator) -> list[dict[str, Any]]:
         x = (torch.randn(T, H, device="cuda", generator=gen) * 0.3).to(dtype)
         ref = ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
         row: dict[str, Any] = {"H": H, "I": I, "k": k, "T": T, "x": str(dtype)}
-        for dk in ("gemv2", "gemv", "rowdot", "mma"):
+        for dk in ("gemv", "rowdot", "mma"):
             os.environ["MOETPLAN_DECODE_KERNEL"] = dk
             try:
                 got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
@@ -391,7 +391,7 @@ def main() -> int:
     ap.add_argument("--prefill", default="512,2048,8192")
     ap.add_argument("--models", default="", help="comma-separated subset of model names")
     ap.add_argument("--sections", default="smoke,bw,decode,prefill")
-    ap.add_argument("--decode-kernels", default="gemv,gemv2,mma,rowdot",
+    ap.add_argument("--decode-kernels", default="gemv,mma,rowdot",
                     help="MOETPLAN_DECODE_KERNEL values to time; the first (the default path) is the headline figure")
     ap.add_argument("--no-baselines", action="store_true",
                     help="skip the naive bf16 and torch 2-bit reference timings of the decode section")

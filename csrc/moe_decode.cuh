@@ -7,33 +7,40 @@
 //
 // Here:
 //   - One launch per stage over all (expert pass, 16-row tile) units of the layer. A warp owns whole units (full
-//     K, no split-K, so no reduction) and streams a contiguous range of them as one pipeline: PIPE chunks of
-//     codes + scales are in flight per thread at all times, across unit boundaries. The grid is sized from the
-//     occupancy so that every warp gets the same number of units (balanced to one unit).
+//     K, no split-K, so no reduction) and streams a contiguous range of them in rounds (NS 16-byte pieces of each
+//     of its two rows per thread, NS = 4 when K is a multiple of 1024); GEMV_ROUNDS rounds of codes + scales are
+//     in flight per warp at all times, across unit boundaries, in a shared-memory ring filled by cp.async. The grid
+//     is sized from the occupancy so that every warp gets the same number of units (balanced to one unit).
 //   - The routing (unique experts, their pairs, passes of at most NCOL pairs) is built once per block in shared
 //     memory by warp 0 (P <= GEMV_MAX_PAIRS), not per unit.
 //   - A 16-row MMA tile of the w13 stage is 8 gate rows + the 8 matching up rows, so each thread ends with gate
 //     and up of the same intermediate index and pair: SiLU(gate) * up in registers.
 //   - The w13 epilogue writes the intermediate once as bf16 hi + bf16 lo planes, already in the decode's K pairing
-//     (e0,e4,e1,e5,e2,e6,e3,e7 per group of 8): the w2 stage loads its B fragments with plain 16-byte loads.
+//     (e0,e4,e1,e5,e2,e6,e3,e7 per group of 8) and in the w2 stage's consumption order (b_pos): the w2 stage loads
+//     its B fragments with plain 16-byte loads, a quad's 4 threads 64 contiguous bytes.
 //   - MMA columns carry pairs (bf16 x: 8 pairs per pass) or hi/lo halves of 4 pairs (fp32 x, and the w2 stage's
 //     intermediate): float32-accurate results at no decode cost, since every thread decodes only its own rows.
-// Deterministic: fixed K order per unit, fixed hi + lo order, no atomics on data.
+// Deterministic: fixed K order per unit, two MMA chains summed in a fixed order, fixed hi + lo order, no atomics
+// on data.
 
 constexpr int GEMV_MAX_PAIRS = 64;  // pairs (T * k) per call that the block-level routing handles
-constexpr int GEMV_PIPE = 4;        // chunks in flight per thread
-constexpr int GEMV_CHUNK = 256;     // weights of one row per chunk: 4 threads of a quad x 16 bytes of codes
+constexpr int GEMV_CHUNK = 256;     // K granularity of the stages (a row's K must be a multiple of this)
 constexpr int GEMV_WARPS = 4;
-// "gemv2": the same stages with the code ring in shared memory, filled by cp.async (sm_80+). Registers no longer
-// hold the ring, so twice the chunks are in flight per thread (8 KiB per warp); H11's runs showed the stages
-// latency-bound (one unit per warp at 1 token, 4 chunks in flight), not instruction-bound. The copies carry the
-// L2::256B prefetch hint (a row's next 3 chunks arrive with the first miss) and the MMA chain alternates two
-// accumulators (summed once per unit, fixed order: still deterministic).
-constexpr int GEMV2_PIPE = 8;
 
+constexpr int GEMV_ROUNDS = 2;     // rounds of codes + scales in flight per warp (cp.async groups)
+
+// Code and scale bytes travel by cp.async into a per-warp shared ring. Loaded into registers instead, they share
+// scoreboards with the B loads (ptxas gave all of them one: SASS control bits of the register-ring version), so
+// every B wait of a slot also waited for the code loads just issued: a DRAM latency per slot. cp.async groups are
+// counted separately (wait_group N = all but the newest N), so a round waits only for its own bytes.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_small(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem), "n"(N) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -88,29 +95,68 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
 
 // One selector word serves two registers: its low half selects codes (i, i+4), its high half codes (i+8, i+12).
 // Per 16 weights: 4 LOP3 + 8 PRMT on the ALU pipe, 7 shifts as IMAD / IMAD.HI on the FMA pipe.
-__device__ __forceinline__ void decode_2bit_fast(uint32_t w, uint32_t b, uint32_t (&r)[8]) {
-  const uint32_t table = (b >> 1) * 0x01010101u + 0x81800100u;
-  const uint32_t low = (b & 1u) << 7;
-  const uint32_t m = 0x30303030u, o = 0x04040404u;
+// table: bytes (b>>1), (b>>1)+1, 0x80|(b>>1), 0x80|((b>>1)+1) (the bf16 high byte per code); the low byte
+// (b&1)<<7 is byte `o & 3` of `lw` (prmt's second source), so o = 0x04040404 | byte * 0x01010101.
+__device__ __forceinline__ void decode_2bit_fast(uint32_t w, uint32_t table, uint32_t lw, uint32_t o,
+                                                 uint32_t (&r)[8]) {
+  const uint32_t m = 0x30303030u;
   const uint32_t s0 = and_or(w * 16u, m, o);                 // codes 0,4 | 8,12
   const uint32_t s1 = and_or(w * 4u, m, o);                  // codes 1,5 | 9,13
   const uint32_t s2 = and_or(w, m, o);                       // codes 2,6 | 10,14
   const uint32_t s3 = and_or(__umulhi(w, 1u << 30), m, o);   // w >> 2: codes 3,7 | 11,15
-  r[0] = prmt(table, low, s0);
-  r[1] = prmt(table, low, s1);
-  r[2] = prmt(table, low, s2);
-  r[3] = prmt(table, low, s3);
-  r[4] = prmt(table, low, __umulhi(s0, 1u << 16));
-  r[5] = prmt(table, low, __umulhi(s1, 1u << 16));
-  r[6] = prmt(table, low, __umulhi(s2, 1u << 16));
-  r[7] = prmt(table, low, __umulhi(s3, 1u << 16));
+  r[0] = prmt(table, lw, s0);
+  r[1] = prmt(table, lw, s1);
+  r[2] = prmt(table, lw, s2);
+  r[3] = prmt(table, lw, s3);
+  r[4] = prmt(table, lw, __umulhi(s0, 1u << 16));
+  r[5] = prmt(table, lw, __umulhi(s1, 1u << 16));
+  r[6] = prmt(table, lw, __umulhi(s2, 1u << 16));
+  r[7] = prmt(table, lw, __umulhi(s3, 1u << 16));
+}
+
+// The same with the table built from one scale byte b (rowdot stages).
+__device__ __forceinline__ void decode_2bit_fast(uint32_t w, uint32_t b, uint32_t (&r)[8]) {
+  decode_2bit_fast(w, (b >> 1) * 0x01010101u + 0x81800100u, (b & 1u) << 7, 0x04040404u, r);
+}
+
+// Per-round scale prep for 4 scale bytes sw: h = b >> 1 per byte, h1 = h + 1, lw = (b & 1) << 7 per byte.
+struct ScaleWord {
+  uint32_t h, h1, lw;
+};
+__device__ __forceinline__ ScaleWord scale_word(uint32_t sw) {
+  ScaleWord s;
+  s.h = __umulhi(sw, 1u << 31) & 0x7F7F7F7Fu;
+  s.h1 = s.h + 0x01010101u;  // no carry between bytes: h <= 0x7F (and < 0x7F for scale bytes below 254)
+  s.lw = (sw & 0x01010101u) * 128u;
+  return s;
+}
+// The decode table of byte k (0..3) of a ScaleWord: bytes h_k, h1_k, h_k | 0x80, h1_k | 0x80.
+template <int K>
+__device__ __forceinline__ uint32_t scale_table(const ScaleWord& s) {
+  return prmt(s.h, s.h1, K | ((4 + K) << 4) | (K << 8) | ((4 + K) << 12)) | 0x80800000u;
 }
 
 // Position of natural index r (0..7) of a group of 8 in the paired storage order e0,e4,e1,e5,e2,e6,e3,e7.
 __device__ __forceinline__ int paired_pos(int r) { return r < 4 ? 2 * r : 2 * (r - 4) + 1; }
 
-// x [T, H] (bf16 or fp32) -> xp [T, planes, H] bf16 in the paired order: plane 0 = bf16(x), plane 1 (fp32 x
-// only) = bf16(x - plane 0). One thread per group of 8; the decode stages then load B with plain 16-byte loads.
+// Pieces per thread and row in a round of the decode stages for contraction length K (csrc: launch_gemv_ns).
+__host__ __device__ __forceinline__ int gemv_ns(int K) { return K % 1024 == 0 ? 4 : K % 512 == 0 ? 2 : 1; }
+
+// The B operand planes (xp, act) are stored in the decode stages' consumption order, so that the 4 threads of a
+// quad read 64 contiguous bytes per load (in K order they would read 4 pieces 64 * NS weights apart: 4 lines per
+// load, and the L1 ran at 88% on those and the code loads). Natural 16-byte unit n (8 weights, paired order)
+// of a plane: piece ph = n / 8 of the row (64 weights), group sub = n % 8 in it; piece ph is read by thread
+// t = (ph / ns) % 4 in round rr = ph / (4 ns) as its piece j = ph % ns; stored at ((rr ns + j) 8 + sub) 4 + t.
+__host__ __device__ __forceinline__ int b_pos(int n, int ns) {
+  const int lg = ns >> 1;  // log2(ns) for ns in {1, 2, 4}; shifts, not divisions, in the epilogue
+  const int ph = n >> 3, sub = n & 7;
+  const int rr = ph >> (2 + lg), t = (ph >> lg) & 3, j = ph & (ns - 1);
+  return ((((rr << lg) + j) * 8 + sub) << 2) + t;
+}
+
+// x [T, H] (bf16 or fp32) -> xp [T, planes, H] bf16 in the paired order, groups of 8 at b_pos: plane 0 = bf16(x),
+// plane 1 (fp32 x only) = bf16(x - plane 0). One thread per group of 8; the decode stages then load B with plain
+// 16-byte loads.
 template <typename XT>
 __global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H, int* counter) {
   griddep_wait();
@@ -140,18 +186,25 @@ __global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H, int* 
     lo[j] = pack_bf16(f[j] - hf.x, f[j + 4] - hf.y);
   }
   const int planes = SPLIT ? 2 : 1;
-  *reinterpret_cast<uint4*>(xp + (tok * planes) * H + k0) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-  if (SPLIT) *reinterpret_cast<uint4*>(xp + (tok * planes + 1) * H + k0) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+  const int64_t kp = int64_t(b_pos(int(k0 / 8), gemv_ns(H))) * 8;  // the stages' consumption order
+  *reinterpret_cast<uint4*>(xp + (tok * planes) * H + kp) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+  if (SPLIT) *reinterpret_cast<uint4*>(xp + (tok * planes + 1) * H + kp) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
 }
 
 // B operand: bf16 planes in the paired order (xprep_kernel's xp for w13, the w13 epilogue's act for w2).
 // SPLIT: 2 planes (hi, lo) and 4 pairs per pass (columns 4..7 = lo of pairs 0..3); else 1 plane, 8 pairs.
-template <bool W13, bool SPLIT, bool V2>
+//
+// Access pattern (bench/read_pattern.py on the H200: the first version's order read 67% of torch.sum's rate
+// with no compute at all, 52-56% with its 2-byte scale loads; this one 93-96%): a warp streams its units in
+// rounds; in a round every thread reads NS contiguous 16-byte pieces of each of its two rows (NS = 4 when K is a
+// multiple of 1024, so a quad covers 256 contiguous bytes of a row) and the 2*NS scale bytes of those pieces in
+// one load per row. Piece j of round rr of thread t sits at 16-byte index (rr * 4 + t) * NS + j of the row; the
+// B operand planes are read at the same K (the K order is free: codes and B agree on it, and within a piece the
+// order is the paired one; the planes are stored in consumption order, b_pos). A round's buffer of the cp.async
+// ring is refilled with round r + GEMV_ROUNDS once its MMAs have consumed it.
+template <bool W13, bool SPLIT, int NS>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs a) {
   constexpr int NCOL = SPLIT ? 4 : 8;  // pairs per pass
-  constexpr int PIPE = V2 ? GEMV2_PIPE : GEMV_PIPE;
-  // V2's ring: [PIPE][warps][lanes][2 rows] of 16 bytes; each thread reads back only what it copied itself.
-  __shared__ uint4 sring[V2 ? PIPE * GEMV_WARPS * 32 * 2 : 2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
 
@@ -218,189 +271,209 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   const int W = gridDim.x * GEMV_WARPS;
   const int wg = warp * gridDim.x + blockIdx.x;
   const int u_begin = int(int64_t(wg) * n_units / W), u_end = int(int64_t(wg + 1) * n_units / W);
-  const int NC = a.K / GEMV_CHUNK;
-  const int n_items = (u_end - u_begin) * NC;
+  const int RPU = a.K / (GEMV_CHUNK * NS);  // rounds per unit
+  const int n_rounds = (u_end - u_begin) * RPU;
   const int64_t qrow = a.K / 4, srow = a.K / 32;
 
-  // Load cursor: (unit, chunk) of the next chunk to request, and its two row pointers.
-  int lu = u_begin, lc = 0;
-  const uint8_t *lq0 = nullptr, *lq1 = nullptr, *ls0 = nullptr, *ls1 = nullptr;
+  // Load cursor: the next round to request (unit lu, round lr of it) and its row pointers (this thread's offset in).
+  int lu = u_begin, lr = 0;
+  const uint8_t *q0 = nullptr, *q1 = nullptr, *s0 = nullptr, *s1 = nullptr;
   auto set_rows = [&](int u) {
     const int ep = u / a.tiles, tile = u - ep * a.tiles;
     const int slot = ep_slot[ep];
     int r0, r1;
     if (W13) { r0 = tile * 8 + g; r1 = a.Ir + r0; }
     else { r0 = tile * 16 + g; r1 = r0 + 8; }
-    if (slot < 0) { lq0 = nullptr; return; }
+    if (slot < 0) { q0 = nullptr; return; }
     const uint8_t* row = a.pool + int64_t(slot) * a.stride;
-    lq0 = row + a.q_off + r0 * qrow + t * 16;
-    lq1 = row + a.q_off + r1 * qrow + t * 16;
-    ls0 = row + a.s_off + r0 * srow + t * 2;
-    ls1 = row + a.s_off + r1 * srow + t * 2;
+    q0 = row + a.q_off + r0 * qrow + t * 16 * NS;
+    q1 = row + a.q_off + r1 * qrow + t * 16 * NS;
+    s0 = row + a.s_off + r0 * srow + t * 2 * NS;
+    s1 = row + a.s_off + r1 * srow + t * 2 * NS;
   };
-  auto load = [&](uint4 (&c)[2], uint32_t& s, int j) {
-    uint4* sl = &sring[V2 ? ((j * GEMV_WARPS + warp) * 32 + lane) * 2 : 0];
-    if (lq0 != nullptr) {
-      if (V2) {
-        cp_async16(sl, lq0 + lc * 64);
-        cp_async16(sl + 1, lq1 + lc * 64);
-      } else {
-        c[0] = ld_stream(lq0 + lc * 64);
-        c[1] = ld_stream(lq1 + lc * 64);
-      }
-      s = uint32_t(*reinterpret_cast<const uint16_t*>(ls0 + lc * 8)) |
-          (uint32_t(*reinterpret_cast<const uint16_t*>(ls1 + lc * 8)) << 16);
-    } else {  // expert without a slot: codes 0 under scale byte 0 decode to exact zeros
-      if (V2) sl[0] = sl[1] = make_uint4(0u, 0u, 0u, 0u);
-      else c[0] = c[1] = make_uint4(0u, 0u, 0u, 0u);
-      s = 0u;
-    }
-    if (++lc == NC) {
-      lc = 0;
+  auto advance = [&]() {
+    if (++lr == RPU) {
+      lr = 0;
       if (++lu < u_end) set_rows(lu);
+    } else if (q0 != nullptr) {
+      q0 += 64 * NS; q1 += 64 * NS; s0 += 8 * NS; s1 += 8 * NS;
+    }
+  };
+  // The warp's ring: [GEMV_ROUNDS][2 rows][NS][32 lanes] x 16 bytes of codes and [GEMV_ROUNDS][2 rows][32 lanes] x
+  // 8 bytes of scales (the round's 2*NS scale bytes of a row; for NS = 1 the aligned 4 bytes holding them). Each
+  // thread reads back only what it copied (no barrier); a buffer is refilled after the MMAs that used its bytes.
+  __shared__ uint4 cring[GEMV_WARPS][GEMV_ROUNDS][2][NS][32];
+  __shared__ uint2 sring[GEMV_WARPS][GEMV_ROUNDS][2][32];
+  auto issue_round = [&](int buf) {
+    if (q0 != nullptr) {
+#pragma unroll
+      for (int j = 0; j < NS; ++j) {
+        cp_async16(&cring[warp][buf][0][j][lane], q0 + 16 * j);
+        cp_async16(&cring[warp][buf][1][j][lane], q1 + 16 * j);
+      }
+      if (NS == 4) {
+        cp_async_small<8>(&sring[warp][buf][0][lane], s0);
+        cp_async_small<8>(&sring[warp][buf][1][lane], s1);
+      } else {
+        const uint8_t* a0 = reinterpret_cast<const uint8_t*>(uintptr_t(s0) & ~uintptr_t(3));
+        const uint8_t* a1 = reinterpret_cast<const uint8_t*>(uintptr_t(s1) & ~uintptr_t(3));
+        cp_async_small<4>(&sring[warp][buf][0][lane], a0);
+        cp_async_small<4>(&sring[warp][buf][1][lane], a1);
+      }
+    } else {  // expert without a slot: codes 0 under scale byte 0 decode to exact zeros
+#pragma unroll
+      for (int j = 0; j < NS; ++j) cring[warp][buf][0][j][lane] = cring[warp][buf][1][j][lane] = make_uint4(0u, 0u, 0u, 0u);
+      sring[warp][buf][0][lane] = sring[warp][buf][1][lane] = make_uint2(0u, 0u);
     }
   };
 
-  uint4 ring[V2 ? 1 : PIPE][2];
-  uint32_t ring_s[PIPE];
-  if (n_items > 0) set_rows(lu);
+  // Prologue: the first GEMV_ROUNDS rounds (one commit group each, empty past the end: uniform group counts).
 #pragma unroll
-  for (int j = 0; j < PIPE; ++j) {
-    if (j < n_items) load(ring[V2 ? 0 : j], ring_s[j], j);
-    if (V2) cp_async_commit();  // one group per item, empty or not: the wait below counts groups
+  for (int i = 0; i < GEMV_ROUNDS; ++i) {
+    if (i < n_rounds) {
+      if (i == 0) set_rows(lu);
+      issue_round(i);
+      advance();
+    }
+    cp_async_commit();
   }
   griddep_wait();
   griddep_launch_dependents();
 
-  // Consumer state.
-  int cu = u_begin, cc = 0;
+  // Consumer state: unit cu, round rc of it.
+  int cu = u_begin, rc = 0;
   const uint4* bptr = nullptr;  // this thread's B row (its MMA column's plane), as 16-byte units
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  float acc2[4] = {0.f, 0.f, 0.f, 0.f};  // V2: odd code words (a second, independent MMA chain)
+  float acc2[4] = {0.f, 0.f, 0.f, 0.f};  // odd code words: a second, independent MMA chain
+  // A column without a pair reads the first pair's B row (the same addresses as that column's lanes: no extra
+  // lines for the L1) and its MMA column is never read back (output column n depends only on B column n). A
+  // predicated load instead costs registers: ptxas keeps the destinations' old values live (spills at 128).
   auto set_b = [&](int u) {
     const int ep = u / a.tiles;
     const int col = SPLIT ? (g & 3) : g;
-    bptr = nullptr;
-    if (col < ep_cnt[ep]) {
-      const int p = ep_pair[ep][col];
-      const int64_t brow = W13 ? p / a.topk : p;
-      const int64_t plane = SPLIT ? brow * 2 + (g >= 4 ? 1 : 0) : brow;
-      bptr = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(a.b) + plane * a.K);
-    }
+    const int p = ep_pair[ep][col < ep_cnt[ep] ? col : 0];
+    const int64_t brow = W13 ? p / a.topk : p;
+    const int64_t plane = SPLIT ? brow * 2 + (g >= 4 ? 1 : 0) : brow;
+    bptr = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(a.b) + plane * a.K);
   };
-  if (n_items > 0) set_b(cu);
+  if (n_rounds > 0) set_b(cu);
 
-  for (int it0 = 0; it0 < n_items; it0 += PIPE) {
+  for (int r = 0; r < n_rounds; ++r) {
+    const int buf = r % GEMV_ROUNDS;
+    cp_async_wait<GEMV_ROUNDS - 1>();  // this round's group has landed (this thread's copies)
+    ScaleWord sw[2][2];
 #pragma unroll
-    for (int j = 0; j < PIPE; ++j) {
-      if (it0 + j >= n_items) break;
-      uint4 c0, c1;
-      if (V2) {
-        // PIPE + (it0 + j) groups committed so far: all but the newest PIPE - 1 done = this item's copies landed.
-        cp_async_wait<PIPE - 1>();
-        const uint4* sl = &sring[((j * GEMV_WARPS + warp) * 32 + lane) * 2];
-        c0 = sl[0];
-        c1 = sl[1];
-      } else {
-        c0 = ring[j][0];
-        c1 = ring[j][1];
-      }
-      const uint32_t sc = ring_s[j];
-      // V2 refills the slot after this chunk's MMAs (its shared words are consumed by then).
-      if (!V2 && it0 + j + PIPE < n_items) load(ring[j], ring_s[j], j);
-      // B: 64 K elements of this thread's column for this chunk -> 32 paired registers, 8 per code word.
-      // This thread's 64 K elements of the chunk: 8 uint4 of its B plane, 2 per code word.
-      const uint4* bq = bptr + (unsigned(cc) * (GEMV_CHUNK / 8) + unsigned(t) * 8);
+    for (int i = 0; i < 2; ++i) {
+      uint2 sc = sring[warp][buf][i][lane];
+      if (NS == 1) sc.x = (sc.x >> (16 * (t & 1))) & 0xFFFFu;
+      sw[i][0] = scale_word(sc.x);
+      if (NS == 4) sw[i][1] = scale_word(sc.y);
+    }
+    // This thread's B of the round (b_pos order): 16-byte unit (j * 8 + wq * 2 + half) * 4 of bround.
+    const uint4* bround = bptr + unsigned(rc) * (NS * 32) + unsigned(t);
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      const uint4 c0 = cring[warp][buf][0][j][lane], c1 = cring[warp][buf][1][j][lane];
       const uint32_t cw0[4] = {c0.x, c0.y, c0.z, c0.w};
       const uint32_t cw1[4] = {c1.x, c1.y, c1.z, c1.w};
+      const ScaleWord& w0 = sw[0][j >> 1];
+      const ScaleWord& w1 = sw[1][j >> 1];
+      // Words 0,1 of a piece: its first scale block (byte 2 (j % 2) of the scale word); words 2,3: the second.
 #pragma unroll
       for (int wq = 0; wq < 4; ++wq) {
         uint32_t bv[8];
-        if (bptr != nullptr) {
-          const uint4 u0 = __ldg(bq + 2 * wq), u1 = __ldg(bq + 2 * wq + 1);
+        {
+          const uint4 u0 = __ldg(bround + (j * 8 + 2 * wq) * 4);
+          const uint4 u1 = __ldg(bround + (j * 8 + 2 * wq + 1) * 4);
           bv[0] = u0.x; bv[1] = u0.y; bv[2] = u0.z; bv[3] = u0.w;
           bv[4] = u1.x; bv[5] = u1.y; bv[6] = u1.z; bv[7] = u1.w;
-        } else {
-#pragma unroll
-          for (int v = 0; v < 8; ++v) bv[v] = 0u;
+        }
+        const int byte = 2 * (j & 1) + (wq >> 1);
+        const uint32_t o = 0x04040404u | (uint32_t(byte) * 0x01010101u);
+        uint32_t t0, t1;
+        switch (byte) {
+          case 0: t0 = scale_table<0>(w0); t1 = scale_table<0>(w1); break;
+          case 1: t0 = scale_table<1>(w0); t1 = scale_table<1>(w1); break;
+          case 2: t0 = scale_table<2>(w0); t1 = scale_table<2>(w1); break;
+          default: t0 = scale_table<3>(w0); t1 = scale_table<3>(w1); break;
         }
         uint32_t r0[8], r1[8];
-        const int sh = 8 * (wq >> 1);  // words 0,1: first scale block of the 16 bytes; 2,3: second
-        decode_2bit_fast(cw0[wq], (sc >> sh) & 0xFFu, r0);
-        decode_2bit_fast(cw1[wq], (sc >> (16 + sh)) & 0xFFu, r1);
+        decode_2bit_fast(cw0[wq], t0, w0.lw, o, r0);
+        decode_2bit_fast(cw1[wq], t1, w1.lw, o, r1);
 #pragma unroll
         for (int st = 0; st < 4; ++st) {
-          if (V2 && (wq & 1))
+          if (wq & 1)
             mma_bf16(acc2, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
           else
             mma_bf16(acc, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
         }
       }
-      if (V2) {
-        if (it0 + j + PIPE < n_items) load(ring[0], ring_s[j], j);
-        cp_async_commit();
+    }
+    // The round's bytes are consumed (the MMAs above used them): refill the buffer with round r + GEMV_ROUNDS.
+    if (r + GEMV_ROUNDS < n_rounds) {
+      issue_round(buf);
+      advance();
+    }
+    cp_async_commit();
+    if (++rc == RPU) {
+      // Unit done: epilogue, then the next unit's B row.
+      const int ep = cu / a.tiles, tile = cu - ep * a.tiles;
+      float v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) { v[i] = acc[i] + acc2[i]; }
+      if (SPLIT) {
+        // Columns 4..7 hold the lo halves of columns 0..3 (lanes t and t^2): hi + lo, in that order.
+        float hi[4] = {v[0], v[1], v[2], v[3]};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = hi[i] + __shfl_xor_sync(0xffffffffu, hi[i], 2);
       }
-      if (++cc == NC) {
-        // Unit done: epilogue, then the next unit's B row.
-        const int ep = cu / a.tiles, tile = cu - ep * a.tiles;
-        if (V2) {
+      const int cnt = ep_cnt[ep];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) { acc[i] += acc2[i]; acc2[i] = 0.f; }
+      for (int i = 0; i < 2; ++i) {
+        const int col = 2 * t + i;
+        if ((SPLIT && t >= 2) || col >= cnt) continue;
+        const int p = ep_pair[ep][col];
+        if (W13) {
+          const float y = silu_mul(v[i], v[2 + i], a.has_limit, a.limit);  // row g: gate, row g+8: up
+          const int j = b_pos(tile, gemv_ns(a.Ir)) * 8;  // group `tile` of 8, in the w2 stage's order
+          const __nv_bfloat16 yh = __float2bfloat16_rn(y);
+          const __nv_bfloat16 yl = __float2bfloat16_rn(y - __bfloat162float(yh));
+          __nv_bfloat16* dst = a.act + int64_t(p) * 2 * a.Ir + j + paired_pos(g);
+          dst[0] = yh;
+          dst[a.Ir] = yl;
+        } else {
+          float* dst = a.partial + int64_t(p) * a.H + tile * 16 + g;
+          dst[0] = v[i];
+          dst[8] = v[2 + i];
         }
-        float v[4] = {acc[0], acc[1], acc[2], acc[3]};
-        if (SPLIT) {
-          // Columns 4..7 hold the lo halves of columns 0..3 (lanes t and t^2): hi + lo, in that order.
-#pragma unroll
-          for (int i = 0; i < 4; ++i) v[i] += __shfl_xor_sync(0xffffffffu, acc[i], 2);
-        }
-        const int cnt = ep_cnt[ep];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int col = 2 * t + i;
-          if ((SPLIT && t >= 2) || col >= cnt) continue;
-          const int p = ep_pair[ep][col];
-          if (W13) {
-            const float y = silu_mul(v[i], v[2 + i], a.has_limit, a.limit);  // row g: gate, row g+8: up
-            const int j = tile * 8;                                           // 8-aligned group
-            const __nv_bfloat16 yh = __float2bfloat16_rn(y);
-            const __nv_bfloat16 yl = __float2bfloat16_rn(y - __bfloat162float(yh));
-            __nv_bfloat16* dst = a.act + int64_t(p) * 2 * a.Ir + j + paired_pos(g);
-            dst[0] = yh;
-            dst[a.Ir] = yl;
-          } else {
-            float* dst = a.partial + int64_t(p) * a.H + tile * 16 + g;
-            dst[0] = v[i];
-            dst[8] = v[2 + i];
+      }
+      if (!W13 && a.weights != nullptr) {
+        // Fused combine: count this unit's pairs into their token's tile; the last arrival sums the k rows.
+        __threadfence();  // this lane's partial rows before the count (syncwarp orders the lanes for lane 0)
+        __syncwarp();
+        for (int col = 0; col < cnt; ++col) {
+          const int tok = ep_pair[ep][col] / a.topk;
+          int old = 0;
+          if (lane == 0) old = atomicAdd(a.counter + int64_t(tok) * a.tiles + tile, 1);
+          old = __shfl_sync(0xffffffffu, old, 0);
+          if (old != a.topk - 1) continue;
+          __threadfence();
+          if (lane < 16) {
+            const int h = tile * 16 + lane;
+            float acc_o = 0.f;
+            for (int jj = 0; jj < a.topk; ++jj)
+              acc_o += a.weights[tok * a.topk + jj] * __ldcg(a.partial + (int64_t(tok) * a.topk + jj) * a.H + h);
+            const int64_t o = int64_t(tok) * a.H + h;
+            if (a.out_kind == 0) store_out(reinterpret_cast<float*>(a.out) + o, acc_o);
+            else if (a.out_kind == 1) store_out(reinterpret_cast<__nv_bfloat16*>(a.out) + o, acc_o);
+            else store_out(reinterpret_cast<__half*>(a.out) + o, acc_o);
           }
         }
-        if (!W13 && a.weights != nullptr) {
-          // Fused combine: count this unit's pairs into their token's tile; the last arrival sums the k rows.
-          __threadfence();  // this lane's partial rows before the count (syncwarp orders the lanes for lane 0)
-          __syncwarp();
-          for (int col = 0; col < cnt; ++col) {
-            const int tok = ep_pair[ep][col] / a.topk;
-            int old = 0;
-            if (lane == 0) old = atomicAdd(a.counter + int64_t(tok) * a.tiles + tile, 1);
-            old = __shfl_sync(0xffffffffu, old, 0);
-            if (old != a.topk - 1) continue;
-            __threadfence();
-            if (lane < 16) {
-              const int h = tile * 16 + lane;
-              float acc_o = 0.f;
-              for (int jj = 0; jj < a.topk; ++jj)
-                acc_o += a.weights[tok * a.topk + jj] * __ldcg(a.partial + (int64_t(tok) * a.topk + jj) * a.H + h);
-              const int64_t o = int64_t(tok) * a.H + h;
-              if (a.out_kind == 0) store_out(reinterpret_cast<float*>(a.out) + o, acc_o);
-              else if (a.out_kind == 1) store_out(reinterpret_cast<__nv_bfloat16*>(a.out) + o, acc_o);
-              else store_out(reinterpret_cast<__half*>(a.out) + o, acc_o);
-            }
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i] = 0.f;
-        cc = 0;
-        if (++cu < u_end) set_b(cu);
       }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) { acc[i] = 0.f; acc2[i] = 0.f; }
+      rc = 0;
+      if (++cu < u_end) set_b(cu);
     }
   }
 }

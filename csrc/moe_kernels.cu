@@ -666,7 +666,8 @@ int64_t gemv_max_pairs() { return GEMV_MAX_PAIRS; }
 // x [T, H] bf16/fp32 -> xp [T, planes, H] bf16 paired (planes = 2 for fp32 x: hi and lo).
 void xprep(torch::Tensor x, torch::Tensor xp, c10::optional<torch::Tensor> counter, bool pdl) {
   CHECK_CUDA_T(x, "x");
-  TORCH_CHECK(x.is_contiguous() && xp.is_contiguous() && x.dim() == 2 && x.size(1) % 8 == 0, "x: contiguous [T, H]");
+  TORCH_CHECK(x.is_contiguous() && xp.is_contiguous() && x.dim() == 2 && x.size(1) % GEMV_CHUNK == 0,
+              "x: contiguous [T, H] with H a multiple of ", GEMV_CHUNK);
   const int T = int(x.size(0)), H = int(x.size(1));
   const bool split = x.scalar_type() == torch::kFloat32;
   TORCH_CHECK(xp.scalar_type() == torch::kBFloat16 && xp.numel() == int64_t(T) * H * (split ? 2 : 1),
@@ -695,14 +696,14 @@ void xprep(torch::Tensor x, torch::Tensor xp, c10::optional<torch::Tensor> count
   }
 }
 
-template <bool W13, bool SPLIT, bool V2>
+template <bool W13, bool SPLIT, int NS>
 void launch_gemv(const GemvArgs& a, int max_units, cudaStream_t stream, bool pdl) {
   static int per_sm = -1, sms = 0;  // occupancy of this instantiation (one device type per process)
   if (per_sm < 0) {
     int dev = 0;
     C10_CUDA_CHECK(cudaGetDevice(&dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_stage_kernel<W13, SPLIT, V2>,
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_stage_kernel<W13, SPLIT, NS>,
                                                                  32 * GEMV_WARPS, 0));
     per_sm = std::max(per_sm, 1);
   }
@@ -711,17 +712,27 @@ void launch_gemv(const GemvArgs& a, int max_units, cudaStream_t stream, bool pdl
   const int64_t per = (max_units + wmax - 1) / wmax;
   const int64_t warps = (max_units + per - 1) / per;
   const int blocks = int(std::max<int64_t>(1, (warps + GEMV_WARPS - 1) / GEMV_WARPS));
-  launch(gemv_stage_kernel<W13, SPLIT, V2>, dim3(blocks), dim3(32 * GEMV_WARPS), 0, stream, pdl, a);
+  launch(gemv_stage_kernel<W13, SPLIT, NS>, dim3(blocks), dim3(32 * GEMV_WARPS), 0, stream, pdl, a);
+}
+
+template <bool W13, bool SPLIT>
+void launch_gemv_ns(const GemvArgs& a, int max_units, cudaStream_t stream, bool pdl) {
+  // Pieces per thread and row in a round: 4 (a quad reads 256 contiguous bytes of a row) when K allows.
+  switch (gemv_ns(a.K)) {
+    case 4: launch_gemv<W13, SPLIT, 4>(a, max_units, stream, pdl); break;
+    case 2: launch_gemv<W13, SPLIT, 2>(a, max_units, stream, pdl); break;
+    default: launch_gemv<W13, SPLIT, 1>(a, max_units, stream, pdl); break;
+  }
 }
 
 // One decode stage over the 2-bit experts of a step (experts with an FP4 copy are skipped).
 // w13: b = xp [T, planes, H] (planes 2 when split), writes act [P, 2, Ir]; w2: b = act, writes partial [P, H].
-void gemv_stage_impl(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
+void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
                 c10::optional<torch::Tensor> fp4_slot_of, int64_t q_off, int64_t s_off, int64_t H, int64_t Ir,
                 torch::Tensor topk_ids, int64_t topk, torch::Tensor b, c10::optional<torch::Tensor> act,
                 c10::optional<torch::Tensor> partial, c10::optional<torch::Tensor> weights,
                 c10::optional<torch::Tensor> out, c10::optional<torch::Tensor> counter, double limit,
-                bool has_limit, torch::Tensor error_flag, bool pdl, bool v2) {
+                bool has_limit, torch::Tensor error_flag, bool pdl) {
   CHECK_CUDA_T(pool, "pool");
   TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1 &&
                   pool.stride(0) % 16 == 0, "pool must be uint8 [S, stride] with 16-byte aligned rows");
@@ -779,34 +790,9 @@ void gemv_stage_impl(bool w13, bool split, torch::Tensor pool, torch::Tensor slo
   }
   if (a.P == 0) return;
   const int max_units = std::min(a.P, a.E) * a.tiles;
-  if (v2) {  // "gemv2": code ring in shared memory via cp.async (moe_decode.cuh)
-    if (w13 && split) launch_gemv<true, true, true>(a, max_units, stream, pdl);
-    else if (w13) launch_gemv<true, false, true>(a, max_units, stream, pdl);
-    else launch_gemv<false, true, true>(a, max_units, stream, pdl);
-  } else {
-    if (w13 && split) launch_gemv<true, true, false>(a, max_units, stream, pdl);
-    else if (w13) launch_gemv<true, false, false>(a, max_units, stream, pdl);
-    else launch_gemv<false, true, false>(a, max_units, stream, pdl);
-  }
-}
-
-void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
-                c10::optional<torch::Tensor> fp4_slot_of, int64_t q_off, int64_t s_off, int64_t H, int64_t Ir,
-                torch::Tensor topk_ids, int64_t topk, torch::Tensor b, c10::optional<torch::Tensor> act,
-                c10::optional<torch::Tensor> partial, c10::optional<torch::Tensor> weights,
-                c10::optional<torch::Tensor> out, c10::optional<torch::Tensor> counter, double limit,
-                bool has_limit, torch::Tensor error_flag, bool pdl) {
-  gemv_stage_impl(w13, split, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, topk_ids, topk, b, act, partial, weights, out, counter, limit, has_limit, error_flag, pdl, false);
-}
-
-// The same stage with the code ring in shared memory (cp.async, 8 chunks in flight): MOETPLAN_DECODE_KERNEL=gemv2.
-void gemv2_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
-                c10::optional<torch::Tensor> fp4_slot_of, int64_t q_off, int64_t s_off, int64_t H, int64_t Ir,
-                torch::Tensor topk_ids, int64_t topk, torch::Tensor b, c10::optional<torch::Tensor> act,
-                c10::optional<torch::Tensor> partial, c10::optional<torch::Tensor> weights,
-                c10::optional<torch::Tensor> out, c10::optional<torch::Tensor> counter, double limit,
-                bool has_limit, torch::Tensor error_flag, bool pdl) {
-  gemv_stage_impl(w13, split, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, topk_ids, topk, b, act, partial, weights, out, counter, limit, has_limit, error_flag, pdl, true);
+  if (w13 && split) launch_gemv_ns<true, true>(a, max_units, stream, pdl);
+  else if (w13) launch_gemv_ns<true, false>(a, max_units, stream, pdl);
+  else launch_gemv_ns<false, true>(a, max_units, stream, pdl);
 }
 
 template <bool W13, int NP, typename XT>
@@ -968,7 +954,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine", &moet::combine, "weighted per-token sum of the w2 partials");
   m.def("xprep", &moet::xprep, "x -> bf16 hi(/lo) planes in the decode stages' K pairing");
   m.def("gemv_stage", &moet::gemv_stage, "decode stage (few pairs per expert) over the 2-bit experts");
-  m.def("gemv2_stage", &moet::gemv2_stage, "decode stage with the code ring in shared memory (cp.async)");
   m.def("gemv_max_pairs", &moet::gemv_max_pairs, "largest pair count of the decode stages");
   m.def("rowdot_stage", &moet::rowdot_stage, "decode stage on CUDA cores (1-2 pairs per expert pass)");
   m.def("rowdot_rows_per_unit", &moet::rowdot_rows_per_unit, "rows per rowdot unit for contraction K");

@@ -70,10 +70,10 @@ def _case(H, I, k, T, E=32, fmt_mix=False, dtype=torch.bfloat16, seed=0, limit=N
 SHAPES = [(4096, 2048), (6144, 1024), (7168, 2048), (7168, 512)]
 
 
-@pytest.fixture(params=["gemv2", "gemv", "rowdot", "mma"])
+@pytest.fixture(params=["gemv", "rowdot", "mma"])
 def decode_kernel(request, monkeypatch):
-    """Every decode path (MOETPLAN_DECODE_KERNEL): the mma.sync streaming stages with the cp.async ring (gemv2) and
-    with the register ring (gemv), the CUDA-core rowdot stages and the first version's tiles."""
+    """Every decode path (MOETPLAN_DECODE_KERNEL): the mma.sync streaming stages (gemv), the CUDA-core rowdot stages
+    and the first version's tiles."""
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", request.param)
     return request.param
 
@@ -194,7 +194,7 @@ def test_cuda_graph_capture_and_replay(mod, decode_kernel):
     assert _rel(out, ref.float()) < 8e-3
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "gemv2"])
+@pytest.mark.parametrize("kernel", ["gemv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_many_pairs_per_expert(mod, monkeypatch, dtype, kernel):
     # 9 experts, 8 of them per token: most experts carry 7-8 pairs, i.e. several passes of the decode stages
@@ -217,18 +217,20 @@ def test_gemv_and_mma_decode_agree(mod, monkeypatch):
 
 
 @pytest.mark.parametrize("T", [1, 3, 8])
-@pytest.mark.parametrize("H,I", SHAPES)
-def test_gemv2_and_gemv_decode_agree(mod, monkeypatch, T, H, I):
-    # Same K order per accumulator chain; gemv2 sums two chains per unit, so agreement is to float32 rounding.
+@pytest.mark.parametrize("H,I", [(4096, 256), (2560, 512), (3584, 768), (7168, 2048)])
+def test_gemv_every_round_width(mod, monkeypatch, T, H, I):
+    # A round reads 4, 2 or 1 16-byte pieces per thread and row (K a multiple of 1024, 512, or only 256): here
+    # w13 (K = H) and w2 (K = Ir) cover all three, against the float32 reference and the rowdot stages (both
+    # float32-accurate: hi/lo B operand).
     x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, dtype=torch.float32, seed=41 + T)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv2")
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
     assert ops.use_gemv(mod, ids.numel(), lay, T)
     a = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
-    b = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    assert _rel(a, b) < 1e-5
     ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
     assert _rel(a, ref) < DECODE_TOL
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "rowdot")
+    b = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert _rel(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

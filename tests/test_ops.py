@@ -270,14 +270,24 @@ def _prmt(a: int, b: int, s: int) -> int:
     return out
 
 
-def _decode_2bit_fast(w: int, b: int) -> list[tuple[float, float]]:
-    """decode_2bit_fast in csrc/moe_decode.cuh: one and_or selector word per two registers (low / high half)."""
-    table = ((b >> 1) * 0x01010101 + 0x81800100) & 0xFFFFFFFF
-    low = (b & 1) << 7
-    m, o = 0x30303030, 0x04040404
+def _scale_table(sw: int, k: int) -> tuple[int, int]:
+    """scale_word + scale_table<k> in csrc/moe_decode.cuh: the decode table of byte k of a 4-byte scale word, and
+    the word of low bytes (b & 1) << 7 that prmt reads as its second source."""
+    h = ((sw * (1 << 31)) >> 32) & 0x7F7F7F7F
+    h1 = h + 0x01010101
+    lw = ((sw & 0x01010101) * 128) & 0xFFFFFFFF
+    return _prmt(h, h1, k | ((4 + k) << 4) | (k << 8) | ((4 + k) << 12)) | 0x80800000, lw
+
+
+def _decode_2bit_fast(w: int, b: int, k: int = 0, others: int = 0x5A) -> list[tuple[float, float]]:
+    """decode_2bit_fast in csrc/moe_decode.cuh: one and_or selector word per two registers (low / high half), the
+    scale byte b being byte k of a scale word whose other bytes are `others` (they must not matter)."""
+    sw = sum(((b if i == k else others) & 0xFF) << (8 * i) for i in range(4))
+    table, lw = _scale_table(sw, k)
+    m, o = 0x30303030, 0x04040404 | (k * 0x01010101)
     mask = 0xFFFFFFFF
     sels = [((w * 16) & mask & m) | o, ((w * 4) & mask & m) | o, (w & m) | o, ((w * (1 << 30)) >> 32 & m) | o]
-    regs = [_prmt(table, low, s) for s in sels] + [_prmt(table, low, (s * (1 << 16)) >> 32) for s in sels]
+    regs = [_prmt(table, lw, s) for s in sels] + [_prmt(table, lw, (s * (1 << 16)) >> 32) for s in sels]
     return [(_bf16_bits_to_float(r & 0xFFFF), _bf16_bits_to_float(r >> 16)) for r in regs]
 
 
@@ -288,7 +298,8 @@ def test_decode_2bit_fast_emulation_all_scales():
     lo = [0, 1, 2, 3, 8, 9, 10, 11]  # same register pairing as the first decode: the B operand layout relies on it
     for b in range(1, 253):
         for w in [int(v) for v in g.integers(0, 2**32, 3)] + [0, 0xFFFFFFFF, 0x1B1B1B1B]:
-            for r, (a, c) in enumerate(_decode_2bit_fast(w, b)):
+            k, others = int(g.integers(0, 4)), int(g.integers(0, 256))
+            for r, (a, c) in enumerate(_decode_2bit_fast(w, b, k, others)):
                 for j, got in ((lo[r], a), (lo[r] + 4, c)):
                     assert got == math.ldexp(CODE_VALUES[(w >> (2 * j)) & 3], b - 127), (b, hex(w), r, j)
 
@@ -532,12 +543,29 @@ class _FakeGemvExtension(_FakeExtension):
             out.copy_((partial.view(T, topk, H) * weights.unsqueeze(-1)).sum(1))
 
 
-class _FakeGemv2Extension(_FakeGemvExtension):
-    """A build with the shared-memory-ring variant too (gemv2_stage: same arguments and buffers as gemv_stage)."""
+def _b_pos(n: int, ns: int) -> int:
+    """b_pos in csrc/moe_decode.cuh: where natural 16-byte unit n (8 weights, paired order) of a B plane is stored."""
+    lg = ns >> 1
+    ph, sub = n >> 3, n & 7
+    rr, t, j = ph >> (2 + lg), (ph >> lg) & 3, ph & (ns - 1)
+    return ((((rr << lg) + j) * 8 + sub) << 2) + t
 
-    def gemv2_stage(self, w13, *args):
-        self.gemv_stage(w13, *args)
-        self.calls[-1] = f"gemv2_{'13' if w13 else '2'}"
+
+@pytest.mark.parametrize("K", [256, 512, 768, 1024, 2048, 2560, 3584, 7168])
+def test_b_plane_order_is_a_permutation_that_quads_read_contiguously(K):
+    ns = 4 if K % 1024 == 0 else 2 if K % 512 == 0 else 1  # gemv_ns
+    units = K // 8
+    pos = [_b_pos(n, ns) for n in range(units)]
+    assert sorted(pos) == list(range(units))
+    # The stage reads group `sub` of its piece j of round rr (thread t) at unit ((rr ns + j) 8 + sub) 4 + t: that
+    # must hold the B values of the code piece the thread decodes, K piece (rr * 4 + t) * ns + j of the row; and the
+    # 4 threads of a quad read 4 consecutive units (64 contiguous bytes).
+    for rr in range(K // (256 * ns)):
+        for j in range(ns):
+            for sub in range(8):
+                got = [pos[((rr * 4 + t) * ns + j) * 8 + sub] for t in range(4)]
+                assert got == [((rr * ns + j) * 8 + sub) * 4 + t for t in range(4)]
+                assert got == list(range(got[0], got[0] + 4))
 
 
 def test_paired_order_round_trips_and_matches_the_kernel_position_rule():
@@ -580,47 +608,6 @@ def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, monkeypatch)
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "fast")
     with pytest.raises(UsageError, match="MOETPLAN_DECODE_KERNEL"):
         ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, None, None, None, None, None)
-
-
-@pytest.mark.parametrize("fp4", [False, True])
-def test_gemv2_selected_by_env_and_same_plumbing(fp4, monkeypatch):
-    H, I, E, T, k = 256, 256, 16, 2, 4
-    lay2 = RowLayout.for_expert(H, I, fmt="2bit")
-    lay4 = RowLayout.for_expert(H, I, fmt="fp4")
-    pool = _pool(lay2, E, seed=1)
-    extra = {}
-    if fp4:
-        f4 = torch.full((E,), -1, dtype=torch.int32)
-        f4[torch.tensor([2, 7])] = torch.tensor([0, 1], dtype=torch.int32)
-        extra = {"fp4_pool": _pool(lay4, 2, seed=2), "fp4_slot_of": f4, "fp4_layout": lay4}
-    ids, w = _routing(T, k, E, seed=6)
-    x = (torch.randn(T, H, generator=_rng(4)) * 0.3).to(torch.bfloat16)
-    fake = _FakeGemv2Extension()
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv2")
-    assert ops.decode_kernel() == "gemv2" and ops.use_gemv(fake, T * k, lay2, T)
-    assert not ops.use_rowdot(fake, T * k, lay2, T)
-    got = ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, extra.get("fp4_pool"),
-                        extra.get("fp4_slot_of"), extra.get("fp4_layout"), None, None)
-    ref = ops.moe_forward_reference(x, ids, w, pool, torch.arange(E), lay2, **extra)
-    assert fake.calls[:3] == ["xprep", "gemv2_13", "gemv2_2"]
-    assert "gemv13" not in fake.calls
-    assert ("stage13s" in fake.calls) == fp4
-    assert _rel(got.float(), ref.float()) < 8e-3
-    # The default stays on gemv_stage.
-    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL")
-    fake.calls.clear()
-    ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, None, None, None, None, None)
-    assert fake.calls[:3] == ["xprep", "gemv13", "gemv2"]
-
-
-def test_gemv2_needs_a_build_that_has_it(monkeypatch):
-    lay = RowLayout.for_expert(4096, 2048)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv2")
-    # A build without gemv2_stage: neither streaming path, the tile path takes the step.
-    assert not ops.use_gemv(_FakeGemvExtension(), 8, lay, 1)
-    assert ops.use_gemv(_FakeGemv2Extension(), 8, lay, 1)
-    assert not ops.use_gemv(_FakeGemv2Extension(), 65, lay, 8)
 
 
 def test_gemv_takes_only_small_aligned_steps(monkeypatch):

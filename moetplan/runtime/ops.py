@@ -26,10 +26,10 @@ from moetplan.runtime.format import BLOCK, CODE_VALUES, RowLayout, e2m1_values
 PREFILL_PAIRS_PER_EXPERT = 8
 # Cap on the fp32 per-pair partial buffer [T*k, H] of one kernel call; longer prefills are chunked over tokens.
 PARTIAL_BYTES_CAP = 1 << 30
-# The streaming decode stages (csrc/moe_decode.cuh) read code rows in 256-weight chunks per quad of threads.
+# The streaming decode stages (csrc/moe_decode.cuh) read code rows in rounds of 256, 512 or 1024 weights per row
+# (a quad of threads reads 64, 128 or 256 contiguous bytes of it): K must be a multiple of 256.
 GEMV_ALIGN = 256
-# "gemv2" (cp.async code ring, 8 chunks in flight) is selectable only: 1.15-1.38x gemv's time on the H200.
-DECODE_KERNELS = ("auto", "rowdot", "gemv", "gemv2", "mma")
+DECODE_KERNELS = ("auto", "rowdot", "gemv", "mma")
 # "auto": the CUDA-core rowdot stages for steps of at most this many tokens (1-2 pairs per expert), the gemv stages
 # above it. 0 = gemv everywhere: on the H200 rowdot took 1.24-1.55x gemv's time at 1 token and ~2.2x at 2-8
 # (instruction-issue bound, docs/KERNELS.md). Raise it only on a GPU where bench/kernels.py measures rowdot faster.
@@ -218,8 +218,7 @@ def _check_residency() -> bool:
 def decode_kernel() -> str:
     """Which decode path small steps take, from MOETPLAN_DECODE_KERNEL: 'auto' (the default: rowdot for steps of
     <= ROWDOT_MAX_TOKENS tokens, else gemv), 'rowdot' (CUDA-core row streaming, csrc/moe_rowdot.cuh), 'gemv'
-    (mma.sync streaming stages, csrc/moe_decode.cuh), 'gemv2' (the same stages with the code ring in shared memory,
-    filled by cp.async) or 'mma' (the first version's scan-mode tiles)."""
+    (mma.sync streaming stages, csrc/moe_decode.cuh) or 'mma' (the first version's scan-mode tiles)."""
     v = os.environ.get("MOETPLAN_DECODE_KERNEL", "auto").strip().lower() or "auto"
     if v not in DECODE_KERNELS:
         raise UsageError(f"MOETPLAN_DECODE_KERNEL={v!r} is not one of {', '.join(DECODE_KERNELS)}; unset it for "
@@ -249,14 +248,8 @@ def use_gemv(mod, P: int, layout: RowLayout, T: int | None = None) -> bool:
     2-bit rows split into whole 256-weight chunks (H and Ir multiples of 256: every target model), unless the
     rowdot stages take it."""
     dk = decode_kernel()
-    return (dk in ("auto", "gemv", "gemv2") and not use_rowdot(mod, P, layout, T)
-            and _decode_shape_ok(mod, P, layout, _gemv_fn(dk)))
-
-
-def _gemv_fn(dk: str) -> str:
-    """The extension function of the streaming decode stages: gemv2_stage only when asked for (an older build
-    without it then keeps the step off both gemv paths: the shape check fails on the missing function)."""
-    return "gemv2_stage" if dk == "gemv2" else "gemv_stage"
+    return (dk in ("auto", "gemv") and not use_rowdot(mod, P, layout, T)
+            and _decode_shape_ok(mod, P, layout, "gemv_stage"))
 
 
 def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of, fp4_layout,
@@ -323,7 +316,7 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             act_hl = torch.empty(P, 2, ir, dtype=torch.bfloat16, device=dev)
             counter = torch.empty(xs.shape[0], H // 16, dtype=torch.int32, device=dev) if fused else None
             mod.xprep(xs, xp, counter, pdl)
-            stage = getattr(mod, _gemv_fn(decode_kernel()))
+            stage = mod.gemv_stage
             stage(True, split, pool, slot32, f4slot32, layout.w13_q_off, layout.w13_s_off, H, ir, ids, k,
                   xp, act_hl, None, None, None, None, lim, swiglu_limit is not None, flag, pdl)
             stage(False, True, pool, slot32, f4slot32, layout.w2_q_off, layout.w2_s_off, H, ir, ids, k,

@@ -1,0 +1,43 @@
+"""Driver for Nsight Compute on the decode stages (issue 8): a few eager calls of one MoE layer at the given
+model shape and token count, so that `ncu -k regex:gemv_stage` has launches to profile.
+
+    ncu --set full --clock-control none -k regex:gemv_stage --launch-skip 2 --launch-count 2 \
+        -o gemv python3 bench/ncu_gemv.py --model DeepSeek-V4-Flash --tokens 8
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kernels import model_shapes, random_pool, routing  # noqa: E402
+from moetplan.runtime import ops  # noqa: E402
+from moetplan.runtime.format import RowLayout  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="DeepSeek-V4-Flash")
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--calls", type=int, default=3)
+    args = ap.parse_args()
+    m = next(s for s in model_shapes() if s["name"] == args.model)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lay = RowLayout.for_expert(m["H"], m["I"], fmt="2bit")
+    ids, w = routing(args.tokens, m["k"], m["E"], gen)
+    used = torch.unique(ids)
+    slot_of = torch.full((m["E"],), -1, dtype=torch.int32, device="cuda")
+    slot_of[used] = torch.arange(len(used), dtype=torch.int32, device="cuda")
+    pool = random_pool(lay, len(used), gen)
+    x = (torch.randn(args.tokens, m["H"], device="cuda", generator=gen) * 0.3).to(torch.bfloat16)
+    for _ in range(args.calls):
+        ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    torch.cuda.synchronize()
+    print(f"{args.model} T={args.tokens}: {len(used)} experts, {len(used) * lay.payload_bytes / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()

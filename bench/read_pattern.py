@@ -1,0 +1,71 @@
+"""Read-pattern ceiling of the decode stages (issue 8): pure-read kernels (bench/cuda/read_pattern.cu) that touch
+the same bytes in the order the decode stages do, against a tile-major order and torch.sum, in one run.
+
+    python3 bench/read_pattern.py --out bench/results/read_pattern_h200.json
+
+Per pattern and row length (1024 B = K 4096 2-bit codes, 512 B = K 2048): GB/s over a 4 GiB buffer in one launch,
+and over slices of a decode step's size (back to back in one CUDA graph), as a share of torch.sum's rate.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kernels import GIB, MIB, atomic_write_json, capture, machine_info, time_events  # noqa: E402
+
+PATTERNS = {0: "tile_linear", 1: "gemv", 2: "quad256", 3: "gemv+scales"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--gib", type=float, default=4.0)
+    args = ap.parse_args()
+    mod = load("moetplan_read_pattern", [str(Path(__file__).parent / "cuda" / "read_pattern.cu")],
+               extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)
+    n = int(args.gib * GIB)
+    buf = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    scales = torch.randint(0, 256, (n // 8,), dtype=torch.uint8, device="cuda")
+    f32 = buf.view(torch.float32)
+    o = torch.empty((), device="cuda")
+    t = time_events(lambda: torch.sum(f32, dim=0, out=o), reps=10)
+    sum_gbps = n / (t["median_ms"] * 1e-3) / 1e9
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    res = {"machine": machine_info(), "torch_sum_gbps": sum_gbps, "patterns": []}
+    print(f"torch.sum {sum_gbps:.0f} GB/s", flush=True)
+    out = torch.empty(sms * 16 * 128, dtype=torch.int32, device="cuda")
+    for rb in (1024, 512):
+        for mode, name in PATTERNS.items():
+            for wps in (16, 32):
+                blocks = sms * wps // 4
+                tw = time_events(lambda: mod.read_pattern(mode, buf, scales, rb, blocks, out), reps=5)
+                whole = n / (tw["median_ms"] * 1e-3) / 1e9
+                row = {"pattern": name, "row_bytes": rb, "warps_per_sm": wps, "whole_gbps": whole,
+                       "whole_share": whole / sum_gbps}
+                # Step-sized launches: 28 MiB (DS4-Flash w13 at 1 token) and 150 MiB, back to back in a graph.
+                for sl_mib in (28, 150):
+                    sl = sl_mib * MIB
+                    k = n // sl
+                    views = [(buf[i * sl:(i + 1) * sl], scales[i * sl // 8:(i + 1) * sl // 8]) for i in range(k)]
+
+                    def run():
+                        for b, s in views:
+                            mod.read_pattern(mode, b, s, rb, blocks, out)
+
+                    g = capture(run)
+                    ts = time_events(g.replay, reps=5)
+                    row[f"slices_{sl_mib}mib_gbps"] = k * sl / (ts["median_ms"] * 1e-3) / 1e9
+                    row[f"slices_{sl_mib}mib_share"] = row[f"slices_{sl_mib}mib_gbps"] / sum_gbps
+                    del g
+                print({k_: (round(v, 3) if isinstance(v, float) else v) for k_, v in row.items()}, flush=True)
+                res["patterns"].append(row)
+                atomic_write_json(args.out, res)
+
+
+if __name__ == "__main__":
+    main()
