@@ -194,7 +194,7 @@ __global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H, int* 
 // B operand: bf16 planes in the paired order (xprep_kernel's xp for w13, the w13 epilogue's act for w2).
 // SPLIT: 2 planes (hi, lo) and 4 pairs per pass (columns 4..7 = lo of pairs 0..3); else 1 plane, 8 pairs.
 //
-// Access pattern (bench/read_pattern.py on the H200: the first version's order read 67% of torch.sum's rate
+// Access pattern (bench/read_pattern.py on the H200: the previous stages' order read 67% of torch.sum's rate
 // with no compute at all, 52-56% with its 2-byte scale loads; this one 93-96%): a warp streams its units in
 // rounds; in a round every thread reads NS contiguous 16-byte pieces of each of its two rows (NS = 4 when K is a
 // multiple of 1024, so a quad covers 256 contiguous bytes of a row) and the 2*NS scale bytes of those pieces in
