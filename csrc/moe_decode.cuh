@@ -191,30 +191,13 @@ __global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H, int* 
   if (SPLIT) *reinterpret_cast<uint4*>(xp + (tok * planes + 1) * H + kp) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
 }
 
-// B operand: bf16 planes in the paired order (xprep_kernel's xp for w13, the w13 epilogue's act for w2).
-// SPLIT: 2 planes (hi, lo) and 4 pairs per pass (columns 4..7 = lo of pairs 0..3); else 1 plane, 8 pairs.
-//
-// Access pattern (bench/read_pattern.py on the H200: the previous stages' order read 67% of torch.sum's rate
-// with no compute at all, 52-56% with its 2-byte scale loads; this one 93-96%): a warp streams its units in
-// rounds; in a round every thread reads NS contiguous 16-byte pieces of each of its two rows (NS = 4 when K is a
-// multiple of 1024, so a quad covers 256 contiguous bytes of a row) and the 2*NS scale bytes of those pieces in
-// one load per row. Piece j of round rr of thread t sits at 16-byte index (rr * 4 + t) * NS + j of the row; the
-// B operand planes are read at the same K (the K order is free: codes and B agree on it, and within a piece the
-// order is the paired one; the planes are stored in consumption order, b_pos). A round's buffer of the cp.async
-// ring is refilled with round r + GEMV_ROUNDS once its MMAs have consumed it.
-template <bool W13, bool SPLIT, int NS>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs a) {
-  constexpr int NCOL = SPLIT ? 4 : 8;  // pairs per pass
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-
-  __shared__ int ep_expert[GEMV_MAX_PAIRS];
-  __shared__ int ep_slot[GEMV_MAX_PAIRS];
-  __shared__ int ep_cnt[GEMV_MAX_PAIRS];
-  __shared__ int ep_pair[GEMV_MAX_PAIRS][NCOL];
-  __shared__ int ids_s[GEMV_MAX_PAIRS];
-  __shared__ int n_ep_s;
-
+// The step's routing for a decode stage, built by warp 0 of every block in shared memory (the caller syncs):
+// unique 2-bit experts in order of first occurrence, each split into passes of at most NCOL pairs.
+template <int NCOL>
+__device__ __forceinline__ void gemv_routing(const GemvArgs& a, int lane, int warp, int (&ids_s)[GEMV_MAX_PAIRS],
+                                             int (&ep_expert)[GEMV_MAX_PAIRS], int (&ep_slot)[GEMV_MAX_PAIRS],
+                                             int (&ep_cnt)[GEMV_MAX_PAIRS], int (&ep_pair)[GEMV_MAX_PAIRS][NCOL],
+                                             int& n_ep_s) {
   // Routing and code fetches read only what kernels before the previous one wrote (that one triggered its
   // dependents after its own wait): the B operand (xp / act, the previous kernel's output) is read after the wait.
   if (warp == 0) {
@@ -265,6 +248,91 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
     }
     if (lane == 0) n_ep_s = base;
   }
+}
+
+// A unit's results (v: rows g, g+8 of its tile, MMA columns 2t, 2t+1): w13 -> SiLU(gate) * up into the bf16 hi/lo
+// intermediate (in the w2 stage's B order); w2 -> partial rows, and the fused combine when enabled.
+template <bool W13, bool SPLIT, int NCOL>
+__device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], int ep, int tile, int lane,
+                                              const int (&ep_cnt)[GEMV_MAX_PAIRS],
+                                              const int (&ep_pair)[GEMV_MAX_PAIRS][NCOL]) {
+  const int g = lane >> 2, t = lane & 3;
+  if (SPLIT) {
+    // Columns 4..7 hold the lo halves of columns 0..3 (lanes t and t^2): hi + lo, in that order.
+    float hi[4] = {v[0], v[1], v[2], v[3]};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = hi[i] + __shfl_xor_sync(0xffffffffu, hi[i], 2);
+  }
+  const int cnt = ep_cnt[ep];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int col = 2 * t + i;
+    if ((SPLIT && t >= 2) || col >= cnt) continue;
+    const int p = ep_pair[ep][col];
+    if (W13) {
+      const float y = silu_mul(v[i], v[2 + i], a.has_limit, a.limit);  // row g: gate, row g+8: up
+      const int j = b_pos(tile, gemv_ns(a.Ir)) * 8;  // group `tile` of 8, in the w2 stage's order
+      const __nv_bfloat16 yh = __float2bfloat16_rn(y);
+      const __nv_bfloat16 yl = __float2bfloat16_rn(y - __bfloat162float(yh));
+      __nv_bfloat16* dst = a.act + int64_t(p) * 2 * a.Ir + j + paired_pos(g);
+      dst[0] = yh;
+      dst[a.Ir] = yl;
+    } else {
+      float* dst = a.partial + int64_t(p) * a.H + tile * 16 + g;
+      dst[0] = v[i];
+      dst[8] = v[2 + i];
+    }
+  }
+  if (!W13 && a.weights != nullptr) {
+    // Fused combine: count this unit's pairs into their token's tile; the last arrival sums the k rows.
+    __threadfence();  // this lane's partial rows before the count (syncwarp orders the lanes for lane 0)
+    __syncwarp();
+    for (int col = 0; col < cnt; ++col) {
+      const int tok = ep_pair[ep][col] / a.topk;
+      int old = 0;
+      if (lane == 0) old = atomicAdd(a.counter + int64_t(tok) * a.tiles + tile, 1);
+      old = __shfl_sync(0xffffffffu, old, 0);
+      if (old != a.topk - 1) continue;
+      __threadfence();
+      if (lane < 16) {
+        const int h = tile * 16 + lane;
+        float acc_o = 0.f;
+        for (int jj = 0; jj < a.topk; ++jj)
+          acc_o += a.weights[tok * a.topk + jj] * __ldcg(a.partial + (int64_t(tok) * a.topk + jj) * a.H + h);
+        const int64_t o = int64_t(tok) * a.H + h;
+        if (a.out_kind == 0) store_out(reinterpret_cast<float*>(a.out) + o, acc_o);
+        else if (a.out_kind == 1) store_out(reinterpret_cast<__nv_bfloat16*>(a.out) + o, acc_o);
+        else store_out(reinterpret_cast<__half*>(a.out) + o, acc_o);
+      }
+    }
+  }
+}
+
+// B operand: bf16 planes in the paired order (xprep_kernel's xp for w13, the w13 epilogue's act for w2).
+// SPLIT: 2 planes (hi, lo) and 4 pairs per pass (columns 4..7 = lo of pairs 0..3); else 1 plane, 8 pairs.
+//
+// Access pattern (bench/read_pattern.py on the H200: the previous stages' order read 67% of torch.sum's rate
+// with no compute at all, 52-56% with its 2-byte scale loads; this one 93-96%): a warp streams its units in
+// rounds; in a round every thread reads NS contiguous 16-byte pieces of each of its two rows (NS = 4 when K is a
+// multiple of 1024, so a quad covers 256 contiguous bytes of a row) and the 2*NS scale bytes of those pieces in
+// one load per row. Piece j of round rr of thread t sits at 16-byte index (rr * 4 + t) * NS + j of the row; the
+// B operand planes are read at the same K (the K order is free: codes and B agree on it, and within a piece the
+// order is the paired one; the planes are stored in consumption order, b_pos). A round's buffer of the cp.async
+// ring is refilled with round r + GEMV_ROUNDS once its MMAs have consumed it.
+template <bool W13, bool SPLIT, int NS>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs a) {
+  constexpr int NCOL = SPLIT ? 4 : 8;  // pairs per pass
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+
+  __shared__ int ep_expert[GEMV_MAX_PAIRS];
+  __shared__ int ep_slot[GEMV_MAX_PAIRS];
+  __shared__ int ep_cnt[GEMV_MAX_PAIRS];
+  __shared__ int ep_pair[GEMV_MAX_PAIRS][NCOL];
+  __shared__ int ids_s[GEMV_MAX_PAIRS];
+  __shared__ int n_ep_s;
+
+  gemv_routing<NCOL>(a, lane, warp, ids_s, ep_expert, ep_slot, ep_cnt, ep_pair, n_ep_s);
   __syncthreads();
   const int n_units = n_ep_s * a.tiles;
   // Warps interleaved over blocks so that the busy ones spread over the SMs; contiguous unit ranges per warp.
@@ -421,55 +489,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
       float v[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) { v[i] = acc[i] + acc2[i]; }
-      if (SPLIT) {
-        // Columns 4..7 hold the lo halves of columns 0..3 (lanes t and t^2): hi + lo, in that order.
-        float hi[4] = {v[0], v[1], v[2], v[3]};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = hi[i] + __shfl_xor_sync(0xffffffffu, hi[i], 2);
-      }
-      const int cnt = ep_cnt[ep];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int col = 2 * t + i;
-        if ((SPLIT && t >= 2) || col >= cnt) continue;
-        const int p = ep_pair[ep][col];
-        if (W13) {
-          const float y = silu_mul(v[i], v[2 + i], a.has_limit, a.limit);  // row g: gate, row g+8: up
-          const int j = b_pos(tile, gemv_ns(a.Ir)) * 8;  // group `tile` of 8, in the w2 stage's order
-          const __nv_bfloat16 yh = __float2bfloat16_rn(y);
-          const __nv_bfloat16 yl = __float2bfloat16_rn(y - __bfloat162float(yh));
-          __nv_bfloat16* dst = a.act + int64_t(p) * 2 * a.Ir + j + paired_pos(g);
-          dst[0] = yh;
-          dst[a.Ir] = yl;
-        } else {
-          float* dst = a.partial + int64_t(p) * a.H + tile * 16 + g;
-          dst[0] = v[i];
-          dst[8] = v[2 + i];
-        }
-      }
-      if (!W13 && a.weights != nullptr) {
-        // Fused combine: count this unit's pairs into their token's tile; the last arrival sums the k rows.
-        __threadfence();  // this lane's partial rows before the count (syncwarp orders the lanes for lane 0)
-        __syncwarp();
-        for (int col = 0; col < cnt; ++col) {
-          const int tok = ep_pair[ep][col] / a.topk;
-          int old = 0;
-          if (lane == 0) old = atomicAdd(a.counter + int64_t(tok) * a.tiles + tile, 1);
-          old = __shfl_sync(0xffffffffu, old, 0);
-          if (old != a.topk - 1) continue;
-          __threadfence();
-          if (lane < 16) {
-            const int h = tile * 16 + lane;
-            float acc_o = 0.f;
-            for (int jj = 0; jj < a.topk; ++jj)
-              acc_o += a.weights[tok * a.topk + jj] * __ldcg(a.partial + (int64_t(tok) * a.topk + jj) * a.H + h);
-            const int64_t o = int64_t(tok) * a.H + h;
-            if (a.out_kind == 0) store_out(reinterpret_cast<float*>(a.out) + o, acc_o);
-            else if (a.out_kind == 1) store_out(reinterpret_cast<__nv_bfloat16*>(a.out) + o, acc_o);
-            else store_out(reinterpret_cast<__half*>(a.out) + o, acc_o);
-          }
-        }
-      }
+      gemv_epilogue<W13, SPLIT, NCOL>(a, v, ep, tile, lane, ep_cnt, ep_pair);
 #pragma unroll
       for (int i = 0; i < 4; ++i) { acc[i] = 0.f; acc2[i] = 0.f; }
       rc = 0;
