@@ -1,16 +1,21 @@
 """What would move the bottleneck: re-predict the plan with one knob changed and say what changes.
 
 Lines like "+4 GiB GPU expert cache: miss steps 100% -> 62%, +6.1 tok/s (33.0 -> 39.1)" for `moetplan plan
---explain`. Only the cost model is consulted: whether the changed plan still fits in memory is the solver's call, so
-each line states the extra memory it would need.
+--explain`. Each changed placement also goes through the memory ledger (the solver's own check): when the plan as
+given fits but the change does not, the line says what would be short, and changes that fit come first.
 """
 from __future__ import annotations
+
+import math
 
 from moetplan.cost_model.calibration import Calibration, load_calibration
 from moetplan.cost_model.predict import predict
 from moetplan.cost_model.terms import KV
 from moetplan.models.spec import ModelSpec
+from moetplan.plan.ledger import build_ledger
 from moetplan.plan.schema import HardwareProfile, Placement, Prediction
+
+GIB = 1024**3
 
 MAX_LINES = 6
 
@@ -19,9 +24,15 @@ def _variants(model: ModelSpec, hw: HardwareProfile, pl: Placement, base: Predic
     out: list[tuple[str, Placement]] = []
 
     def v(label: str, **changes: object) -> None:
-        out.append((label, pl.model_copy(update={**changes, "gpu_expert_cache_slots": 0, "fp4_reserve_slots": 0}
-                                         if ("gpu_expert_cache_gib" in changes or "fp4_reserve_gib" in changes)
-                                         else changes)))
+        q = pl.model_copy(update=changes)
+        # Slots follow the GiB the way the solver sizes them, so that the cost model and the ledger see the change.
+        if "gpu_expert_cache_gib" in changes or "expert_tier" in changes:
+            max_slots = math.ceil(model.moe_layers / q.pp) * model.n_routed_experts
+            q.gpu_expert_cache_slots = min(int(q.gpu_expert_cache_gib * GIB // model.expert_bytes("2bit", q.tp)),
+                                           max_slots)
+        if "fp4_reserve_gib" in changes:
+            q.fp4_reserve_slots = int(q.fp4_reserve_gib * GIB // model.expert_bytes("fp4", q.tp))
+        out.append((label, q))
 
     if pl.expert_tier != "resident":
         v("+4 GiB GPU expert cache", gpu_expert_cache_gib=pl.gpu_expert_cache_gib + 4)
@@ -49,12 +60,14 @@ def whatifs(model: ModelSpec, hw: HardwareProfile, placement: Placement,
     """The knob changes that move decode speed most, best first, each with its effect in words."""
     calib = calib or load_calibration(hw)
     base = predict(model, hw, placement, calib)
-    scored: list[tuple[float, str]] = []
+    check_fit = build_ledger(model, hw, placement).ok  # a hand-made placement that does not fit: no fit notes
+    scored: list[tuple[bool, float, str]] = []
     for label, pl in _variants(model, hw, placement, base):
         try:
             p = predict(model, hw, pl, calib)
         except Exception:  # noqa: BLE001 - a variant the hardware cannot express is simply not offered
             continue
+        problems = build_ledger(model, hw, pl).problems if check_fit else []
         delta = p.decode_tok_s - base.decode_tok_s
         parts = []
         if base.zero_miss_step_share is not None and p.zero_miss_step_share is not None:
@@ -65,6 +78,9 @@ def whatifs(model: ModelSpec, hw: HardwareProfile, placement: Placement,
         if abs(p.aggregate_tok_s - base.aggregate_tok_s) > 0.05 * max(base.aggregate_tok_s, 1e-9) \
                 and placement.concurrency > 1:
             parts.append(f"aggregate {base.aggregate_tok_s:.0f} -> {p.aggregate_tok_s:.0f} tok/s")
-        scored.append((abs(delta), f"{label}: " + ", ".join(parts)))
-    scored.sort(key=lambda s: -s[0])
-    return [s for _, s in scored[:MAX_LINES]]
+        line = f"{label}: " + ", ".join(parts)
+        if problems:
+            line += f" — does not fit as planned: {problems[0]}"
+        scored.append((not problems, abs(delta), line))
+    scored.sort(key=lambda s: (not s[0], -s[1]))
+    return [s for _, _, s in scored[:MAX_LINES]]
