@@ -122,6 +122,35 @@ def test_calibrate_round_trip(tmp_path):
         load_calibration(hw, user=False).model_dump()).links
 
 
+def test_calibrate_takes_the_gate_fire_share_from_gated_runs(tmp_path):
+    from moetplan.cost_model.dataset import gate_fire_share
+    from moetplan.plan.schema import Gate
+
+    # 43 MoE layers; 30 of 200 decode steps fired: 30 * 43 second-pass MoE calls.
+    rt = {"gate_recompute_moe_calls": 30 * 43, "moe_layers": 43, "decode_steps_timed": 200, "steps": 230}
+    assert gate_fire_share(rt) == pytest.approx(0.15)
+    assert gate_fire_share({"moe_layers": 43}) is None
+    assert gate_fire_share({**rt, "gate_fire_share": 0.12}) == pytest.approx(0.12)  # the gate's own figure first
+    ds4, hw = hwdb.model_spec("deepseek-v4-flash"), hwdb.box_profile("rtx-5090x1")
+    assert load_calibration(hw).routing.gate_fire_share == pytest.approx(0.1)  # the checked-in default
+    pl = Placement(tp=1, context=32768, fp4_reserve_gib=2.0, gate=Gate(enabled=True, tau=0.3))
+    runs = []
+    for i, share in enumerate((0.15, 0.25, 0.2)):
+        path = _run_record(tmp_path / f"gated{i}.json", pl, 0.8 * predict(ds4, hw, pl).decode_tok_s)
+        d = json.loads(path.read_text())
+        d["runtime"] = {"gate_recompute_moe_calls": int(share * 200) * 43, "moe_layers": 43, "decode_steps_timed": 200}
+        path.write_text(json.dumps(d))
+        runs.append(path)
+    res = CliRunner().invoke(_app(), [*map(str, runs), "--box", "rtx-5090x1", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)["gate_fire_share"]
+    assert out["before"] == pytest.approx(0.1) and out["after"] == pytest.approx(0.2)  # median of the three runs
+    assert sorted(m["share"] for m in out["measured"]) == pytest.approx([0.15, 0.2, 0.25])
+    assert load_calibration(hw).routing.gate_fire_share == pytest.approx(0.2)
+    res = CliRunner().invoke(_app(), [*map(str, runs), "--box", "rtx-5090x1", "--dry-run"])
+    assert res.exit_code == 0 and "FP4 gate fired on" in res.output, res.output
+
+
 def test_calibrate_table_output_and_dry_run(tmp_path):
     pl = Placement(expert_tier="host", gpu_expert_cache_gib=11, context=32768, mtp=2, mtp_acceptance=2.7)
     run = _run_record(tmp_path / "run.json", pl, 20.0)

@@ -73,13 +73,18 @@ def refit(measurements: list[Measurement], current: Calibration) -> tuple[Calibr
     base = current
     if rho is not None:
         base = current.model_copy(update={"routing": current.routing.model_copy(update={"miss_correlation": rho})})
+    # The gate's fire share is measured directly (runtime counters of gated runs): the median over the runs.
+    fires = sorted(m.extra["gate_fire_share"] for m in measurements if "gate_fire_share" in m.extra)
+    if fires:
+        share = fires[len(fires) // 2] if len(fires) % 2 else 0.5 * (fires[len(fires) // 2 - 1] + fires[len(fires) // 2])
+        base = base.model_copy(update={"routing": base.routing.model_copy(update={"gate_fire_share": share})})
     new = fit(measurements, base=base, source="moetplan calibrate")
     after = evaluate(measurements, new)
     return new, before, after
 
 
 def write_user_calibration(new: Calibration, hw: HardwareProfile, path: Path, runs: list[str],
-                           routing_fitted: bool = False) -> None:
+                           routing_fitted: bool = False, gate_measured: bool = False) -> None:
     """Only this machine's GPU family and the links are written: other families keep the checked-in factors."""
     fam = family_key(hw)
     existing = _read_yaml(path) if path.exists() else {}
@@ -94,10 +99,13 @@ def write_user_calibration(new: Calibration, hw: HardwareProfile, path: Path, ru
         "families": families,
         "links": new.links.model_dump(),
     }
+    routing = dict(existing["routing"]) if isinstance(existing.get("routing"), dict) else {}
     if routing_fitted:
-        data["routing"] = {"miss_correlation": new.routing.miss_correlation}
-    elif isinstance(existing.get("routing"), dict):
-        data["routing"] = existing["routing"]
+        routing["miss_correlation"] = new.routing.miss_correlation
+    if gate_measured:
+        routing["gate_fire_share"] = new.routing.gate_fire_share
+    if routing:
+        data["routing"] = routing
     header = ("# moetplan calibrate: this machine's cost-model factors (layered over hwdb/calibration/cost_model.yaml"
               " by load_calibration).\n# Delete this file to return to the checked-in factors.\n")
     atomic_write_text(path, header + yaml.safe_dump(data, sort_keys=False))
@@ -124,7 +132,8 @@ def calibrate_command(
     zm_before, zm_after = zero_miss_rows(meas, current), zero_miss_rows(meas, new)
     target = out or user_calibration_path()
     if not dry_run:
-        write_user_calibration(new, hw_used, target, [str(p) for p in runs], routing_fitted=bool(zm_after))
+        write_user_calibration(new, hw_used, target, [str(p) for p in runs], routing_fitted=bool(zm_after),
+                               gate_measured=any("gate_fire_share" in m.extra for m in meas))
     family = family_key(hw_used)
     result = {
         "family": family,
@@ -141,6 +150,11 @@ def calibrate_command(
             "before": current.routing.miss_correlation, "after": new.routing.miss_correlation,
             "zero_miss_step_share": [{"row": r, "measured": m, "predicted_before": pb, "predicted_after": pa}
                                      for (r, m, pb), (_, _, pa) in zip(zm_before, zm_after)],
+        },
+        "gate_fire_share": {
+            "before": current.routing.gate_fire_share, "after": new.routing.gate_fire_share,
+            "measured": [{"row": m.row_id, "share": m.extra["gate_fire_share"]}
+                         for m in meas if "gate_fire_share" in m.extra],
         },
     }
     if as_json:
@@ -163,4 +177,9 @@ def calibrate_command(
     for (r, m, pb), (_, _, pa) in zip(zm_before, zm_after):
         con.print(f"{r}: zero-miss step share measured {m:.0%}, predicted {pb:.0%} -> {pa:.0%} "
                   f"(miss correlation {current.routing.miss_correlation:.3g} -> {new.routing.miss_correlation:.3g})")
+    gate = result["gate_fire_share"]
+    if gate["measured"]:
+        shares = ", ".join(f"{g['share']:.0%}" for g in gate["measured"])
+        con.print(f"FP4 gate fired on {shares} of decode steps: "
+                  f"fire share {gate['before']:.0%} -> {gate['after']:.0%} (median)")
     con.print("not written (--dry-run)" if dry_run else f"written to {target}")

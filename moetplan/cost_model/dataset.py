@@ -103,6 +103,22 @@ def load_reference(path: str | Path | None = None) -> list[Measurement]:
     return out
 
 
+def gate_fire_share(runtime: dict) -> float | None:
+    """Share of decode steps the FP4 confidence gate recomputed: the gate's own figure in a run record
+    (`gate_fire_share`: recomputes over the steps it judged), else from the MoE counters (the second pass is one MoE
+    call per MoE layer, `gate_recompute_moe_calls`, per fired step). None when the record has neither."""
+    own = runtime.get("gate_fire_share")
+    if isinstance(own, (int, float)) and not isinstance(own, bool):
+        return min(1.0, max(0.0, float(own)))
+    calls, layers = runtime.get("gate_recompute_moe_calls"), runtime.get("moe_layers")
+    steps = runtime.get("decode_steps_timed") or runtime.get("steps")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (calls, layers, steps)):
+        return None
+    if layers <= 0 or steps <= 0:
+        return None
+    return min(1.0, max(0.0, float(calls) / float(layers) / float(steps)))
+
+
 def from_run_record(run: RunRecord, path: str, hw: HardwareProfile | None = None,
                     model: ModelSpec | None = None) -> list[Measurement]:
     """A moetplan RunRecord as measurements: single-stream decode, aggregate at its concurrency, prefill.
@@ -141,6 +157,9 @@ def from_run_record(run: RunRecord, path: str, hw: HardwareProfile | None = None
     rt = run.runtime or {}
     extra = {k: float(rt[k]) for k in ("token_hit_rate", "zero_miss_step_share", "misses_per_step")
              if isinstance(rt.get(k), (int, float))}
+    fire = gate_fire_share(rt) if placement.gate.enabled else None
+    if fire is not None:
+        extra["gate_fire_share"] = fire
     name = Path(path).name
     out: list[Measurement] = []
 
