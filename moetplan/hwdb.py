@@ -241,9 +241,24 @@ def gpu_info(gpu_id: str, index: int = 0) -> GPUInfo:
                  "power_limit_w": ds},
     )
     if e["h2d_pinned_gbps"] is not None:
-        # A typical figure for the card's link class, not a measurement of this host.
+        # Measured on some host with this card (hwdb/gpus.yaml), not on this one.
         info.sources["h2d_pinned_gbps"] = "derived"
+    else:
+        rate = link_h2d_gbps(e["pcie_gen"], e["pcie_lanes"])
+        if rate is not None:
+            info.h2d_pinned_gbps = rate
+            info.sources["h2d_pinned_gbps"] = (f"derived (PCIe gen{e['pcie_gen']} x{e['pcie_lanes'] or 16}: "
+                                               "hwdb/calibration/links.yaml)")
     return info
+
+
+def link_h2d_gbps(pcie_gen: int | None, lanes: int | None) -> float | None:
+    """Typical pinned host->device GB/s of a PCIe link (hwdb/calibration/links.yaml, by generation at x16; narrower
+    links scale with their lanes). None for a generation the table lacks."""
+    table = (_read_yaml(calibration_dir() / "links.yaml") or {}).get("pinned_h2d_gbps_x16", {})
+    if pcie_gen is None or pcie_gen not in table:
+        return None
+    return float(table[pcie_gen]) * (lanes or 16) / 16
 
 
 _MAX_GPUS = 64  # one host; a typo like 1000x must not build a thousand GPUInfos

@@ -146,13 +146,27 @@ def test_required_gpus_present_with_full_fields():
             "rtx-4080-super", "rtx-5060-ti-16gb", "rtx-5070-ti", "rtx-5080", "rtx-3090-ti", "rtx-a5000"} <= ids
     for e in hwdb.gpu_entries():
         assert e["source"], e["id"]
-        for f in ("vram_gib", "mem_bw_gbps", "pcie_gen", "pcie_lanes", "sms", "tdp_w", "h2d_pinned_gbps"):
+        for f in ("vram_gib", "mem_bw_gbps", "pcie_gen", "pcie_lanes", "sms", "tdp_w"):
             assert e[f] is not None and e[f] > 0, (e["id"], f)
+        # A host link rate for every card: measured on a host with that card, else the PCIe table's (one source).
+        assert hwdb.gpu_info(e["id"]).h2d_pinned_gbps > 0, e["id"]
         major, minor = e["compute_capability"].split(".")
         assert int(major) >= 8 and minor.isdigit()
         # FP4 tensor cores arrived with Blackwell (10.x / 12.x); FP8 with Ada (8.9).
         assert e["fp4"] == (int(major) >= 10), e["id"]
         assert e["fp8"] == (e["compute_capability"] >= "8.9" or int(major) >= 10), e["id"]
+
+
+def test_link_rates_come_from_one_table():
+    # Cards without a measurement of their own take the PCIe table's rate; x8 cards get half.
+    assert hwdb.gpu_info("rtx-3090").h2d_pinned_gbps == pytest.approx(25.0)
+    assert "links.yaml" in hwdb.gpu_info("rtx-3090").sources["h2d_pinned_gbps"]
+    assert hwdb.gpu_info("rtx-4060-ti-16gb").h2d_pinned_gbps == pytest.approx(12.5)  # Gen4 x8
+    assert hwdb.gpu_info("h100-pcie").h2d_pinned_gbps == hwdb.link_h2d_gbps(5, 16)
+    # Measured cards keep their figure; the table's Gen5 rate is the median of them.
+    measured = [hwdb.gpu_info(g).h2d_pinned_gbps for g in ("rtx-5090", "rtx-pro-6000", "h200")]
+    assert sorted(measured)[1] == pytest.approx(hwdb.link_h2d_gbps(5, 16))
+    assert hwdb.link_h2d_gbps(6, 16) is None and hwdb.gpu_info("b200").h2d_pinned_gbps > 0
 
 
 def test_gpu_info_is_datasheet():

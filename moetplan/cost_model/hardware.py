@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from moetplan import hwdb
 from moetplan.cost_model.calibration import calibration_dir
 from moetplan.errors import UsageError
 from moetplan.plan.schema import GPUInfo, HardwareProfile, Placement
@@ -62,23 +63,15 @@ def rank_gpus(hw: HardwareProfile, placement: Placement) -> list[GPUInfo]:
     return hw.gpus[:ranks]
 
 
-def _pcie_x16_rate(gen: int | None) -> float | None:
-    table = _tables()["links.yaml"].get("pinned_h2d_gbps_x16", {})
-    if gen is None:
-        return None
-    return float(table[gen]) if gen in table else None
-
-
 def h2d_gbps(gpu: GPUInfo) -> tuple[float, str]:
     """Pinned host->device GB/s: batched measurement, then single-copy measurement / datasheet, then PCIe table."""
     if gpu.h2d_batched_gbps:
         return gpu.h2d_batched_gbps, gpu.sources.get("h2d_batched_gbps", "measured")
     if gpu.h2d_pinned_gbps:
         return gpu.h2d_pinned_gbps, gpu.sources.get("h2d_pinned_gbps", "datasheet")
-    rate = _pcie_x16_rate(gpu.pcie_gen)
+    rate = hwdb.link_h2d_gbps(gpu.pcie_gen, gpu.pcie_width)
     if rate is not None:
-        width = gpu.pcie_width or 16
-        return rate * width / 16, f"derived (PCIe gen{gpu.pcie_gen} x{width} table)"
+        return rate, f"derived (PCIe gen{gpu.pcie_gen} x{gpu.pcie_width or 16} table)"
     default = float(_tables()["links.yaml"].get("default_h2d_gbps", 12.0))
     return default, "default (no PCIe info: Gen3 x16 assumed)"
 
