@@ -2,6 +2,7 @@
 # One device call's worth of GPU work (the device machine has torch+CUDA but no vLLM and no moetplan install):
 # the probe reference profile, the GPU tests of the store/probe/kernels, the tier and kernel benchmarks.
 # Usage (on the GPU machine, repo root):  OUT=/path bash bench/gpu_session.sh [probe] [tests] [tiers] [kernels]
+#                                                                          [pattern] [ncu]
 set -u
 OUT=${OUT:-/tmp/moetplan-gpu}
 mkdir -p "$OUT"
@@ -19,5 +20,13 @@ for s in $steps; do
              echo "tiers rc=$?"; tail -20 "$OUT/tiers.log" ;;
     kernels) timeout 300 python3 bench/kernels.py --quick --out "$OUT/kernels_h200.json" > "$OUT/kernels.log" 2>&1
              echo "kernels rc=$?"; tail -30 "$OUT/kernels.log" ;;
+    pattern) timeout 240 python3 bench/read_pattern.py --out "$OUT/read_pattern_h200.json" > "$OUT/pattern.log" 2>&1
+             echo "pattern rc=$?"; tail -20 "$OUT/pattern.log" ;;
+    ncu)     # Nsight Compute on the decode stages (DeepSeek-V4-Flash, 8 tokens): details page + SASS stall samples.
+             timeout 240 ncu --set full --clock-control none -k regex:gemv_stage --launch-skip 2 --launch-count 2 \
+               -o "$OUT/gemv_t8" python3 bench/ncu_gemv.py --tokens 8 > "$OUT/ncu.log" 2>&1; echo "ncu rc=$?"
+             ncu -i "$OUT/gemv_t8.ncu-rep" --page details > "$OUT/ncu_gemv_t8.txt" 2>&1
+             ncu -i "$OUT/gemv_t8.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_gemv_t8_sass.csv" 2>&1
+             rm -f "$OUT/gemv_t8.ncu-rep"; grep -E "Duration|Issue Slots Busy|DRAM Throughput" "$OUT/ncu_gemv_t8.txt" ;;
   esac
 done
