@@ -191,62 +191,86 @@ __global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H, int* 
   if (SPLIT) *reinterpret_cast<uint4*>(xp + (tok * planes + 1) * H + kp) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
 }
 
-// The step's routing for a decode stage, built by warp 0 of every block in shared memory (the caller syncs):
-// unique 2-bit experts in order of first occurrence, each split into passes of at most NCOL pairs.
-template <int NCOL>
-__device__ __forceinline__ void gemv_routing(const GemvArgs& a, int lane, int warp, int (&ids_s)[GEMV_MAX_PAIRS],
-                                             int (&ep_expert)[GEMV_MAX_PAIRS], int (&ep_slot)[GEMV_MAX_PAIRS],
-                                             int (&ep_cnt)[GEMV_MAX_PAIRS], int (&ep_pair)[GEMV_MAX_PAIRS][NCOL],
-                                             int& n_ep_s) {
-  // Routing and code fetches read only what kernels before the previous one wrote (that one triggered its
-  // dependents after its own wait): the B operand (xp / act, the previous kernel's output) is read after the wait.
-  if (warp == 0) {
-    // Unique 2-bit experts in order of first occurrence, each split into passes of at most NCOL pairs.
-    for (int q = lane; q < GEMV_MAX_PAIRS; q += 32) {
-      int e = -1;
-      if (q < a.P) {
-        e = load_id(a.topk_ids, a.ids64, q);
-        if (e < 0 || e >= a.E) {
-          if (blockIdx.x == 0) atomicExch(a.error_flag, -1);
-          e = -1;
-        } else if (a.fp4_slot_of != nullptr && a.fp4_slot_of[e] >= 0) {
-          e = -1;  // computed by the FP4 launch
-        }
+// The step's routing for a decode stage (gemv and rowdot), run by warp 0 of a block into shared memory: unique
+// 2-bit experts in first-occurrence order (experts with an FP4 copy are left to the FP4 launch), each split into
+// passes of at most NP pairs (slot, pair count, pairs). Returns the number of passes. Flags an id outside [0, E)
+// with -1 and an expert without a slot with expert + 1.
+template <int NP, typename Args>
+__device__ __forceinline__ int decode_routing(const Args& a, int lane, int* ids_s, int* ep_slot, int* ep_cnt,
+                                              int (*ep_pair)[NP]) {
+  for (int q = lane; q < GEMV_MAX_PAIRS; q += 32) {
+    int e = -1;
+    if (q < a.P) {
+      e = load_id(a.topk_ids, a.ids64, q);
+      if (e < 0 || e >= a.E) {
+        if (blockIdx.x == 0) atomicExch(a.error_flag, -1);
+        e = -1;
+      } else if (a.fp4_slot_of != nullptr && a.fp4_slot_of[e] >= 0) {
+        e = -1;  // computed by the FP4 launch
       }
-      ids_s[q] = e;
     }
-    __syncwarp();
-    int base = 0;
-    for (int h = 0; h < GEMV_MAX_PAIRS / 32; ++h) {
-      const int q = h * 32 + lane;
-      const int e = ids_s[q];
-      bool first = e >= 0;
-      for (int r = 0; r < q && first; ++r) first = ids_s[r] != e;
-      int cnt = 0;
-      if (first)
-        for (int r = q; r < a.P && r < GEMV_MAX_PAIRS; ++r) cnt += ids_s[r] == e;
-      const int np = first ? (cnt + NCOL - 1) / NCOL : 0;
-      int incl = np;  // inclusive warp scan of passes
+    ids_s[q] = e;
+  }
+  __syncwarp();
+  int base = 0;
+  for (int h = 0; h < GEMV_MAX_PAIRS / 32; ++h) {
+    const int q = h * 32 + lane;
+    const int e = ids_s[q];
+    bool first = e >= 0;
+    for (int r = 0; r < q && first; ++r) first = ids_s[r] != e;
+    int cnt = 0;
+    if (first)
+      for (int r = q; r < a.P && r < GEMV_MAX_PAIRS; ++r) cnt += ids_s[r] == e;
+    const int np = first ? (cnt + NP - 1) / NP : 0;
+    int incl = np;
 #pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += v;
-      }
-      if (first) {
-        int idx = base + incl - np, c = 0;
-        const int slot = a.slot_of[e];
-        if (slot < 0 && blockIdx.x == 0) atomicExch(a.error_flag, e + 1);
-        for (int r = q; r < a.P && r < GEMV_MAX_PAIRS; ++r) {
-          if (ids_s[r] != e) continue;
-          if (c == 0) { ep_expert[idx] = e; ep_slot[idx] = slot; }
-          ep_pair[idx][c] = r;
-          if (++c == NCOL) { ep_cnt[idx] = c; c = 0; ++idx; }
-        }
-        if (c) ep_cnt[idx] = c;
-      }
-      base += __shfl_sync(0xffffffffu, incl, 31);
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
     }
-    if (lane == 0) n_ep_s = base;
+    if (first) {
+      int idx = base + incl - np, c = 0;
+      const int slot = a.slot_of[e];
+      if (slot < 0 && blockIdx.x == 0) atomicExch(a.error_flag, e + 1);
+      for (int r = q; r < a.P && r < GEMV_MAX_PAIRS; ++r) {
+        if (ids_s[r] != e) continue;
+        if (c == 0) ep_slot[idx] = slot;
+        ep_pair[idx][c] = r;
+        if (++c == NP) { ep_cnt[idx] = c; c = 0; ++idx; }
+      }
+      if (c) ep_cnt[idx] = c;
+    }
+    base += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  return base;
+}
+
+// Fused combine of a w2 unit (gemv and rowdot, when no FP4 launch follows): count the unit's pairs into their
+// token's row group (an int counter per (token, group), after __threadfence); the warp whose arrival completes the
+// group's k partial rows sums them in j order (__ldcg) into out: the combine kernel's order and arithmetic, so
+// results stay bit-identical run to run. No float atomics.
+template <typename Args>
+__device__ __forceinline__ void fused_combine(const Args& a, const int* pairs, int cnt, int group, int groups,
+                                              int rows, int lane) {
+  __threadfence();  // this lane's partial rows before the count (syncwarp orders the lanes for lane 0)
+  __syncwarp();
+  for (int col = 0; col < cnt; ++col) {
+    const int tok = pairs[col] / a.topk;
+    int old = 0;
+    if (lane == 0) old = atomicAdd(a.counter + int64_t(tok) * groups + group, 1);
+    old = __shfl_sync(0xffffffffu, old, 0);
+    if (old != a.topk - 1) continue;
+    __threadfence();
+    for (int i = lane; i < rows; i += 32) {
+      const int h = group * rows + i;
+      float acc_o = 0.f;
+      for (int jj = 0; jj < a.topk; ++jj)
+        acc_o += a.weights[tok * a.topk + jj] * __ldcg(a.partial + (int64_t(tok) * a.topk + jj) * a.H + h);
+      const int64_t o = int64_t(tok) * a.H + h;
+      if (a.out_kind == 0) store_out(reinterpret_cast<float*>(a.out) + o, acc_o);
+      else if (a.out_kind == 1) store_out(reinterpret_cast<__nv_bfloat16*>(a.out) + o, acc_o);
+      else store_out(reinterpret_cast<__half*>(a.out) + o, acc_o);
+    }
   }
 }
 
@@ -283,29 +307,7 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
       dst[8] = v[2 + i];
     }
   }
-  if (!W13 && a.weights != nullptr) {
-    // Fused combine: count this unit's pairs into their token's tile; the last arrival sums the k rows.
-    __threadfence();  // this lane's partial rows before the count (syncwarp orders the lanes for lane 0)
-    __syncwarp();
-    for (int col = 0; col < cnt; ++col) {
-      const int tok = ep_pair[ep][col] / a.topk;
-      int old = 0;
-      if (lane == 0) old = atomicAdd(a.counter + int64_t(tok) * a.tiles + tile, 1);
-      old = __shfl_sync(0xffffffffu, old, 0);
-      if (old != a.topk - 1) continue;
-      __threadfence();
-      if (lane < 16) {
-        const int h = tile * 16 + lane;
-        float acc_o = 0.f;
-        for (int jj = 0; jj < a.topk; ++jj)
-          acc_o += a.weights[tok * a.topk + jj] * __ldcg(a.partial + (int64_t(tok) * a.topk + jj) * a.H + h);
-        const int64_t o = int64_t(tok) * a.H + h;
-        if (a.out_kind == 0) store_out(reinterpret_cast<float*>(a.out) + o, acc_o);
-        else if (a.out_kind == 1) store_out(reinterpret_cast<__nv_bfloat16*>(a.out) + o, acc_o);
-        else store_out(reinterpret_cast<__half*>(a.out) + o, acc_o);
-      }
-    }
-  }
+  if (!W13 && a.weights != nullptr) fused_combine(a, ep_pair[ep], cnt, tile, a.tiles, 16, lane);
 }
 
 // B operand: bf16 planes in the paired order (xprep_kernel's xp for w13, the w13 epilogue's act for w2).
@@ -325,14 +327,18 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
 
-  __shared__ int ep_expert[GEMV_MAX_PAIRS];
   __shared__ int ep_slot[GEMV_MAX_PAIRS];
   __shared__ int ep_cnt[GEMV_MAX_PAIRS];
   __shared__ int ep_pair[GEMV_MAX_PAIRS][NCOL];
   __shared__ int ids_s[GEMV_MAX_PAIRS];
   __shared__ int n_ep_s;
 
-  gemv_routing<NCOL>(a, lane, warp, ids_s, ep_expert, ep_slot, ep_cnt, ep_pair, n_ep_s);
+  // Routing and code fetches read only what kernels before the previous one wrote (that one triggered its
+  // dependents after its own wait): the B operand (xp / act, the previous kernel's output) is read after the wait.
+  if (warp == 0) {
+    const int n = decode_routing<NCOL>(a, lane, ids_s, ep_slot, ep_cnt, ep_pair);
+    if (lane == 0) n_ep_s = n;
+  }
   __syncthreads();
   const int n_units = n_ep_s * a.tiles;
   // Warps interleaved over blocks so that the busy ones spread over the SMs; contiguous unit ranges per warp.

@@ -696,6 +696,54 @@ void xprep(torch::Tensor x, torch::Tensor xp, c10::optional<torch::Tensor> count
   }
 }
 
+// Shared by the decode stages (gemv, rowdot): input checks and the argument fields both take the same way.
+void check_decode_inputs(const torch::Tensor& pool, const torch::Tensor& slot_of, const torch::Tensor& topk_ids,
+                         int64_t H, int64_t Ir, const char* what) {
+  CHECK_CUDA_T(pool, "pool");
+  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1 &&
+                  pool.stride(0) % 16 == 0, "pool must be uint8 [S, stride] with 16-byte aligned rows");
+  TORCH_CHECK(H % GEMV_CHUNK == 0 && Ir % GEMV_CHUNK == 0, what, " stages need H and Ir multiples of ",
+              GEMV_CHUNK);
+  TORCH_CHECK(slot_of.scalar_type() == torch::kInt32 && topk_ids.is_contiguous() &&
+                  (topk_ids.scalar_type() == torch::kInt64 || topk_ids.scalar_type() == torch::kInt32),
+              "slot_of int32, topk_ids contiguous int32/int64");
+  TORCH_CHECK(topk_ids.numel() <= GEMV_MAX_PAIRS, what, " stages take at most ", GEMV_MAX_PAIRS, " pairs");
+}
+
+template <typename Args>
+void decode_args_common(Args& a, const torch::Tensor& pool, const torch::Tensor& slot_of,
+                        const c10::optional<torch::Tensor>& fp4_slot_of, int64_t q_off, int64_t s_off, int64_t H,
+                        int64_t Ir, const torch::Tensor& topk_ids, int64_t topk, const torch::Tensor& b,
+                        double limit, bool has_limit, const torch::Tensor& error_flag, bool w13) {
+  a.pool = pool.data_ptr<uint8_t>();
+  a.stride = pool.stride(0);
+  a.slot_of = slot_of.data_ptr<int32_t>();
+  a.fp4_slot_of = fp4_slot_of.has_value() ? fp4_slot_of->data_ptr<int32_t>() : nullptr;
+  a.q_off = q_off; a.s_off = s_off;
+  a.K = int(w13 ? H : Ir);
+  a.Ir = int(Ir); a.H = int(H);
+  a.E = int(slot_of.numel());
+  a.topk_ids = topk_ids.data_ptr();
+  a.ids64 = topk_ids.scalar_type() == torch::kInt64 ? 1 : 0;
+  a.P = int(topk_ids.numel());
+  a.topk = int(topk);
+  a.b = b.data_ptr();
+  a.limit = float(limit);
+  a.has_limit = has_limit ? 1 : 0;
+  a.error_flag = error_flag.data_ptr<int>();
+}
+
+// The fused combine's output dtype code (csrc fused_combine: 0 float32, 1 bfloat16, 2 float16).
+int out_kind_of(const torch::Tensor& out) {
+  switch (out.scalar_type()) {
+    case torch::kFloat32: return 0;
+    case torch::kBFloat16: return 1;
+    case torch::kFloat16: return 2;
+    default: TORCH_CHECK(false, "out dtype must be float32, bfloat16 or float16");
+  }
+  return 0;
+}
+
 template <bool W13, bool SPLIT, int NS>
 void launch_gemv(const GemvArgs& a, int max_units, cudaStream_t stream, bool pdl) {
   static int per_sm = -1, sms = 0;  // occupancy of this instantiation (one device type per process)
@@ -733,36 +781,14 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
                 c10::optional<torch::Tensor> partial, c10::optional<torch::Tensor> weights,
                 c10::optional<torch::Tensor> out, c10::optional<torch::Tensor> counter, double limit,
                 bool has_limit, torch::Tensor error_flag, bool pdl) {
-  CHECK_CUDA_T(pool, "pool");
-  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1 &&
-                  pool.stride(0) % 16 == 0, "pool must be uint8 [S, stride] with 16-byte aligned rows");
-  TORCH_CHECK(H % GEMV_CHUNK == 0 && Ir % GEMV_CHUNK == 0, "decode stages need H and Ir multiples of ",
-              GEMV_CHUNK);
-  TORCH_CHECK(slot_of.scalar_type() == torch::kInt32 && topk_ids.is_contiguous() &&
-                  (topk_ids.scalar_type() == torch::kInt64 || topk_ids.scalar_type() == torch::kInt32),
-              "slot_of int32, topk_ids contiguous int32/int64");
-  TORCH_CHECK(topk_ids.numel() <= GEMV_MAX_PAIRS, "decode stages take at most ", GEMV_MAX_PAIRS, " pairs");
+  check_decode_inputs(pool, slot_of, topk_ids, H, Ir, "decode");
   TORCH_CHECK(b.scalar_type() == torch::kBFloat16 && b.is_contiguous(), "B operand: contiguous bf16 planes");
   TORCH_CHECK(w13 || split, "the w2 stage reads the hi/lo intermediate");
   const at::cuda::CUDAGuard guard(pool.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   GemvArgs a{};
-  a.pool = pool.data_ptr<uint8_t>();
-  a.stride = pool.stride(0);
-  a.slot_of = slot_of.data_ptr<int32_t>();
-  a.fp4_slot_of = fp4_slot_of.has_value() ? fp4_slot_of->data_ptr<int32_t>() : nullptr;
-  a.q_off = q_off; a.s_off = s_off;
-  a.K = int(w13 ? H : Ir);
-  a.Ir = int(Ir); a.H = int(H);
-  a.E = int(slot_of.numel());
-  a.topk_ids = topk_ids.data_ptr();
-  a.ids64 = topk_ids.scalar_type() == torch::kInt64 ? 1 : 0;
-  a.P = int(topk_ids.numel());
-  a.topk = int(topk);
-  a.b = b.data_ptr();
-  a.limit = float(limit);
-  a.has_limit = has_limit ? 1 : 0;
-  a.error_flag = error_flag.data_ptr<int>();
+  decode_args_common(a, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, topk_ids, topk, b, limit, has_limit,
+                     error_flag, w13);
   a.tiles = int(w13 ? Ir / 8 : H / 16);
   if (w13) {
     TORCH_CHECK(act.has_value() && act->scalar_type() == torch::kBFloat16 && act->numel() >= int64_t(a.P) * 2 * Ir,
@@ -780,12 +806,7 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
       a.weights = weights->data_ptr<float>();
       a.out = out->data_ptr();
       a.counter = counter->data_ptr<int>();
-      switch (out->scalar_type()) {
-        case torch::kFloat32: a.out_kind = 0; break;
-        case torch::kBFloat16: a.out_kind = 1; break;
-        case torch::kFloat16: a.out_kind = 2; break;
-        default: TORCH_CHECK(false, "out dtype must be float32, bfloat16 or float16");
-      }
+      a.out_kind = out_kind_of(*out);
     }
   }
   if (a.P == 0) return;
@@ -832,37 +853,15 @@ void rowdot_stage(bool w13, int64_t np, torch::Tensor pool, torch::Tensor slot_o
                   c10::optional<torch::Tensor> partial, c10::optional<torch::Tensor> weights,
                   c10::optional<torch::Tensor> out, c10::optional<torch::Tensor> counter, double limit,
                   bool has_limit, torch::Tensor error_flag, bool pdl) {
-  CHECK_CUDA_T(pool, "pool");
-  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1 &&
-                  pool.stride(0) % 16 == 0, "pool must be uint8 [S, stride] with 16-byte aligned rows");
-  TORCH_CHECK(H % GEMV_CHUNK == 0 && Ir % GEMV_CHUNK == 0, "rowdot stages need H and Ir multiples of ",
-              GEMV_CHUNK);
+  check_decode_inputs(pool, slot_of, topk_ids, H, Ir, "rowdot");
   TORCH_CHECK(np == 1 || np == 2, "rowdot: 1 or 2 pairs per pass");
-  TORCH_CHECK(slot_of.scalar_type() == torch::kInt32 && topk_ids.is_contiguous() &&
-                  (topk_ids.scalar_type() == torch::kInt64 || topk_ids.scalar_type() == torch::kInt32),
-              "slot_of int32, topk_ids contiguous int32/int64");
-  TORCH_CHECK(topk_ids.numel() <= GEMV_MAX_PAIRS, "rowdot stages take at most ", GEMV_MAX_PAIRS, " pairs");
   TORCH_CHECK(b.is_contiguous() && b.data_ptr() != nullptr && reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0,
               "B operand: contiguous, 16-byte aligned");
   const at::cuda::CUDAGuard guard(pool.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   RowdotArgs a{};
-  a.pool = pool.data_ptr<uint8_t>();
-  a.stride = pool.stride(0);
-  a.slot_of = slot_of.data_ptr<int32_t>();
-  a.fp4_slot_of = fp4_slot_of.has_value() ? fp4_slot_of->data_ptr<int32_t>() : nullptr;
-  a.q_off = q_off; a.s_off = s_off;
-  a.K = int(w13 ? H : Ir);
-  a.Ir = int(Ir); a.H = int(H);
-  a.E = int(slot_of.numel());
-  a.topk_ids = topk_ids.data_ptr();
-  a.ids64 = topk_ids.scalar_type() == torch::kInt64 ? 1 : 0;
-  a.P = int(topk_ids.numel());
-  a.topk = int(topk);
-  a.b = b.data_ptr();
-  a.limit = float(limit);
-  a.has_limit = has_limit ? 1 : 0;
-  a.error_flag = error_flag.data_ptr<int>();
+  decode_args_common(a, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, topk_ids, topk, b, limit, has_limit,
+                     error_flag, w13);
   a.lpr = rowdot_lpr(a.K);
   a.rows_per_unit = ROWDOT_R * 32 / a.lpr;
   a.units_per_ep = w13 ? int(Ir / (a.rows_per_unit / 2)) : int(H / a.rows_per_unit);
@@ -890,12 +889,7 @@ void rowdot_stage(bool w13, int64_t np, torch::Tensor pool, torch::Tensor slot_o
                   "fused combine: out [T, H] and counter [T, H / rows_per_unit] for this step");
       a.weights = weights->data_ptr<float>();
       a.out = out->data_ptr();
-      switch (out->scalar_type()) {
-        case torch::kFloat32: a.out_kind = 0; break;
-        case torch::kBFloat16: a.out_kind = 1; break;
-        case torch::kFloat16: a.out_kind = 2; break;
-        default: TORCH_CHECK(false, "out dtype must be float32, bfloat16 or float16");
-      }
+      a.out_kind = out_kind_of(*out);
     }
   }
   if (a.P == 0) return;

@@ -1,5 +1,6 @@
 // Decode path for 1-2 tokens per expert ("rowdot"), 2-bit rows on CUDA cores; included by moe_kernels.cu after
-// moe_decode.cuh (it reuses decode_2bit_fast, ld_stream, silu_mul, store_out and the PDL helpers).
+// moe_decode.cuh (it reuses decode_routing, fused_combine, decode_2bit_fast, ld_stream, silu_mul, store_out and
+// the PDL helpers).
 //
 // Why a third decode path: the mma.sync "gemv" stages read 16 rows per unit in 64-byte pieces per quad and wait on
 // a serial MMA chain; with one or two tokens per expert the tensor core does 1/8 useful work anyway. Here a warp
@@ -60,57 +61,6 @@ template <> __device__ __forceinline__ void load8f<__nv_bfloat16>(const __nv_bfl
   }
 }
 
-// Unique 2-bit experts of the step in first-occurrence order, split into passes of at most NP pairs (warp 0).
-template <int NP>
-__device__ __forceinline__ int rowdot_routing(const RowdotArgs& a, int lane, int* ids_s, int* ep_slot, int* ep_cnt,
-                                              int (*ep_pair)[NP]) {
-  for (int q = lane; q < GEMV_MAX_PAIRS; q += 32) {
-    int e = -1;
-    if (q < a.P) {
-      e = load_id(a.topk_ids, a.ids64, q);
-      if (e < 0 || e >= a.E) {
-        if (blockIdx.x == 0) atomicExch(a.error_flag, -1);
-        e = -1;
-      } else if (a.fp4_slot_of != nullptr && a.fp4_slot_of[e] >= 0) {
-        e = -1;  // computed by the FP4 launch
-      }
-    }
-    ids_s[q] = e;
-  }
-  __syncwarp();
-  int base = 0;
-  for (int h = 0; h < GEMV_MAX_PAIRS / 32; ++h) {
-    const int q = h * 32 + lane;
-    const int e = ids_s[q];
-    bool first = e >= 0;
-    for (int r = 0; r < q && first; ++r) first = ids_s[r] != e;
-    int cnt = 0;
-    if (first)
-      for (int r = q; r < a.P && r < GEMV_MAX_PAIRS; ++r) cnt += ids_s[r] == e;
-    const int np = first ? (cnt + NP - 1) / NP : 0;
-    int incl = np;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += v;
-    }
-    if (first) {
-      int idx = base + incl - np, c = 0;
-      const int slot = a.slot_of[e];
-      if (slot < 0 && blockIdx.x == 0) atomicExch(a.error_flag, e + 1);
-      for (int r = q; r < a.P && r < GEMV_MAX_PAIRS; ++r) {
-        if (ids_s[r] != e) continue;
-        if (c == 0) ep_slot[idx] = slot;
-        ep_pair[idx][c] = r;
-        if (++c == NP) { ep_cnt[idx] = c; c = 0; ++idx; }
-      }
-      if (c) ep_cnt[idx] = c;
-    }
-    base += __shfl_sync(0xffffffffu, incl, 31);
-  }
-  return base;
-}
-
 template <bool W13, int NP, typename XT>
 __global__ void __launch_bounds__(32 * ROWDOT_WARPS, NP == 1 ? 4 : 3) rowdot_stage_kernel(RowdotArgs a) {
   constexpr int R = ROWDOT_R;
@@ -133,7 +83,7 @@ __global__ void __launch_bounds__(32 * ROWDOT_WARPS, NP == 1 ? 4 : 3) rowdot_sta
         a.counter[i] = 0;
   }
   if (warp == 0) {
-    const int n = rowdot_routing<NP>(a, lane, ids_s, ep_slot, ep_cnt, ep_pair);
+    const int n = decode_routing<NP>(a, lane, ids_s, ep_slot, ep_cnt, ep_pair);
     if (lane == 0) n_ep_s = n;
   }
   __syncthreads();
@@ -270,29 +220,8 @@ __global__ void __launch_bounds__(32 * ROWDOT_WARPS, NP == 1 ? 4 : 3) rowdot_sta
         }
       }
     }
-    if (!W13 && a.weights != nullptr) {
-      // Fused combine: count this unit's pairs into their token's row group; the last arrival sums the k rows.
-      __threadfence();
-      __syncwarp();
-      for (int n = 0; n < cnt; ++n) {
-        const int tok = ep_pair[ep][n] / a.topk;
-        int old = 0;
-        if (lane == 0) old = atomicAdd(a.counter + int64_t(tok) * a.units_per_ep + tile, 1);
-        old = __shfl_sync(0xffffffffu, old, 0);
-        if (old != a.topk - 1) continue;
-        __threadfence();
-        for (int i = lane; i < a.rows_per_unit; i += 32) {
-          const int h = tile * a.rows_per_unit + i;
-          float acc_o = 0.f;
-          for (int jj = 0; jj < a.topk; ++jj)
-            acc_o += a.weights[tok * a.topk + jj] * __ldcg(a.partial + (int64_t(tok) * a.topk + jj) * a.H + h);
-          const int64_t o = int64_t(tok) * a.H + h;
-          if (a.out_kind == 0) store_out(reinterpret_cast<float*>(a.out) + o, acc_o);
-          else if (a.out_kind == 1) store_out(reinterpret_cast<__nv_bfloat16*>(a.out) + o, acc_o);
-          else store_out(reinterpret_cast<__half*>(a.out) + o, acc_o);
-        }
-      }
-    }
+    if (!W13 && a.weights != nullptr)
+      fused_combine(a, ep_pair[ep], cnt, tile, a.units_per_ep, a.rows_per_unit, lane);
 #pragma unroll
     for (int j = 0; j < R; ++j)
 #pragma unroll
