@@ -662,6 +662,7 @@ void stage(int64_t fmt, bool w13, torch::Tensor pool, torch::Tensor slot_of,
 }
 
 int64_t gemv_max_pairs() { return GEMV_MAX_PAIRS; }
+int64_t gemv_chunk() { return GEMV_CHUNK; }
 
 // x [T, H] bf16/fp32 -> xp [T, planes, H] bf16 paired (planes = 2 for fp32 x: hi and lo).
 void xprep(torch::Tensor x, torch::Tensor xp, c10::optional<torch::Tensor> counter, bool pdl) {
@@ -949,6 +950,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("xprep", &moet::xprep, "x -> bf16 hi(/lo) planes in the decode stages' K pairing");
   m.def("gemv_stage", &moet::gemv_stage, "decode stage (few pairs per expert) over the 2-bit experts");
   m.def("gemv_max_pairs", &moet::gemv_max_pairs, "largest pair count of the decode stages");
+  m.def("gemv_chunk", &moet::gemv_chunk, "the decode stages' K granularity: H and Ir must be multiples of it");
   m.def("rowdot_stage", &moet::rowdot_stage, "decode stage on CUDA cores (1-2 pairs per expert pass)");
   m.def("rowdot_rows_per_unit", &moet::rowdot_rows_per_unit, "rows per rowdot unit for contraction K");
   m.attr("ABI_VERSION") = 3;

@@ -14,11 +14,7 @@ About 3-4 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -26,50 +22,10 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
+from served import plan_file, run_offline  # noqa: E402
+
 PROMPT = "hello world, the model"
 MAX_TOKENS = 8
-
-OFFLINE = textwrap.dedent('''
-    import json, os, sys, time
-
-    def generate(model, plan, promoter):
-        from vllm import LLM, SamplingParams
-        os.environ["MOETPLAN_PLAN"] = plan
-        os.environ["MOETPLAN_FP4_PROMOTER"] = promoter
-        llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-                  quantization="moetplan", gpu_memory_utilization=0.5)
-        out = llm.generate([sys.argv[2]], SamplingParams(temperature=0, max_tokens=int(sys.argv[3]),
-                                                         ignore_eos=True))
-        ids = list(out[0].outputs[0].token_ids)
-        time.sleep(2.5)  # the worker's run-record flusher writes about once a second
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
-        del llm
-        import gc; gc.collect()
-        return ids
-
-    if __name__ == "__main__":
-        jobs = json.loads(sys.argv[1])
-        res = {name: generate(*args) for name, args in jobs.items()}
-        print("RESULT " + json.dumps(res), flush=True)
-''')
-
-
-def _plan_file(tmp: Path, ckpt: Path, tag: str, gate: dict | None = None, **placement) -> str:
-    from moetplan.launch.run import plan_for_cpu
-    from moetplan.models import resolve_model
-    from moetplan.plan.schema import Gate, save_json
-
-    plan = plan_for_cpu(resolve_model(str(ckpt)), context=512, expert_format="2bit")
-    for k, v in placement.items():
-        setattr(plan.placement, k, v)
-    if gate is not None:
-        plan.placement.gate = Gate(**gate)
-    path = tmp / f"{ckpt.name}.{tag}.json"
-    save_json(plan, path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -84,24 +40,23 @@ def runs(tmp_path_factory):
     ckpt = ensure_tiny_checkpoint("tiny-moe")
     packs = str(tmp / "packs")
     plans = {
-        "plain": _plan_file(tmp, ckpt, "plain"),
-        "reserve": _plan_file(tmp, ckpt, "reserve", fp4_reserve_slots=16, pack_dir=packs),
-        "gate": _plan_file(tmp, ckpt, "gate", gate={"enabled": True, "tau": 1.0}, fp4_reserve_slots=32,
-                           pack_dir=packs),
-        "gate_never": _plan_file(tmp, ckpt, "gate_never", gate={"enabled": True, "tau": 0.0}, fp4_reserve_slots=32,
-                                 pack_dir=packs),
+        "plain": plan_file(tmp, ckpt, "2bit", ".plain"),
+        "reserve": plan_file(tmp, ckpt, "2bit", ".reserve", fp4_reserve_slots=16, pack_dir=packs),
+        "gate": plan_file(tmp, ckpt, "2bit", ".gate", gate={"enabled": True, "tau": 1.0}, fp4_reserve_slots=32,
+                          pack_dir=packs),
+        "gate_never": plan_file(tmp, ckpt, "2bit", ".gate_never", gate={"enabled": True, "tau": 0.0},
+                                fp4_reserve_slots=32, pack_dir=packs),
     }
     m = str(ckpt)
+    settle = 2.5  # the worker's run-record flusher writes about once a second
     jobs = {  # in this order: the reserve run writes the FP4 pack the gate runs read
-        "plain": [m, plans["plain"], "gate"],
-        "reserve": [m, plans["reserve"], "background"],
-        "gate_a": [m, plans["gate"], "gate"],
-        "gate_b": [m, plans["gate"], "gate"],
-        "gate_never": [m, plans["gate_never"], "gate"],
+        "plain": [m, "moetplan", plans["plain"], "gate", settle],
+        "reserve": [m, "moetplan", plans["reserve"], "background", settle],
+        "gate_a": [m, "moetplan", plans["gate"], "gate", settle],
+        "gate_b": [m, "moetplan", plans["gate"], "gate", settle],
+        "gate_never": [m, "moetplan", plans["gate_never"], "gate", settle],
     }
-    plan_of = {name: args[1] for name, args in jobs.items()}
-    script = tmp / "offline_reserve.py"
-    script.write_text(OFFLINE)
+    plan_of = {name: args[2] for name, args in jobs.items()}
     records: dict[str, dict] = {}
     from moetplan.plan.schema import RunRecord, load_json
     from moetplan.runtime.records import run_record_path
@@ -111,11 +66,7 @@ def runs(tmp_path_factory):
     rest = {k: jobs[k] for k in ("gate_b", "gate_never")}
     out: dict[str, list[int]] = {}
     for part in (first, rest):
-        res = subprocess.run([sys.executable, str(script), json.dumps(part), PROMPT, str(MAX_TOKENS)], env=env,
-                             capture_output=True, text=True, timeout=900)
-        lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert res.returncode == 0 and lines, (res.stdout[-3000:] + res.stderr[-3000:])
-        out.update(json.loads(lines[-1][len("RESULT "):]))
+        out.update(run_offline(tmp, part, env, PROMPT, MAX_TOKENS))
         for name in part:
             records[name] = load_json(RunRecord, run_record_path(plan_of[name])).runtime
     return {"tokens": out, "records": records, "plans": plans, "packs": packs}

@@ -14,9 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -26,37 +23,10 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-from served import free_port, start_run  # noqa: E402
+from served import free_port, plan_file, run_offline, start_run  # noqa: E402
 
 PROMPT = "hello world, the model"
 MAX_TOKENS = 12
-
-OFFLINE = textwrap.dedent('''
-    """Offline vLLM runs (a subprocess: engines are spawned, so this needs the __main__ guard)."""
-    import json, os, sys
-
-    def generate(model, quantization, plan):
-        from vllm import LLM, SamplingParams
-        if plan:
-            os.environ["MOETPLAN_PLAN"] = plan
-        llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-                  quantization=quantization, gpu_memory_utilization=0.5)
-        out = llm.generate([sys.argv[2]], SamplingParams(temperature=0, max_tokens=int(sys.argv[3]),
-                                                         ignore_eos=True))
-        ids = list(out[0].outputs[0].token_ids)
-        try:  # stop this engine's processes before the next one starts (2 CPU cores)
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
-        del llm
-        import gc; gc.collect()
-        return ids
-
-    if __name__ == "__main__":
-        jobs = json.loads(sys.argv[1])
-        res = {name: generate(*args) for name, args in jobs.items()}
-        print("RESULT " + json.dumps(res), flush=True)
-''')
 
 
 @pytest.fixture(scope="module")
@@ -73,19 +43,6 @@ def checkpoints(env):
     from moetplan.launch.tiny import ensure_tiny_checkpoint
 
     return {n: ensure_tiny_checkpoint(n) for n in ("tiny-moe", "tiny-moe-mla", "tiny-moe-fp8")}
-
-
-def _plan_file(tmp: Path, ckpt: Path, fmt: str, tag: str = "", **placement) -> str:
-    from moetplan.launch.run import plan_for_cpu
-    from moetplan.models import resolve_model
-    from moetplan.plan.schema import save_json
-
-    plan = plan_for_cpu(resolve_model(str(ckpt)), context=512, expert_format=fmt)
-    for k, v in placement.items():
-        setattr(plan.placement, k, v)
-    path = tmp / f"{ckpt.name}.{fmt}{tag}.json"
-    save_json(plan, path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -123,18 +80,16 @@ def served_tokens(served):
 @pytest.fixture(scope="module")
 def offline(env, checkpoints, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("offline")
-    script = tmp / "offline_runs.py"
-    script.write_text(OFFLINE)
     qwen, mla = str(checkpoints["tiny-moe"]), str(checkpoints["tiny-moe-mla"])
     packs = str(tmp / "packs")
     plans = {
         # resident, quantized at load (no pack yet)
-        "2bit": _plan_file(tmp, checkpoints["tiny-moe"], "2bit", pack_dir=packs),
+        "2bit": plan_file(tmp, checkpoints["tiny-moe"], "2bit", pack_dir=packs),
         # NVMe tier: writes the pack, then serves through a 24-slot cache (of 32 rows) over a small RAM arena
-        "nvme": _plan_file(tmp, checkpoints["tiny-moe"], "2bit", ".nvme", pack_dir=packs, expert_tier="nvme",
+        "nvme": plan_file(tmp, checkpoints["tiny-moe"], "2bit", ".nvme", pack_dir=packs, expert_tier="nvme",
                            gpu_expert_cache_slots=24, host_arena_gib=0.0001),
         # resident again: reads the pack instead of quantizing (and never materialises the checkpoint experts)
-        "from_pack": _plan_file(tmp, checkpoints["tiny-moe"], "2bit", ".frompack", pack_dir=packs),
+        "from_pack": plan_file(tmp, checkpoints["tiny-moe"], "2bit", ".frompack", pack_dir=packs),
     }
     jobs = {  # run in this order
         "vllm_unquantized": [qwen, None, None],
@@ -143,14 +98,10 @@ def offline(env, checkpoints, tmp_path_factory):
         "moetplan_2bit_from_pack": [qwen, "moetplan", plans["from_pack"]],
         # the same expert values stored as FP8 block-128: the FP8 source path must give the same 2-bit rows
         "moetplan_2bit_fp8": [str(checkpoints["tiny-moe-fp8"]), "moetplan",
-                              _plan_file(tmp, checkpoints["tiny-moe-fp8"], "2bit")],
-        "mla_unquantized": [mla, "moetplan", _plan_file(tmp, checkpoints["tiny-moe-mla"], "unquantized")],
+                              plan_file(tmp, checkpoints["tiny-moe-fp8"], "2bit")],
+        "mla_unquantized": [mla, "moetplan", plan_file(tmp, checkpoints["tiny-moe-mla"], "unquantized")],
     }
-    res = subprocess.run([sys.executable, str(script), json.dumps(jobs), PROMPT, str(MAX_TOKENS)], env=env,
-                         capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, (res.stdout[-3000:] + res.stderr[-3000:])
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = run_offline(tmp, jobs, env, PROMPT, MAX_TOKENS)
     out["_plans"] = plans
     return out
 

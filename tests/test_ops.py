@@ -518,6 +518,9 @@ class _FakeGemvExtension(_FakeExtension):
     def gemv_max_pairs(self) -> int:
         return 64
 
+    def gemv_chunk(self) -> int:
+        return 256
+
     def xprep(self, x, xp, counter, pdl):
         self.calls.append("xprep")
         if counter is not None:
@@ -575,10 +578,9 @@ def test_paired_order_round_trips_and_matches_the_kernel_position_rule():
     assert [int(i) for i in _to_paired(v)[:8]] == [pos.index(i) for i in range(8)]
 
 
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fp4", [False, True])
-def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, monkeypatch):
-    H, I, E, T, k = 256, 256, 16, 3, 4
+def _stand_in_case(T: int, x_dtype: torch.dtype, fp4: bool):
+    """A step for the stand-in extensions: H = I = 256, 16 experts, top-4; experts 1, 5, 9 FP4-resident if fp4."""
+    H, I, E, k = 256, 256, 16, 4
     lay2 = RowLayout.for_expert(H, I, fmt="2bit")
     lay4 = RowLayout.for_expert(H, I, fmt="fp4")
     pool = _pool(lay2, E, seed=1)
@@ -589,12 +591,19 @@ def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, monkeypatch)
         extra = {"fp4_pool": _pool(lay4, 3, seed=2), "fp4_slot_of": f4, "fp4_layout": lay4}
     ids, w = _routing(T, k, E, seed=5)
     x = (torch.randn(T, H, generator=_rng(3)) * 0.3).to(x_dtype)
+    return lay2, pool, torch.arange(E), extra, ids, w, x
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp4", [False, True])
+def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, monkeypatch):
+    lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(3, x_dtype, fp4)
     fake = _FakeGemvExtension()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
-    got = ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, extra.get("fp4_pool"),
+    got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, extra.get("fp4_pool"),
                         extra.get("fp4_slot_of"), extra.get("fp4_layout"), None, None)
-    ref = ops.moe_forward_reference(x, ids, w, pool, torch.arange(E), lay2, **extra)
+    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2, **extra)
     assert fake.calls[:3] == ["xprep", "gemv13", "gemv2"]
     assert ("stage13s" in fake.calls) == fp4  # FP4-resident experts still take the tile stages
     assert ("combine" in fake.calls) == fp4  # otherwise the w2 stage does the per-token sum
@@ -603,11 +612,11 @@ def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, monkeypatch)
     # The first version's decode tiles stay selectable.
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "mma")
     fake.calls.clear()
-    ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, None, None, None, None, None)
+    ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
     assert "gemv13" not in fake.calls and "stage13s" in fake.calls
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "fast")
     with pytest.raises(UsageError, match="MOETPLAN_DECODE_KERNEL"):
-        ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, None, None, None, None, None)
+        ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
 
 
 def test_gemv_takes_only_small_aligned_steps(monkeypatch):
@@ -690,23 +699,13 @@ class _FakeRowdotExtension(_FakeGemvExtension):
 @pytest.mark.parametrize("fp4", [False, True])
 @pytest.mark.parametrize("T", [1, 2])
 def test_rowdot_decode_plumbing_with_stand_in_extension(x_dtype, fp4, T, monkeypatch):
-    H, I, E, k = 256, 256, 16, 4
-    lay2 = RowLayout.for_expert(H, I, fmt="2bit")
-    lay4 = RowLayout.for_expert(H, I, fmt="fp4")
-    pool = _pool(lay2, E, seed=1)
-    extra = {}
-    if fp4:
-        f4 = torch.full((E,), -1, dtype=torch.int32)
-        f4[torch.tensor([1, 5, 9])] = torch.tensor([0, 1, 2], dtype=torch.int32)
-        extra = {"fp4_pool": _pool(lay4, 3, seed=2), "fp4_slot_of": f4, "fp4_layout": lay4}
-    ids, w = _routing(T, k, E, seed=5)
-    x = (torch.randn(T, H, generator=_rng(3)) * 0.3).to(x_dtype)
+    lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(T, x_dtype, fp4)
     fake = _FakeRowdotExtension()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "rowdot")
-    got = ops._moe_cuda(fake, x, ids, w, pool, torch.arange(E), lay2, extra.get("fp4_pool"),
+    got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, extra.get("fp4_pool"),
                         extra.get("fp4_slot_of"), extra.get("fp4_layout"), None, None)
-    ref = ops.moe_forward_reference(x, ids, w, pool, torch.arange(E), lay2, **extra)
+    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2, **extra)
     np_ = 1 if T == 1 else 2
     assert fake.calls[:2] == [f"rowdot13/{np_}", f"rowdot2/{np_}"]
     assert "xprep" not in fake.calls and "gemv13" not in fake.calls

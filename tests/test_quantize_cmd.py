@@ -164,6 +164,9 @@ def test_fp8_checkpoint_rows_match(fp8_ckpt, tmp_path):
     res = _invoke("--model", str(fp8_ckpt), "--pack-dir", str(tmp_path))
     assert res["source_format"] == "fp8" and res["complete"]
     np.testing.assert_array_equal(_pack_rows(res["packs"][0]), np.stack(_expected_rows(fp8_ckpt, 1, "2bit")[0]))
+    # Error statistics come from the coded source too (sampled rows dequantized from FP8), as for bf16.
+    assert res["errors"]["w13"]["tensors"] == res["errors"]["w2"]["tensors"] == LAYERS * EXPERTS
+    assert 0.2 < res["errors"]["w13"]["rel_rms_mean"] < 0.5
     res4 = _invoke("--model", str(fp8_ckpt), "--pack-dir", str(tmp_path), "--fp4")
     assert res4["packs"][0].endswith(".fp4.pack") and res4["fmt"] == "fp4"
     np.testing.assert_array_equal(_pack_rows(res4["packs"][0]), np.stack(_expected_rows(fp8_ckpt, 1, "fp4")[0]))
@@ -174,6 +177,7 @@ def test_fp4_family_checkpoints(tmp_path, kind):
     ck = _mx_ckpt(tmp_path / kind, kind)
     res = _invoke("--model", str(ck), "--pack-dir", str(tmp_path / "p"), "--tp", "2")
     assert res["source_format"] == kind and res["layers"] == 2 and res["complete"]
+    assert res["errors"]["w2"]["tensors"] == 2 * EXPERTS * 2 and 0 < res["errors"]["w2"]["rel_rms_mean"] < 0.6
     t = _tensors(ck)
     lay = F.RowLayout.for_expert(HIDDEN, INTER, 2, "2bit")
     rows = [_pack_rows(p) for p in res["packs"]]

@@ -26,9 +26,6 @@ from moetplan.runtime.format import BLOCK, CODE_VALUES, RowLayout, e2m1_values
 PREFILL_PAIRS_PER_EXPERT = 8
 # Cap on the fp32 per-pair partial buffer [T*k, H] of one kernel call; longer prefills are chunked over tokens.
 PARTIAL_BYTES_CAP = 1 << 30
-# The streaming decode stages (csrc/moe_decode.cuh) read code rows in rounds of 256, 512 or 1024 weights per row
-# (a quad of threads reads 64, 128 or 256 contiguous bytes of it): K must be a multiple of 256.
-GEMV_ALIGN = 256
 DECODE_KERNELS = ("auto", "rowdot", "gemv", "mma")
 # "auto": the CUDA-core rowdot stages for steps of at most this many tokens (1-2 pairs per expert), the gemv stages
 # above it. 0 = gemv everywhere: on the H200 rowdot took 1.24-1.55x gemv's time at 1 token and ~2.2x at 2-8
@@ -227,8 +224,9 @@ def decode_kernel() -> str:
 
 
 def _decode_shape_ok(mod, P: int, layout: RowLayout, fn: str) -> bool:
+    # The decode stages read K in whole chunks (the extension's gemv_chunk: 256 weights per row).
     return (hasattr(mod, fn) and P <= mod.gemv_max_pairs()
-            and layout.hidden % GEMV_ALIGN == 0 and layout.inter_per_rank % GEMV_ALIGN == 0)
+            and layout.hidden % mod.gemv_chunk() == 0 and layout.inter_per_rank % mod.gemv_chunk() == 0)
 
 
 def use_rowdot(mod, P: int, layout: RowLayout, T: int | None = None) -> bool:

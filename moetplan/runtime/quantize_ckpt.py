@@ -108,11 +108,28 @@ def _expert_rows(src: dict, layout, ranks: list[int], zero_mode: str, stats: dic
         yield r, row
 
 
+def _coded_row(layout, r: int, w13: tuple, w2: tuple, quantize, dequantize, names: tuple[str, str], zero_mode: str,
+               stats: dict[int, list[dict]] | None):
+    """One expert row from coded source parts ((codes, scales) of w13 and w2): quantized by the source format's
+    `quantize`, with error statistics on sampled rows dequantized in float32 by `dequantize` (plenty for them)."""
+    from moetplan.runtime import format as F
+
+    q13, s13, z13 = quantize(*w13, layout.fmt, zero_mode, names[0])
+    q2, s2, z2 = quantize(*w2, layout.fmt, zero_mode, names[1])
+    if stats is not None:
+        a13, a2 = F.report_rows(len(w13[0]), REPORT_MAX_ROWS), F.report_rows(len(w2[0]), REPORT_MAX_ROWS)
+        stats.setdefault(r, []).append({
+            "w13": {**F.error_report(dequantize(w13[0][a13], w13[1][a13]), q13[a13], s13[a13], layout.fmt),
+                    "zero_mode": z13},
+            "w2": {**F.error_report(dequantize(w2[0][a2], w2[1][a2]), q2[a2], s2[a2], layout.fmt), "zero_mode": z2},
+        })
+    return F.pack_quantized_row(layout, q13, s13, q2, s2)
+
+
 def _fp8_rows(src: dict, layout, ranks: list[int], zero_mode: str, stats: dict[int, list[dict]] | None):
     """FP8 experts straight to rows: per-block code thresholds, no float64 weights (sources.fp8_quantize)."""
     import torch
 
-    from moetplan.runtime import format as F
     from moetplan.runtime import sources as S
 
     ir = layout.inter_per_rank
@@ -122,17 +139,8 @@ def _fp8_rows(src: dict, layout, ranks: list[int], zero_mode: str, stats: dict[i
         a, b = r * ir, (r + 1) * ir
         w13b, w13s = torch.cat([byt["gate"][a:b], byt["up"][a:b]]), torch.cat([s32["gate"][a:b], s32["up"][a:b]])
         w2b, w2s = byt["down"][:, a:b].contiguous(), s32["down"][:, a // 32:b // 32].contiguous()
-        q13, sc13, z13 = S.fp8_quantize(w13b, w13s, layout.fmt, zero_mode, src["gate"].name)
-        q2, sc2, z2 = S.fp8_quantize(w2b, w2s, layout.fmt, zero_mode, src["down"].name)
-        if stats is not None:  # sampled rows, dequantized in float32: plenty for statistics
-            a13, a2 = F.report_rows(len(w13b), REPORT_MAX_ROWS), F.report_rows(len(w2b), REPORT_MAX_ROWS)
-            w13f = S.dequantize_fp8_per_block32(w13b[a13], w13s[a13])
-            w2f = S.dequantize_fp8_per_block32(w2b[a2], w2s[a2])
-            stats.setdefault(r, []).append({
-                "w13": {**F.error_report(w13f, q13[a13], sc13[a13], layout.fmt), "zero_mode": z13},
-                "w2": {**F.error_report(w2f, q2[a2], sc2[a2], layout.fmt), "zero_mode": z2},
-            })
-        yield r, F.pack_quantized_row(layout, q13, sc13, q2, sc2)
+        yield r, _coded_row(layout, r, (w13b, w13s), (w2b, w2s), S.fp8_quantize, S.dequantize_fp8_per_block32,
+                            (src["gate"].name, src["down"].name), zero_mode, stats)
 
 
 def _nvfp4_rows(src: dict, sc16: dict, layout, ranks: list[int], zero_mode: str,
@@ -140,7 +148,6 @@ def _nvfp4_rows(src: dict, sc16: dict, layout, ranks: list[int], zero_mode: str,
     """NVFP4 experts straight to rows: per-16 code thresholds on the e2m1 indices (sources.nvfp4_quantize)."""
     import torch
 
-    from moetplan.runtime import format as F
     from moetplan.runtime import sources as S
 
     ir = layout.inter_per_rank
@@ -150,17 +157,8 @@ def _nvfp4_rows(src: dict, sc16: dict, layout, ranks: list[int], zero_mode: str,
         w13p, w13s = torch.cat([byt["gate"][a:b], byt["up"][a:b]]), torch.cat([sc16["gate"][a:b], sc16["up"][a:b]])
         w2p = byt["down"][:, a // 2:b // 2].contiguous()
         w2s = sc16["down"][:, a // 16:b // 16].contiguous()
-        q13, s13, z13 = S.nvfp4_quantize(w13p, w13s, layout.fmt, zero_mode, src["gate"].name)
-        q2, s2, z2 = S.nvfp4_quantize(w2p, w2s, layout.fmt, zero_mode, src["down"].name)
-        if stats is not None:
-            a13, a2 = F.report_rows(len(w13p), REPORT_MAX_ROWS), F.report_rows(len(w2p), REPORT_MAX_ROWS)
-            w13f = S.dequantize_nvfp4_per_block16(w13p[a13], w13s[a13])
-            w2f = S.dequantize_nvfp4_per_block16(w2p[a2], w2s[a2])
-            stats.setdefault(r, []).append({
-                "w13": {**F.error_report(w13f, q13[a13], s13[a13], layout.fmt), "zero_mode": z13},
-                "w2": {**F.error_report(w2f, q2[a2], s2[a2], layout.fmt), "zero_mode": z2},
-            })
-        yield r, F.pack_quantized_row(layout, q13, s13, q2, s2)
+        yield r, _coded_row(layout, r, (w13p, w13s), (w2p, w2s), S.nvfp4_quantize, S.dequantize_nvfp4_per_block16,
+                            (src["gate"].name, src["down"].name), zero_mode, stats)
 
 
 def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1, fmt: str = "2bit",
