@@ -144,9 +144,9 @@ def bb_zero_prob(n: float, mu: float, rho: float) -> float:
         return 0.0
     if rho <= 0:
         return (1.0 - mu) ** n
-    s = (1.0 - rho) / rho  # alpha + beta
-    alpha, beta = mu * s, (1.0 - mu) * s
-    # B(alpha, beta + n) / B(alpha, beta)
+    s = (1.0 - rho) / rho  # alpha + beta, with alpha = mu * s
+    beta = (1.0 - mu) * s
+    # B(alpha, beta + n) / B(alpha, beta), written with alpha + beta = s
     return math.exp(math.lgamma(beta + n) + math.lgamma(s) - math.lgamma(beta) - math.lgamma(s + n))
 
 
