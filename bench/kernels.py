@@ -324,18 +324,44 @@ def grouped_bf16(m, gen):
     return w13, w2
 
 
-def prefill_case(m, T, lay, pool, slot_of, w13, w2, gen, quick) -> dict[str, Any]:
+def prefill_case(m, T, lay, pool, slot_of, w13, w2, gen, quick,
+                 prefill_kernels: tuple[str, ...] = ("auto", "tiled:2", "wgmma", "warp")) -> dict[str, Any]:
     H, I, k, E = m["H"], m["I"], m["k"], m["E"]
     ids, w = routing(T, k, E, gen)
     x = (torch.randn(T, H, device="cuda", generator=gen) * 0.3).to(torch.bfloat16)
     out = torch.empty_like(x)
-    res: dict[str, Any] = {"model": m["name"], "tokens": T}
-    g = capture(lambda: ops.moe_forward(x, ids, w, pool, slot_of, lay, out=out))
-    t = time_events(g.replay, reps=3 if quick else 5)
+    res: dict[str, Any] = {"model": m["name"], "tokens": T, "variant": prefill_kernels[0], "variants": {}}
+    mod = kernels.get_module()
+    if mod is not None:  # what the default ("auto") resolves to for this shape: tiled, or None (warp tiles)
+        res["auto_resolves_to"] = ops.use_tiled_prefill(mod, lay)
+    # Each prefill path (MOETPLAN_PREFILL_KERNEL) on the same routing; the first is the headline figure.
+    outs = {}
+    for pk in prefill_kernels:  # "name" or "name:variant" (MOETPLAN_PREFILL_VARIANT)
+        os.environ["MOETPLAN_PREFILL_KERNEL"] = pk.split(":")[0]
+        os.environ.pop("MOETPLAN_PREFILL_VARIANT", None)
+        if ":" in pk:
+            os.environ["MOETPLAN_PREFILL_VARIANT"] = pk.split(":")[1]
+        try:
+            g = capture(lambda: ops.moe_forward(x, ids, w, pool, slot_of, lay, out=out))
+        except Exception as e:  # e.g. wgmma asked for on a GPU without it
+            res["variants"][pk] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            continue
+        tv = time_events(g.replay, reps=3 if quick else 5)
+        outs[pk] = out.clone()
+        res["variants"][pk] = {"ms": tv["median_ms"], "tok_s": T / (tv["median_ms"] * 1e-3)}
+        del g
+    os.environ.pop("MOETPLAN_PREFILL_KERNEL", None)
+    os.environ.pop("MOETPLAN_PREFILL_VARIANT", None)
+    if prefill_kernels[0] not in outs:
+        res["error"] = res["variants"][prefill_kernels[0]]["error"]
+        return res
+    t = {"median_ms": res["variants"][prefill_kernels[0]]["ms"]}
+    head = outs[prefill_kernels[0]].float()
+    for pk, o in outs.items():  # agreement with the headline path (bf16 intermediate on both: ~1e-3)
+        res["variants"][pk]["rel_diff_vs_headline"] = float((o.float() - head).norm() / head.norm())
     res["moet_ms"] = t["median_ms"]
     res["moet_tok_s"] = T / (t["median_ms"] * 1e-3)
     res["moet_weight_bytes"] = E * lay.payload_bytes
-    del g
     # bf16 grouped matmul: tokens sorted by expert, one GEMM group per expert.
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -393,6 +419,9 @@ def main() -> int:
     ap.add_argument("--sections", default="smoke,bw,decode,prefill")
     ap.add_argument("--decode-kernels", default="gemv,mma,rowdot",
                     help="MOETPLAN_DECODE_KERNEL values to time; the first (the default path) is the headline figure")
+    ap.add_argument("--prefill-kernels", default="auto,tiled:2,wgmma,warp",
+                    help="MOETPLAN_PREFILL_KERNEL values to time, optionally name:variant (MOETPLAN_PREFILL_VARIANT); the "
+                         "first (the default path) is the headline figure")
     ap.add_argument("--no-baselines", action="store_true",
                     help="skip the naive bf16 and torch 2-bit reference timings of the decode section")
     args = ap.parse_args()
@@ -450,12 +479,18 @@ def main() -> int:
             slot_of = torch.arange(m["E"], dtype=torch.int32, device="cuda")
             w13, w2 = grouped_bf16(m, gen)
             for T in [int(v) for v in args.prefill.split(",")]:
-                r = prefill_case(m, T, lay, pool, slot_of, w13, w2, gen, args.quick)
+                r = prefill_case(m, T, lay, pool, slot_of, w13, w2, gen, args.quick,
+                                 tuple(args.prefill_kernels.split(",")))
                 res["prefill"].append(r)
                 atomic_write_json(out, res)
-                print(f"prefill {m['name']:18s} T={T}: moet {r['moet_tok_s']:9.0f} tok/s  bf16 "
-                      f"{r.get('bf16_grouped_tok_s', float('nan')):9.0f} tok/s "
-                      f"{r.get('bf16_error', '')}", flush=True)
+                others = "  ".join(f"{n} {v['tok_s']:9.0f} tok/s (diff {v['rel_diff_vs_headline']:.1e})"
+                                   if "error" not in v else f"{n} FAILED" for n, v in r["variants"].items())
+                if "error" in r:
+                    print(f"prefill {m['name']:18s} T={T}: {r['error']}", flush=True)
+                    continue
+                print(f"prefill {m['name']:18s} T={T}: moet {r['moet_tok_s']:9.0f} tok/s [{others}]  bf16 "
+                      f"{r.get('bf16_grouped_tok_s', float('nan')):9.0f} tok/s  "
+                      f"x{r.get('speedup_vs_bf16', float('nan')):.2f} {r.get('bf16_error', '')}", flush=True)
             del pool, w13, w2
             torch.cuda.empty_cache()
     res["finished"] = True

@@ -1,8 +1,11 @@
-"""Driver for Nsight Compute on the decode stages (issue 8): a few eager calls of one MoE layer at the given
-model shape and token count, so that `ncu -k regex:gemv_stage` has launches to profile.
+"""Driver for Nsight Compute on the MoE stages (issue 8): a few eager calls of one MoE layer at the given model
+shape and token count, so that ncu has launches to profile: the decode stages at few tokens, the prefill stages
+(`-k regex:prefill_stage`) at many.
 
     ncu --set full --clock-control none -k regex:gemv_stage --launch-skip 2 --launch-count 2 \
         -o gemv python3 bench/ncu_gemv.py --model DeepSeek-V4-Flash --tokens 8
+    ncu --set full --clock-control none -k regex:prefill_stage --launch-count 2 \
+        -o prefill python3 bench/ncu_gemv.py --tokens 8192 --calls 1
 """
 from __future__ import annotations
 

@@ -524,6 +524,8 @@ __global__ void combine_kernel(const float* partial, const float* w, T* out, int
 
 #include "moe_decode.cuh"
 #include "moe_rowdot.cuh"
+#include "moe_prefill.cuh"
+#include "moe_prefill_wgmma.cuh"
 
 // ---------------------------------------------------------------------------------------------------------- host
 #define CHECK_CUDA_T(x, what) TORCH_CHECK((x).is_cuda(), what " must be a CUDA tensor")
@@ -909,6 +911,174 @@ void rowdot_stage(bool w13, int64_t np, torch::Tensor pool, torch::Tensor slot_o
   }
 }
 
+// ------------------------------------------------------------------------------------------------ prefill (tiled)
+// Shapes the tiled prefill stages take: H and Ir multiples of PF_BK (every target model and its TP2/TP4 shards).
+int64_t prefill_k_align() { return PF_BK; }
+int64_t prefill_block_n() { return PF_BN; }
+// Whether the wgmma prefill stages run on the current GPU: compute capability 9.0 and kernels compiled for sm_90a.
+bool prefill_wgmma_available() {
+  static int avail[64];
+  static bool init[64] = {};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64 && init[dev]) return avail[dev] != 0;
+  int major = 0, minor = 0, ok = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major == 9 && minor == 0) {
+    auto flag = torch::zeros({1}, torch::dtype(torch::kInt32).device(torch::kCUDA, dev));
+    auto stream = at::cuda::getCurrentCUDAStream();
+    wgmma_probe_kernel<<<1, 1, 0, stream>>>(flag.data_ptr<int>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    ok = flag.item<int>();
+  }
+  if (dev < 64) { avail[dev] = ok; init[dev] = true; }
+  return ok != 0;
+}
+
+// x [T, H] bf16/fp32 -> xp [T, H] bf16 in the B order of the tiled (order 0) or wgmma (order 1) prefill stages.
+void pair_x(torch::Tensor x, torch::Tensor xp, int64_t order, bool pdl) {
+  CHECK_CUDA_T(x, "x");
+  TORCH_CHECK(x.is_contiguous() && xp.is_contiguous() && x.dim() == 2 && x.size(1) % PF_BK == 0 &&
+                  xp.scalar_type() == torch::kBFloat16 && xp.numel() == x.numel(),
+              "pair_x: contiguous x [T, H] (H % ", PF_BK, " == 0) and bf16 xp of the same size");
+  TORCH_CHECK(order == 0 || order == 1, "pair_x: order 0 (tiled) or 1 (wgmma)");
+  const at::cuda::CUDAGuard guard(x.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t groups = x.numel() / 8;
+  if (groups == 0) return;
+  const int threads = 256;
+  const int blocks = int((groups + threads - 1) / threads);
+  auto* out = reinterpret_cast<__nv_bfloat16*>(xp.data_ptr<at::BFloat16>());
+  if (x.scalar_type() == torch::kFloat32) {
+    const float* xf = x.data_ptr<float>();
+    if (order == 0) launch(pair_kernel<float, 0>, dim3(blocks), dim3(threads), 0, stream, pdl, xf, out, groups);
+    else launch(pair_kernel<float, 1>, dim3(blocks), dim3(threads), 0, stream, pdl, xf, out, groups);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16 or float32 here");
+    const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>());
+    if (order == 0) launch(pair_kernel<__nv_bfloat16, 0>, dim3(blocks), dim3(threads), 0, stream, pdl, xb, out, groups);
+    else launch(pair_kernel<__nv_bfloat16, 1>, dim3(blocks), dim3(threads), 0, stream, pdl, xb, out, groups);
+  }
+}
+
+// Passes of PF_BN pairs over the 2-bit segments: tile_seg / tile_start [>= ceil(P/bn) + segments], ntiles [1].
+void prefill_tiles(torch::Tensor seg_cnt, torch::Tensor nseg, torch::Tensor tile_seg,
+                   torch::Tensor tile_start, torch::Tensor ntiles, bool pdl) {
+  CHECK_CUDA_T(seg_cnt, "seg_cnt");
+  const at::cuda::CUDAGuard guard(seg_cnt.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  launch(prefill_tiles_kernel, dim3(1), dim3(32), 0, stream, pdl, static_cast<const int32_t*>(seg_cnt.data_ptr<int32_t>()),
+         static_cast<const int32_t*>(nseg.data_ptr<int32_t>()), PF_BN, tile_seg.data_ptr<int32_t>(),
+         tile_start.data_ptr<int32_t>(), ntiles.data_ptr<int32_t>());
+}
+
+// Pipeline depth of the tiled stages on this GPU: 4 steps where two blocks of them fit an SM (H100/H200), else 3
+// (A100, RTX 30/40/50), else 0 (does not fit).
+template <bool W13, int MT>
+int prefill_stages() {
+  static int stages = -1;
+  if (stages < 0) {
+    int dev = 0, per_sm = 0, per_block = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    auto fits = [&](int bytes) { return bytes <= per_block && 2 * (bytes + 2048) <= per_sm; };
+    stages = fits(prefill_smem_bytes<4>()) ? 4 : fits(prefill_smem_bytes<3>()) ? 3 : 0;
+    if (stages == 4)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_stage_kernel<W13, MT, 4>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, prefill_smem_bytes<4>()));
+    if (stages == 3)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_stage_kernel<W13, MT, 3>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, prefill_smem_bytes<3>()));
+  }
+  return stages;
+}
+
+template <bool W13, int MT>
+void launch_prefill(const PrefillArgs& a, int gx, int gy, cudaStream_t stream, bool pdl) {
+  const int stages = prefill_stages<W13, MT>();
+  TORCH_CHECK(stages > 0, "tiled prefill: the block tiles do not fit this GPU's shared memory");
+  if (stages == 4)
+    launch(prefill_stage_kernel<W13, MT, 4>, dim3(gx, gy), dim3(32 * PF_WARPS), prefill_smem_bytes<4>(), stream,
+           pdl, a);
+  else
+    launch(prefill_stage_kernel<W13, MT, 3>, dim3(gx, gy), dim3(32 * PF_WARPS), prefill_smem_bytes<3>(), stream,
+           pdl, a);
+}
+
+// One tiled prefill stage over the 2-bit segments of a routed step (FP4 segments take `stage`).
+// w13: b = x paired [T, H] bf16, writes act [P, Ir] bf16 paired; w2: b = act, writes partial [P, H] fp32.
+void prefill_stage(bool w13, torch::Tensor pool, torch::Tensor slot_of, int64_t q_off, int64_t s_off, int64_t H,
+                   int64_t Ir, torch::Tensor seg_expert, torch::Tensor seg_off, torch::Tensor seg_cnt,
+                   torch::Tensor order, torch::Tensor tile_seg, torch::Tensor tile_start, torch::Tensor ntiles,
+                   int64_t topk, torch::Tensor b, c10::optional<torch::Tensor> act,
+                   c10::optional<torch::Tensor> partial, double limit, bool has_limit, torch::Tensor error_flag,
+                   bool wgmma, int64_t variant, bool pdl) {
+  CHECK_CUDA_T(pool, "pool");
+  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1 &&
+                  pool.stride(0) % 16 == 0, "pool must be uint8 [S, stride] with 16-byte aligned rows");
+  TORCH_CHECK(H % PF_BM == 0 && Ir % PF_BK == 0 && H % PF_BK == 0,
+              "tiled prefill stages need H and Ir multiples of ", PF_BK);
+  TORCH_CHECK(q_off % 16 == 0 && s_off % 4 == 0, "row sections must be aligned (docs/FORMAT.md)");
+  TORCH_CHECK(b.scalar_type() == torch::kBFloat16 && b.is_contiguous() && b.size(-1) == (w13 ? H : Ir),
+              "B operand: contiguous paired bf16 [rows, K]");
+  const at::cuda::CUDAGuard guard(pool.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  PrefillArgs a{};
+  a.pool = pool.data_ptr<uint8_t>();
+  a.stride = pool.stride(0);
+  a.slot_of = slot_of.data_ptr<int32_t>();
+  a.q_off = q_off; a.s_off = s_off;
+  a.N = int(w13 ? 2 * Ir : H);
+  a.K = int(w13 ? H : Ir);
+  a.Ir = int(Ir);
+  a.topk = int(topk);
+  a.seg_expert = seg_expert.data_ptr<int32_t>();
+  a.seg_off = seg_off.data_ptr<int32_t>();
+  a.seg_cnt = seg_cnt.data_ptr<int32_t>();
+  a.order = order.data_ptr<int32_t>();
+  a.tile_seg = tile_seg.data_ptr<int32_t>();
+  a.tile_start = tile_start.data_ptr<int32_t>();
+  a.ntiles = ntiles.data_ptr<int32_t>();
+  a.b = reinterpret_cast<const __nv_bfloat16*>(b.data_ptr<at::BFloat16>());
+  a.limit = float(limit);
+  a.has_limit = has_limit ? 1 : 0;
+  a.error_flag = error_flag.data_ptr<int>();
+  if (w13) {
+    TORCH_CHECK(act.has_value() && act->scalar_type() == torch::kBFloat16 && act->numel() >= order.numel() * Ir,
+                "w13 prefill stage needs act bf16 [P, Ir]");
+    a.act = reinterpret_cast<__nv_bfloat16*>(act->data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(partial.has_value() && partial->scalar_type() == torch::kFloat32 &&
+                    partial->numel() >= order.numel() * H, "w2 prefill stage needs partial fp32 [P, H]");
+    a.partial = partial->data_ptr<float>();
+  }
+  const int gy = int(tile_seg.numel());
+  TORCH_CHECK(gy < 65536, "too many prefill passes in one call (", gy, "); chunk the tokens");
+  if (gy == 0) return;
+  const int gx = int(a.N / PF_BM);
+  if (wgmma) {
+    TORCH_CHECK(prefill_wgmma_available(), "wgmma prefill stages: needs an sm_90 GPU and kernels built for sm_90a");
+    a.proxy_fence = int(variant & 1);  // 1: fence.proxy.async between the cp.async writes and the MMAs' reads
+    static bool attr = false;
+    if (!attr) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_wgmma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM));
+      C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_wgmma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM));
+      attr = true;
+    }
+    if (w13) launch(prefill_wgmma_kernel<true>, dim3(gx, gy), dim3(32 * PF_WARPS), WG_SMEM, stream, pdl, a);
+    else launch(prefill_wgmma_kernel<false>, dim3(gx, gy), dim3(32 * PF_WARPS), WG_SMEM, stream, pdl, a);
+    return;
+  }
+  // variant: m16 tiles per warp of the mma.sync stages (1 or 2).
+  TORCH_CHECK(variant == 1 || variant == 2, "tiled prefill variant: 1 or 2 m tiles per warp");
+  if (w13 && variant == 1) launch_prefill<true, 1>(a, gx, gy, stream, pdl);
+  else if (w13) launch_prefill<true, 2>(a, gx, gy, stream, pdl);
+  else if (variant == 1) launch_prefill<false, 1>(a, gx, gy, stream, pdl);
+  else launch_prefill<false, 2>(a, gx, gy, stream, pdl);
+}
+
 void combine(torch::Tensor partial, torch::Tensor weights, torch::Tensor out, int64_t topk, bool pdl) {
   const int Tn = int(out.size(0)), H = int(out.size(1));
   const at::cuda::CUDAGuard guard(out.device());
@@ -953,5 +1123,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_chunk", &moet::gemv_chunk, "the decode stages' K granularity: H and Ir must be multiples of it");
   m.def("rowdot_stage", &moet::rowdot_stage, "decode stage on CUDA cores (1-2 pairs per expert pass)");
   m.def("rowdot_rows_per_unit", &moet::rowdot_rows_per_unit, "rows per rowdot unit for contraction K");
-  m.attr("ABI_VERSION") = 3;
+  m.def("pair_x", &moet::pair_x, "x -> bf16 in the B order of the tiled (0) or wgmma (1) prefill stages");
+  m.def("prefill_wgmma_available", &moet::prefill_wgmma_available, "wgmma prefill stages run on this GPU");
+  m.def("prefill_tiles", &moet::prefill_tiles, "passes of bn pairs over the 2-bit segments -> block rows");
+  m.def("prefill_stage", &moet::prefill_stage, "tiled prefill stage (block tiles, B in shared memory), 2-bit");
+  m.def("prefill_k_align", &moet::prefill_k_align, "H and Ir must be multiples of this for the tiled prefill");
+  m.def("prefill_block_n", &moet::prefill_block_n, "pairs per block pass of the tiled prefill stages");
+  m.attr("ABI_VERSION") = 4;
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moetplan.errors import UsageError
 from moetplan.runtime import kernels, ops
 from moetplan.runtime.format import RowLayout
 
@@ -122,13 +123,120 @@ def test_unaligned_shape_falls_back_to_reference(mod, caplog):
     assert any("skip this layer shape" in r.message for r in caplog.records)
 
 
-@pytest.mark.parametrize("T,E", [(256, 16), (1024, 64)])
-def test_prefill_matches_reference(mod, T, E):
+def _prefill_param(request, monkeypatch, mod):
+    name, _, variant = request.param.partition(":")
+    if name == "wgmma" and not mod.prefill_wgmma_available():
+        pytest.skip("wgmma prefill stages need a compute-capability 9.0 GPU")
+    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", name)
+    if variant:
+        monkeypatch.setenv("MOETPLAN_PREFILL_VARIANT", variant)
+    return name
+
+
+@pytest.fixture(params=["wgmma", "tiled", "tiled:2", "warp"])
+def prefill_kernel(request, monkeypatch, mod):
+    """Every prefill path (MOETPLAN_PREFILL_KERNEL[:MOETPLAN_PREFILL_VARIANT]): block tiles on wgmma (Hopper) and on
+    mma.sync (1 or 2 m tiles per warp), and the first version's one-warp tiles."""
+    return _prefill_param(request, monkeypatch, mod)
+
+
+@pytest.fixture(params=["wgmma", "wgmma:0", "tiled", "tiled:2"])
+def block_prefill(request, monkeypatch, mod):
+    """The block-tile prefill stages: wgmma (Hopper; with and without the proxy fence) and mma.sync (1 or 2 m tiles
+    per warp)."""
+    return _prefill_param(request, monkeypatch, mod)
+
+
+def test_prefill_default_path(mod, monkeypatch):
+    monkeypatch.delenv("MOETPLAN_PREFILL_KERNEL", raising=False)
+    lay = RowLayout.for_expert(4096, 1024, fmt="2bit")
+    assert ops.use_tiled_prefill(mod, lay) == "tiled"
+    # a 9.0 build carries the sm_90a binary: the wgmma stages are there to be asked for
+    assert mod.prefill_wgmma_available() == (torch.cuda.get_device_capability() == (9, 0))
+    if not mod.prefill_wgmma_available():
+        monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "wgmma")
+        with pytest.raises(UsageError, match="compute-capability 9.0"):
+            ops.use_tiled_prefill(mod, lay)
+
+
+@pytest.mark.parametrize("T,E", [(256, 16), (1024, 64), (512, 64)])
+def test_prefill_matches_reference(mod, prefill_kernel, T, E):
     x, ids, w, pool, slot_of, lay, extra = _case(4096, 1024, 8, T, E=E, fmt_mix=True, seed=T)
     assert T * 8 >= ops.PREFILL_PAIRS_PER_EXPERT * E  # takes the prefill tiles
+    assert ops.use_tiled_prefill(mod, lay) == (None if prefill_kernel == "warp" else prefill_kernel)
     got = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
     ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
     assert _rel(got, ref.float()) < PREFILL_TOL
+
+
+@pytest.mark.parametrize("H,I,k,T,E", [(7168, 512, 8, 384, 32), (6144, 1024, 6, 300, 24), (4096, 2048, 8, 700, 16),
+                                       (7168, 2048, 6, 96, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tiled_prefill_shapes_and_clamp(mod, block_prefill, H, I, k, T, E, dtype):
+    # Every model's H with TP1/2/4 shards of I, one and several 64-pair passes per expert, partial last passes,
+    # FP4 experts (warp tiles) in the same step, the SwiGLU clamp, bf16 and fp32 x.
+    x, ids, w, pool, slot_of, lay, extra = _case(H, I, k, T, E=E, fmt_mix=True, dtype=dtype, seed=H + T)
+    for limit in (None, 0.5):
+        got = ops.moe_forward(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, **extra)
+        ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, **extra)
+        assert got.dtype == dtype
+        assert _rel(got, ref.float()) < PREFILL_TOL, limit
+
+
+def test_tiled_prefill_skewed_routing(mod, monkeypatch, block_prefill):
+    # One expert takes every token (many passes of one segment), the rest share the remainder unevenly.
+    x, _, w, pool, slot_of, lay, _ = _case(4096, 1024, 4, 600, E=32, seed=21)
+    g = torch.Generator().manual_seed(21)
+    others = torch.tensor([0, 1, 2, 3, 4, 6, 7, 8, 30])
+    rest = torch.stack([others[torch.randperm(len(others), generator=g)[:3]] for _ in range(600)])
+    ids = torch.cat([torch.full((600, 1), 5), rest], dim=1).cuda()
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    assert _rel(got, ref.float()) < PREFILL_TOL
+    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "warp")
+    assert _rel(got, ops.moe_forward(x, ids, w, pool, slot_of, lay).float()) < PREFILL_TOL
+
+
+def test_tiled_prefill_shape_rules(mod, monkeypatch):
+    # H = 4160 is a multiple of 64 (the warp tiles take it) but not of 128: the tiled stages decline it.
+    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "tiled")
+    x, ids, w, pool, slot_of, lay, _ = _case(4096 + 64, 1024, 8, 256, E=16, seed=5)
+    assert not ops.use_tiled_prefill(mod, lay)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert _rel(got, ops.moe_forward_reference(x, ids, w, pool, slot_of, lay).float()) < PREFILL_TOL
+    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "sideways")
+    with pytest.raises(UsageError, match="MOETPLAN_PREFILL_KERNEL"):
+        ops.moe_forward(x, ids, w, pool, slot_of, lay)
+
+
+def test_block_prefill_paths_agree(mod, monkeypatch):
+    if not mod.prefill_wgmma_available():
+        pytest.skip("wgmma prefill stages need a compute-capability 9.0 GPU")
+    x, ids, w, pool, slot_of, lay, extra = _case(7168, 2048, 8, 640, E=64, fmt_mix=True, seed=31)
+    got = {}
+    for pk in ("wgmma", "wgmma:0", "tiled", "tiled:2"):
+        name, _, variant = pk.partition(":")
+        monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", name)
+        monkeypatch.setenv("MOETPLAN_PREFILL_VARIANT", variant)
+        got[pk] = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra).float()
+    # Same bf16 operands and intermediate; only the fp32 accumulation order may differ.
+    for pk in ("wgmma", "wgmma:0", "tiled:2"):
+        assert _rel(got[pk], got["tiled"]) < 2e-3, pk
+
+
+def test_tiled_prefill_missing_expert_and_determinism(mod, block_prefill):
+    x, ids, w, pool, slot_of, lay, extra = _case(6144, 2048, 8, 512, E=32, fmt_mix=True, seed=12)
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
+    for _ in range(2):
+        assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra), a)
+    missing = int(ids[3, 2])
+    if extra["fp4_slot_of"][missing] >= 0:  # make it a 2-bit expert without a slot
+        extra["fp4_slot_of"] = extra["fp4_slot_of"].clone()
+        extra["fp4_slot_of"][missing] = -1
+    slot_of = slot_of.clone()
+    slot_of[missing] = -1
+    with pytest.raises(ops.ResidencyError, match=str(missing)):
+        ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
 
 
 def test_int32_ids_and_fp16_x(mod):

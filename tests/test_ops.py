@@ -375,6 +375,8 @@ def test_arch_normalisation_and_flags():
     flags = kernels.gencode_flags(["8.0", "12.0"])
     assert "-gencode=arch=compute_80,code=sm_80" in flags
     assert "-gencode=arch=compute_120,code=compute_120" in flags  # PTX of the newest target for future chips
+    h = kernels.gencode_flags(["9.0"])  # H100/H200: the arch-specific binary (wgmma), portable PTX
+    assert "-gencode=arch=compute_90a,code=sm_90a" in h and "-gencode=arch=compute_90,code=compute_90" in h
 
 
 def test_build_key_changes_with_archs():
@@ -740,3 +742,159 @@ def test_decode_kernel_selection(monkeypatch):
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "bogus")
     with pytest.raises(UsageError, match="auto"):
         ops.decode_kernel()
+
+
+def _kpos_wgmma(e: int) -> int:
+    """kpos_wgmma in csrc/moe_prefill.cuh: where natural index e of a 128-element K block is stored for the wgmma
+    prefill stages."""
+    X, w, q = e >> 5, (e >> 4) & 1, e & 15
+    i, j = (q >> 2) & 1, (q & 3) + 4 * (q >> 3)
+    return ((w * 4 + (j >> 1)) * 2 + (j & 1)) * 8 + X * 2 + i
+
+
+_WGMMA = torch.tensor([_kpos_wgmma(e) for e in range(128)])
+
+
+def _to_b_order(v: torch.Tensor, order: int) -> torch.Tensor:
+    """Natural K order -> the prefill stages' B order (0: paired per 8, 1: wgmma per 128)."""
+    if order == 0:
+        return _to_paired(v)
+    out = torch.empty_like(v.reshape(*v.shape[:-1], -1, 128))
+    out[..., _WGMMA] = v.reshape(*v.shape[:-1], -1, 128)
+    return out.reshape(v.shape)
+
+
+def _from_b_order(v: torch.Tensor, order: int) -> torch.Tensor:
+    if order == 0:
+        return _from_paired(v)
+    return v.reshape(*v.shape[:-1], -1, 128)[..., _WGMMA].reshape(v.shape)
+
+
+def test_wgmma_b_order_feeds_each_mma_its_threads_words():
+    # k16 MMA kk = 4w + s reads 32 bytes: slot 2X+i of half h must hold the weight that thread X's decode puts in
+    # register j = 2s + h of its word w, i.e. natural 32X + 16w + lo(j) + 4i (lo = 0,1,2,3,8,9,10,11).
+    assert sorted(_WGMMA.tolist()) == list(range(128))
+    lo = [0, 1, 2, 3, 8, 9, 10, 11]
+    for kk in range(8):
+        w, s = kk >> 2, kk & 3
+        for h in range(2):
+            for X in range(4):
+                for i in range(2):
+                    nat = 32 * X + 16 * w + lo[2 * s + h] + 4 * i
+                    assert _kpos_wgmma(nat) == kk * 16 + h * 8 + 2 * X + i
+    v = torch.arange(256.0).reshape(2, 128)
+    assert torch.equal(_from_b_order(_to_b_order(v, 1), 1), v)
+
+
+class _FakePrefillExtension(_FakeGemvExtension):
+    """Adds the block-tile prefill stages (pair_x / prefill_tiles / prefill_stage) with their buffer orders."""
+
+    def __init__(self, wgmma: bool = False):
+        super().__init__()
+        self.wgmma = wgmma
+        self.variants: list[tuple[bool, int]] = []
+
+    def prefill_k_align(self) -> int:
+        return 128
+
+    def prefill_block_n(self) -> int:
+        return 64
+
+    def prefill_wgmma_available(self) -> bool:
+        return self.wgmma
+
+    def pair_x(self, x, xp, order, pdl):
+        self.calls.append(f"pair_x{order}")
+        xp.copy_(_to_b_order(x.float(), order).to(torch.bfloat16))
+
+    def prefill_tiles(self, seg_cnt, nseg, tile_seg, tile_start, ntiles, pdl):
+        self.calls.append("tiles")
+        n = 0
+        for i in range(int(nseg[0])):
+            for start in range(0, int(seg_cnt[i]), 64):
+                tile_seg[n], tile_start[n] = i, start
+                n += 1
+        assert n <= tile_seg.numel()
+        ntiles[0] = n
+
+    def prefill_stage(self, w13, pool, slot_of, q_off, s_off, H, Ir, seg_e, seg_off, seg_cnt, order, tile_seg,
+                      tile_start, ntiles, topk, b, act, partial, limit, has_limit, flag, wgmma, variant, pdl):
+        self.calls.append(f"prefill{'13' if w13 else '2'}")
+        self.variants.append((wgmma, variant))
+        bo = 1 if wgmma else 0
+        N, K = (2 * Ir, H) if w13 else (H, Ir)
+        for y in range(int(ntiles[0])):
+            i, start = int(tile_seg[y]), int(tile_start[y])
+            e, o, c = int(seg_e[i]), int(seg_off[i]), int(seg_cnt[i])
+            slot = int(slot_of[e])
+            for p in [int(q) for q in order[o + start:o + min(c, start + 64)]]:
+                if slot < 0:
+                    flag[0] = e + 1
+                    if not w13:
+                        partial[p] = 0
+                    continue
+                row = pool[slot]
+                W = ops.dequantize_rows(row[q_off:q_off + N * K // 4].view(N, K // 4),
+                                        row[s_off:s_off + N * K // 32].view(N, K // 32), "2bit")
+                src = _from_b_order(b[p // topk if w13 else p].float(), bo)
+                h = W @ src
+                if w13:
+                    gate, up = h[:Ir], h[Ir:]
+                    if has_limit:
+                        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                    act[p] = _to_b_order(torch.nn.functional.silu(gate) * up, bo).to(torch.bfloat16)
+                else:
+                    partial[p] = h
+
+
+@pytest.mark.parametrize("wgmma", [False, True])
+@pytest.mark.parametrize("fp4", [False, True])
+def test_prefill_plumbing_with_stand_in_extension(wgmma, fp4, monkeypatch):
+    # 96 tokens x top-4 over 16 experts: a routed step whose experts have 1-3 passes of 64 pairs.
+    lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(96, torch.float32, fp4)
+    fake = _FakePrefillExtension(wgmma=wgmma)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for env in ("MOETPLAN_PREFILL_KERNEL", "MOETPLAN_PREFILL_VARIANT"):
+        monkeypatch.delenv(env, raising=False)
+    ids[:40, 0] = 3  # one expert with 40 + pairs: a second pass
+    for limit in (None, 0.5):
+        fake.calls.clear()
+        got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, extra.get("fp4_pool"),
+                            extra.get("fp4_slot_of"), extra.get("fp4_layout"), limit, None)
+        ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2, swiglu_limit=limit, **extra)
+        # the default is the mma.sync tiles (variant 1) even where wgmma is available; bf16 B and intermediate
+        assert fake.calls[:5] == ["route", "pair_x0", "tiles", "prefill13", "prefill2"]
+        assert fake.variants[-1] == (False, 1)
+        assert ("stage13r" in fake.calls) == fp4  # FP4-resident experts take the warp tiles
+        assert _rel(got.float(), ref.float()) < 1e-2
+    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "wgmma")
+    if not wgmma:
+        with pytest.raises(UsageError, match="compute-capability 9.0"):
+            ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+        return
+    fake.calls.clear()
+    got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    assert fake.calls[:3] == ["route", "pair_x1", "tiles"] and fake.variants[-1] == (True, 1)
+    assert _rel(got.float(), ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2).float()) < 1e-2
+    monkeypatch.setenv("MOETPLAN_PREFILL_VARIANT", "0")
+    ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    assert fake.variants[-1] == (True, 0)
+    monkeypatch.setenv("MOETPLAN_PREFILL_VARIANT", "7")
+    with pytest.raises(UsageError, match="MOETPLAN_PREFILL_VARIANT"):
+        ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+
+
+def test_prefill_kernel_selection(monkeypatch):
+    fake = _FakePrefillExtension()
+    lay = RowLayout.for_expert(4096, 2048)
+    monkeypatch.delenv("MOETPLAN_PREFILL_KERNEL", raising=False)
+    assert ops.prefill_kernel() == "auto" and ops.use_tiled_prefill(fake, lay) == "tiled"
+    assert ops.use_tiled_prefill(fake, RowLayout.for_expert(4096 + 64, 2048)) is None  # H % 128: warp tiles
+    assert ops.use_tiled_prefill(_FakeGemvExtension(), lay) is None  # an older build
+    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "warp")
+    assert ops.use_tiled_prefill(fake, lay) is None
+    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "wgmma")
+    assert ops.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay) == "wgmma"
+    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "bogus")
+    with pytest.raises(UsageError, match="auto"):
+        ops.prefill_kernel()

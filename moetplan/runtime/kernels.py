@@ -97,7 +97,10 @@ def gencode_flags(archs: list[str]) -> list[str]:
     flags = []
     for a in archs:
         n = a.replace(".", "")
-        flags.append(f"-gencode=arch=compute_{n},code=sm_{n}")
+        # 9.0 (H100/H200) builds the arch-specific sm_90a binary: the wgmma prefill stages need it, and the
+        # binary runs on exactly the compute-capability 9.0 chips it is for.
+        n_bin = "90a" if n == "90" else n
+        flags.append(f"-gencode=arch=compute_{n_bin},code=sm_{n_bin}")
     # PTX of the newest target lets a future chip JIT it.
     newest = max(archs, key=_cap_tuple)
     flags.append(f"-gencode=arch=compute_{newest.replace('.', '')},code=compute_{newest.replace('.', '')}")

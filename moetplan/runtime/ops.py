@@ -27,6 +27,11 @@ PREFILL_PAIRS_PER_EXPERT = 8
 # Cap on the fp32 per-pair partial buffer [T*k, H] of one kernel call; longer prefills are chunked over tokens.
 PARTIAL_BYTES_CAP = 1 << 30
 DECODE_KERNELS = ("auto", "rowdot", "gemv", "mma")
+# Routed (prefill) steps: "tiled" = block tiles with the B operand in shared memory on mma.sync
+# (csrc/moe_prefill.cuh, every arch), "wgmma" = the same tiles on Hopper warpgroup MMAs (csrc/moe_prefill_wgmma.cuh,
+# sm_90a; correct but 0.5-0.8x the tiled stages' speed on the H200, docs/KERNELS.md), "warp" = the first
+# version's one-warp tiles (kept for comparison and for shapes the block tiles do not take). "auto" = tiled.
+PREFILL_KERNELS = ("auto", "tiled", "wgmma", "warp")
 # "auto": the CUDA-core rowdot stages for steps of at most this many tokens (1-2 pairs per expert), the gemv stages
 # above it. 0 = gemv everywhere: on the H200 rowdot took 1.24-1.55x gemv's time at 1 token and ~2.2x at 2-8
 # (instruction-issue bound, docs/KERNELS.md). Raise it only on a GPU where bench/kernels.py measures rowdot faster.
@@ -223,6 +228,49 @@ def decode_kernel() -> str:
     return v
 
 
+def prefill_kernel() -> str:
+    """Which path routed (prefill) steps take, from MOETPLAN_PREFILL_KERNEL: 'auto' (the default), 'wgmma', 'tiled'
+    or 'warp' (PREFILL_KERNELS)."""
+    v = os.environ.get("MOETPLAN_PREFILL_KERNEL", "auto").strip().lower() or "auto"
+    if v not in PREFILL_KERNELS:
+        raise UsageError(f"MOETPLAN_PREFILL_KERNEL={v!r} is not one of {', '.join(PREFILL_KERNELS)}; unset it for "
+                         "the default (auto)")
+    return v
+
+
+def use_tiled_prefill(mod, layout: RowLayout) -> str | None:
+    """The block-tile prefill stages that take a routed step's 2-bit experts: 'tiled' (mma.sync, the default) or
+    'wgmma' (asked for, Hopper with an sm_90a build), or None (MOETPLAN_PREFILL_KERNEL=warp, an extension without
+    them, or H / Ir not multiples of the extension's prefill_k_align, 128: every target model and its TP2/TP4
+    shards take them)."""
+    pk = prefill_kernel()
+    if pk == "warp" or not hasattr(mod, "prefill_stage"):
+        return None
+    a = mod.prefill_k_align()
+    if layout.hidden % a or layout.inter_per_rank % a:
+        return None
+    if pk != "wgmma":
+        return "tiled"
+    if not mod.prefill_wgmma_available():
+        raise UsageError("MOETPLAN_PREFILL_KERNEL=wgmma needs a compute-capability 9.0 GPU (H100/H200) and kernels "
+                         "built for it (moetplan build-kernels --arch 9.0); unset it for the default (auto)")
+    return "wgmma"
+
+
+def _prefill_variant(kind: str) -> int:
+    """Implementation variant of the block-tile stages (MOETPLAN_PREFILL_VARIANT, a benchmarking override): tiled =
+    m16 tiles per warp (1, the default: 8 warps along M, each decoding its own rows; 2: a 4 x 2 warp grid, 10-12%
+    slower on the H200), wgmma = proxy fence on (1, the default) or off (0: measured no faster)."""
+    v = os.environ.get("MOETPLAN_PREFILL_VARIANT", "").strip()
+    allowed = ("1", "2") if kind == "tiled" else ("0", "1")
+    if not v:
+        return 1
+    if v not in allowed:
+        raise UsageError(f"MOETPLAN_PREFILL_VARIANT={v!r} for the {kind} prefill stages: use one of "
+                         f"{', '.join(allowed)}, or unset it for the default")
+    return int(v)
+
+
 def _decode_shape_ok(mod, P: int, layout: RowLayout, fn: str) -> bool:
     # The decode stages read K in whole chunks (the extension's gemv_chunk: 256 weights per row).
     return (hasattr(mod, fn) and P <= mod.gemv_max_pairs()
@@ -286,7 +334,26 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
         xs = x[t0:t1] if x.dtype != torch.float16 else x[t0:t1].float()  # the kernels take bf16 or fp32 x
         todo = fmts
         act = None
-        if not routed and use_rowdot(mod, P, layout, t1 - t0):
+        tiled = use_tiled_prefill(mod, layout) if routed else None
+        if tiled:
+            # 2-bit experts on block tiles: x -> bf16 in the stages' B order, passes of bn pairs per expert,
+            # w13 (+SiLU) -> bf16 intermediate (same order), w2 -> partial rows. FP4 experts take the tiles below.
+            wg = tiled == "wgmma"
+            variant = _prefill_variant(tiled)
+            xpair = torch.empty(xs.shape[0], H, dtype=torch.bfloat16, device=dev)
+            mod.pair_x(xs.contiguous(), xpair, 1 if wg else 0, pdl)
+            bn = mod.prefill_block_n()
+            tiles = torch.empty(2, (P + bn - 1) // bn + M, dtype=torch.int32, device=dev)
+            ntiles = torch.empty(1, dtype=torch.int32, device=dev)
+            mod.prefill_tiles(segs[2, :M], nseg[0:1], tiles[0], tiles[1], ntiles, pdl)
+            act_b = torch.empty(P, ir, dtype=torch.bfloat16, device=dev)
+            for w13, b, a_, p_ in ((True, xpair, act_b, None), (False, act_b, None, partial)):
+                q_off, s_off = ((layout.w13_q_off, layout.w13_s_off) if w13 else (layout.w2_q_off, layout.w2_s_off))
+                mod.prefill_stage(w13, pool, slot32, q_off, s_off, H, ir, segs[0, :M], segs[1, :M], segs[2, :M],
+                                  order, tiles[0], tiles[1], ntiles, k, b, a_, p_, lim,
+                                  swiglu_limit is not None, flag, wg, variant, pdl)
+            todo = fmts[1:]
+        elif not routed and use_rowdot(mod, P, layout, t1 - t0):
             # 2-bit experts on CUDA cores: w13 (+SiLU) reads x directly and writes an fp32 intermediate; w2 writes
             # partial rows and, without FP4 experts, does the weighted per-token sum. 1 pair per pass for one
             # token (every expert has one pair), else 2.
