@@ -13,6 +13,9 @@
 //   w2 stage   per warp 32 rows of W2 over the intermediate; writes one fp32 row per pair (no atomics).
 //   combine    out[t] = sum_j w[t, j] * partial[t*k + j], j in order: deterministic.
 //   K is split over the warps of a block (decode) and summed through shared memory in a fixed order.
+// These are the first version's stages (prefill "warp", decode "mma"). The default paths live in the headers
+// included below: moe_decode.cuh (gemv decode), moe_rowdot.cuh (CUDA-core decode), moe_prefill.cuh (tiled prefill)
+// and moe_prefill_wgmma.cuh (wgmma prefill, sm_90a).
 //
 // K pairing: the decode puts weights j and j+4 of every group of 8 into one bf16x2 register; the B operand
 // (x or the intermediate, natural order in memory) is loaded 8 elements at a time and paired the same way in
@@ -936,13 +939,12 @@ bool prefill_wgmma_available() {
   return ok != 0;
 }
 
-// x [T, H] bf16/fp32 -> xp [T, H] bf16 in the B order of the tiled (order 0) or wgmma (order 1) prefill stages.
-void pair_x(torch::Tensor x, torch::Tensor xp, int64_t order, bool pdl) {
+// x [T, H] bf16/fp32 -> xp [T, H] bf16 in the prefill stages' paired K order.
+void pair_x(torch::Tensor x, torch::Tensor xp, bool pdl) {
   CHECK_CUDA_T(x, "x");
   TORCH_CHECK(x.is_contiguous() && xp.is_contiguous() && x.dim() == 2 && x.size(1) % PF_BK == 0 &&
                   xp.scalar_type() == torch::kBFloat16 && xp.numel() == x.numel(),
               "pair_x: contiguous x [T, H] (H % ", PF_BK, " == 0) and bf16 xp of the same size");
-  TORCH_CHECK(order == 0 || order == 1, "pair_x: order 0 (tiled) or 1 (wgmma)");
   const at::cuda::CUDAGuard guard(x.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t groups = x.numel() / 8;
@@ -951,14 +953,11 @@ void pair_x(torch::Tensor x, torch::Tensor xp, int64_t order, bool pdl) {
   const int blocks = int((groups + threads - 1) / threads);
   auto* out = reinterpret_cast<__nv_bfloat16*>(xp.data_ptr<at::BFloat16>());
   if (x.scalar_type() == torch::kFloat32) {
-    const float* xf = x.data_ptr<float>();
-    if (order == 0) launch(pair_kernel<float, 0>, dim3(blocks), dim3(threads), 0, stream, pdl, xf, out, groups);
-    else launch(pair_kernel<float, 1>, dim3(blocks), dim3(threads), 0, stream, pdl, xf, out, groups);
+    launch(pair_kernel<float>, dim3(blocks), dim3(threads), 0, stream, pdl, x.data_ptr<float>(), out, groups);
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16 or float32 here");
-    const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>());
-    if (order == 0) launch(pair_kernel<__nv_bfloat16, 0>, dim3(blocks), dim3(threads), 0, stream, pdl, xb, out, groups);
-    else launch(pair_kernel<__nv_bfloat16, 1>, dim3(blocks), dim3(threads), 0, stream, pdl, xb, out, groups);
+    launch(pair_kernel<__nv_bfloat16>, dim3(blocks), dim3(threads), 0, stream, pdl,
+           reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>()), out, groups);
   }
 }
 
@@ -1060,7 +1059,6 @@ void prefill_stage(bool w13, torch::Tensor pool, torch::Tensor slot_of, int64_t 
   const int gx = int(a.N / PF_BM);
   if (wgmma) {
     TORCH_CHECK(prefill_wgmma_available(), "wgmma prefill stages: needs an sm_90 GPU and kernels built for sm_90a");
-    a.proxy_fence = int(variant & 1);  // 1: fence.proxy.async between the cp.async writes and the MMAs' reads
     static bool attr = false;
     if (!attr) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_wgmma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM));
@@ -1123,7 +1121,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_chunk", &moet::gemv_chunk, "the decode stages' K granularity: H and Ir must be multiples of it");
   m.def("rowdot_stage", &moet::rowdot_stage, "decode stage on CUDA cores (1-2 pairs per expert pass)");
   m.def("rowdot_rows_per_unit", &moet::rowdot_rows_per_unit, "rows per rowdot unit for contraction K");
-  m.def("pair_x", &moet::pair_x, "x -> bf16 in the B order of the tiled (0) or wgmma (1) prefill stages");
+  m.def("pair_x", &moet::pair_x, "x -> bf16 in the prefill stages' paired K order");
   m.def("prefill_wgmma_available", &moet::prefill_wgmma_available, "wgmma prefill stages run on this GPU");
   m.def("prefill_tiles", &moet::prefill_tiles, "passes of bn pairs over the 2-bit segments -> block rows");
   m.def("prefill_stage", &moet::prefill_stage, "tiled prefill stage (block tiles, B in shared memory), 2-bit");

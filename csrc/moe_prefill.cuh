@@ -12,7 +12,7 @@
 // byte per row), so each thread decodes only its own rows' words. The MMA's k slots of thread t then carry the
 // weights of its words in the decode's pairing (weights j, j+4 of each group of 8 in one register), and the B
 // operand must come in the same order: `pair_kernel` writes x that way, the w13 epilogue writes the bf16
-// intermediate that way (`b_store_pos<0>`), so a B fragment is one 16-byte shared-memory load.
+// intermediate that way (`b_store_pos`), so a B fragment is one 16-byte shared-memory load.
 
 constexpr int PF_BM = 128;     // weight rows per block (w13: 64 gate rows + the matching 64 up rows)
 constexpr int PF_BK = 128;     // K per pipeline step
@@ -43,7 +43,6 @@ struct PrefillArgs {
   float limit;
   int has_limit;
   int* error_flag;
-  int proxy_fence;             // wgmma stages: fence.proxy.async after each step's cp.async wait (see there)
 };
 
 // mma_bf16 without `volatile`: the MMAs are pure functions of their operands, so the compiler may interleave them
@@ -55,30 +54,14 @@ __device__ __forceinline__ void mma_bf16_sched(float (&d)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Position of natural index e (0..127) of a 128-element K block in the wgmma B order (moe_prefill_wgmma.cuh): the
-// k16 MMA kk = w * 4 + s reads 32 bytes, [thread 0..3's register 2s of word w][the same for register 2s + 1],
-// where thread X's word w is natural elements 32X + 16w .. + 15 and its register j holds the pair (lo(j), lo(j) + 4),
-// lo = 0,1,2,3,8,9,10,11 (decode_2bit's order).
-__host__ __device__ __forceinline__ int kpos_wgmma(int e) {
-  const int X = e >> 5, w = (e >> 4) & 1, q = e & 15;
-  const int i = (q >> 2) & 1, j = (q & 3) + 4 * (q >> 3);
-  return ((w * 4 + (j >> 1)) * 2 + (j & 1)) * 8 + X * 2 + i;
-}
-
-// Where the B operand's natural K index k is stored: ORDER 0 = paired (e0,e4,e1,e5,e2,e6,e3,e7 per group of 8, the
-// mma.sync tiles), 1 = the wgmma order within each 128-element block.
-template <int ORDER>
+// Where the B operand's natural K index k is stored: the paired order e0,e4,e1,e5,e2,e6,e3,e7 per group of 8.
 __host__ __device__ __forceinline__ int64_t b_store_pos(int64_t k) {
-  if (ORDER == 0) {
-    const int r = int(k & 7);
-    return (k & ~int64_t(7)) + (r < 4 ? 2 * r : 2 * (r - 4) + 1);  // paired_pos
-  }
-  return (k & ~int64_t(127)) + kpos_wgmma(int(k & 127));
+  const int r = int(k & 7);
+  return (k & ~int64_t(7)) + (r < 4 ? 2 * r : 2 * (r - 4) + 1);  // paired_pos
 }
 
-// x [T, H] (bf16 or fp32, rounded to bf16) -> bf16 in the B order ORDER. A group of 8 natural elements becomes four
-// bf16x2 pairs (e_j, e_j+4), j = 0..3, which stay adjacent in both orders.
-template <typename XT, int ORDER>
+// x [T, H] (bf16 or fp32, rounded to bf16) -> bf16 in the paired order: four bf16x2 pairs (e_j, e_j+4) per group.
+template <typename XT>
 __global__ void pair_kernel(const XT* x, __nv_bfloat16* xp, int64_t groups) {
   griddep_wait();
   griddep_launch_dependents();
@@ -95,15 +78,9 @@ __global__ void pair_kernel(const XT* x, __nv_bfloat16* xp, int64_t groups) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) { const float2 v = __bfloat1622float2(h[j]); f[2 * j] = v.x; f[2 * j + 1] = v.y; }
   }
-  if (ORDER == 0) {
-    uint4 o;
-    o.x = pack_bf16(f[0], f[4]); o.y = pack_bf16(f[1], f[5]); o.z = pack_bf16(f[2], f[6]); o.w = pack_bf16(f[3], f[7]);
-    reinterpret_cast<uint4*>(xp)[i] = o;
-  } else {
-    uint32_t* out = reinterpret_cast<uint32_t*>(xp);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) out[b_store_pos<1>(8 * i + j) / 2] = pack_bf16(f[j], f[j + 4]);
-  }
+  uint4 o;
+  o.x = pack_bf16(f[0], f[4]); o.y = pack_bf16(f[1], f[5]); o.z = pack_bf16(f[2], f[6]); o.w = pack_bf16(f[3], f[7]);
+  reinterpret_cast<uint4*>(xp)[i] = o;
 }
 
 // One warp: the 2-bit segments' passes of `bn` pairs, in segment order -> (segment, first pair) per block row.
@@ -294,7 +271,7 @@ __global__ void __launch_bounds__(32 * PF_WARPS, 2) prefill_stage_kernel(Prefill
         if (i >= 2) continue;
         if (W13) {
           const int j = rows0 + wm * 8 + g;
-          a.act[p * a.Ir + b_store_pos<0>(j)] =
+          a.act[p * a.Ir + b_store_pos(j)] =
               __float2bfloat16_rn(silu_mul(acc[0][n][i], acc[0][n][i + 2], a.has_limit, a.limit));
         } else {
           float* dst = a.partial + p * a.N + rows0 + wm * 16 + g;
@@ -303,7 +280,7 @@ __global__ void __launch_bounds__(32 * PF_WARPS, 2) prefill_stage_kernel(Prefill
         }
       } else if (W13) {
         const int j = rows0 + wm * 16 + r;  // intermediate index
-        a.act[p * a.Ir + b_store_pos<0>(j)] =
+        a.act[p * a.Ir + b_store_pos(j)] =
             __float2bfloat16_rn(silu_mul(acc[0][n][i], acc[MT - 1][n][i], a.has_limit, a.limit));
       } else {
         float* dst = a.partial + p * a.N + rows0 + wm * 32 + r;

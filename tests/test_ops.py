@@ -744,48 +744,6 @@ def test_decode_kernel_selection(monkeypatch):
         ops.decode_kernel()
 
 
-def _kpos_wgmma(e: int) -> int:
-    """kpos_wgmma in csrc/moe_prefill.cuh: where natural index e of a 128-element K block is stored for the wgmma
-    prefill stages."""
-    X, w, q = e >> 5, (e >> 4) & 1, e & 15
-    i, j = (q >> 2) & 1, (q & 3) + 4 * (q >> 3)
-    return ((w * 4 + (j >> 1)) * 2 + (j & 1)) * 8 + X * 2 + i
-
-
-_WGMMA = torch.tensor([_kpos_wgmma(e) for e in range(128)])
-
-
-def _to_b_order(v: torch.Tensor, order: int) -> torch.Tensor:
-    """Natural K order -> the prefill stages' B order (0: paired per 8, 1: wgmma per 128)."""
-    if order == 0:
-        return _to_paired(v)
-    out = torch.empty_like(v.reshape(*v.shape[:-1], -1, 128))
-    out[..., _WGMMA] = v.reshape(*v.shape[:-1], -1, 128)
-    return out.reshape(v.shape)
-
-
-def _from_b_order(v: torch.Tensor, order: int) -> torch.Tensor:
-    if order == 0:
-        return _from_paired(v)
-    return v.reshape(*v.shape[:-1], -1, 128)[..., _WGMMA].reshape(v.shape)
-
-
-def test_wgmma_b_order_feeds_each_mma_its_threads_words():
-    # k16 MMA kk = 4w + s reads 32 bytes: slot 2X+i of half h must hold the weight that thread X's decode puts in
-    # register j = 2s + h of its word w, i.e. natural 32X + 16w + lo(j) + 4i (lo = 0,1,2,3,8,9,10,11).
-    assert sorted(_WGMMA.tolist()) == list(range(128))
-    lo = [0, 1, 2, 3, 8, 9, 10, 11]
-    for kk in range(8):
-        w, s = kk >> 2, kk & 3
-        for h in range(2):
-            for X in range(4):
-                for i in range(2):
-                    nat = 32 * X + 16 * w + lo[2 * s + h] + 4 * i
-                    assert _kpos_wgmma(nat) == kk * 16 + h * 8 + 2 * X + i
-    v = torch.arange(256.0).reshape(2, 128)
-    assert torch.equal(_from_b_order(_to_b_order(v, 1), 1), v)
-
-
 class _FakePrefillExtension(_FakeGemvExtension):
     """Adds the block-tile prefill stages (pair_x / prefill_tiles / prefill_stage) with their buffer orders."""
 
@@ -803,9 +761,9 @@ class _FakePrefillExtension(_FakeGemvExtension):
     def prefill_wgmma_available(self) -> bool:
         return self.wgmma
 
-    def pair_x(self, x, xp, order, pdl):
-        self.calls.append(f"pair_x{order}")
-        xp.copy_(_to_b_order(x.float(), order).to(torch.bfloat16))
+    def pair_x(self, x, xp, pdl):
+        self.calls.append("pair_x")
+        xp.copy_(_to_paired(x.float()).to(torch.bfloat16))
 
     def prefill_tiles(self, seg_cnt, nseg, tile_seg, tile_start, ntiles, pdl):
         self.calls.append("tiles")
@@ -821,7 +779,6 @@ class _FakePrefillExtension(_FakeGemvExtension):
                       tile_start, ntiles, topk, b, act, partial, limit, has_limit, flag, wgmma, variant, pdl):
         self.calls.append(f"prefill{'13' if w13 else '2'}")
         self.variants.append((wgmma, variant))
-        bo = 1 if wgmma else 0
         N, K = (2 * Ir, H) if w13 else (H, Ir)
         for y in range(int(ntiles[0])):
             i, start = int(tile_seg[y]), int(tile_start[y])
@@ -836,13 +793,13 @@ class _FakePrefillExtension(_FakeGemvExtension):
                 row = pool[slot]
                 W = ops.dequantize_rows(row[q_off:q_off + N * K // 4].view(N, K // 4),
                                         row[s_off:s_off + N * K // 32].view(N, K // 32), "2bit")
-                src = _from_b_order(b[p // topk if w13 else p].float(), bo)
+                src = _from_paired(b[p // topk if w13 else p].float())
                 h = W @ src
                 if w13:
                     gate, up = h[:Ir], h[Ir:]
                     if has_limit:
                         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-                    act[p] = _to_b_order(torch.nn.functional.silu(gate) * up, bo).to(torch.bfloat16)
+                    act[p] = _to_paired(torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
                 else:
                     partial[p] = h
 
@@ -863,7 +820,7 @@ def test_prefill_plumbing_with_stand_in_extension(wgmma, fp4, monkeypatch):
                             extra.get("fp4_slot_of"), extra.get("fp4_layout"), limit, None)
         ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2, swiglu_limit=limit, **extra)
         # the default is the mma.sync tiles (variant 1) even where wgmma is available; bf16 B and intermediate
-        assert fake.calls[:5] == ["route", "pair_x0", "tiles", "prefill13", "prefill2"]
+        assert fake.calls[:5] == ["route", "pair_x", "tiles", "prefill13", "prefill2"]
         assert fake.variants[-1] == (False, 1)
         assert ("stage13r" in fake.calls) == fp4  # FP4-resident experts take the warp tiles
         assert _rel(got.float(), ref.float()) < 1e-2
@@ -874,11 +831,12 @@ def test_prefill_plumbing_with_stand_in_extension(wgmma, fp4, monkeypatch):
         return
     fake.calls.clear()
     got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
-    assert fake.calls[:3] == ["route", "pair_x1", "tiles"] and fake.variants[-1] == (True, 1)
+    assert fake.calls[:3] == ["route", "pair_x", "tiles"] and fake.variants[-1] == (True, 1)
     assert _rel(got.float(), ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2).float()) < 1e-2
-    monkeypatch.setenv("MOETPLAN_PREFILL_VARIANT", "0")
+    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "tiled")
+    monkeypatch.setenv("MOETPLAN_PREFILL_VARIANT", "2")
     ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
-    assert fake.variants[-1] == (True, 0)
+    assert fake.variants[-1] == (False, 2)
     monkeypatch.setenv("MOETPLAN_PREFILL_VARIANT", "7")
     with pytest.raises(UsageError, match="MOETPLAN_PREFILL_VARIANT"):
         ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)

@@ -29,7 +29,7 @@ PARTIAL_BYTES_CAP = 1 << 30
 DECODE_KERNELS = ("auto", "rowdot", "gemv", "mma")
 # Routed (prefill) steps: "tiled" = block tiles with the B operand in shared memory on mma.sync
 # (csrc/moe_prefill.cuh, every arch), "wgmma" = the same tiles on Hopper warpgroup MMAs (csrc/moe_prefill_wgmma.cuh,
-# sm_90a; correct but 0.5-0.8x the tiled stages' speed on the H200, docs/KERNELS.md), "warp" = the first
+# sm_90a; correct but 0.54-0.63x the tiled stages' speed on the H200, docs/KERNELS.md), "warp" = the first
 # version's one-warp tiles (kept for comparison and for shapes the block tiles do not take). "auto" = tiled.
 PREFILL_KERNELS = ("auto", "tiled", "wgmma", "warp")
 # "auto": the CUDA-core rowdot stages for steps of at most this many tokens (1-2 pairs per expert), the gemv stages
@@ -258,16 +258,15 @@ def use_tiled_prefill(mod, layout: RowLayout) -> str | None:
 
 
 def _prefill_variant(kind: str) -> int:
-    """Implementation variant of the block-tile stages (MOETPLAN_PREFILL_VARIANT, a benchmarking override): tiled =
-    m16 tiles per warp (1, the default: 8 warps along M, each decoding its own rows; 2: a 4 x 2 warp grid, 10-12%
-    slower on the H200), wgmma = proxy fence on (1, the default) or off (0: measured no faster)."""
+    """Implementation variant of the mma.sync block tiles (MOETPLAN_PREFILL_VARIANT, a benchmarking override): m16
+    tiles per warp, 1 (the default: 8 warps along M, each decoding its own rows) or 2 (a 4 x 2 warp grid, 10-12%
+    slower on the H200). The wgmma stages have one implementation."""
     v = os.environ.get("MOETPLAN_PREFILL_VARIANT", "").strip()
-    allowed = ("1", "2") if kind == "tiled" else ("0", "1")
-    if not v:
+    if not v or kind == "wgmma":
         return 1
-    if v not in allowed:
-        raise UsageError(f"MOETPLAN_PREFILL_VARIANT={v!r} for the {kind} prefill stages: use one of "
-                         f"{', '.join(allowed)}, or unset it for the default")
+    if v not in ("1", "2"):
+        raise UsageError(f"MOETPLAN_PREFILL_VARIANT={v!r} for the tiled prefill stages: use 1 or 2, or unset it for "
+                         "the default (1)")
     return int(v)
 
 
@@ -341,7 +340,7 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             wg = tiled == "wgmma"
             variant = _prefill_variant(tiled)
             xpair = torch.empty(xs.shape[0], H, dtype=torch.bfloat16, device=dev)
-            mod.pair_x(xs.contiguous(), xpair, 1 if wg else 0, pdl)
+            mod.pair_x(xs.contiguous(), xpair, pdl)
             bn = mod.prefill_block_n()
             tiles = torch.empty(2, (P + bn - 1) // bn + M, dtype=torch.int32, device=dev)
             ntiles = torch.empty(1, dtype=torch.int32, device=dev)
