@@ -112,6 +112,36 @@ __global__ void prefill_tiles_kernel(const int32_t* seg_cnt, const int32_t* nseg
 // a quarter-warp's 16-byte loads (rows g, g+1; chunks 4t + j, t = 0..3) then hit 8 distinct bank groups.
 __device__ __forceinline__ int pf_chunk(int c, int row) { return c ^ (((c >> 3) & 1) << 1) ^ (row & 1); }
 
+// The block's pass (blockIdx.y): its pairs' ids and B row offsets into pair_s / brow_s, the pass's pair count and
+// the expert's slot. Returns false when the block has nothing to compute: past the last pass, or the expert has no
+// slot (error flag set; the w2 stage leaves defined zeros, so a captured graph cannot propagate garbage). Called by
+// every thread of the block (it holds a barrier).
+template <bool W13>
+__device__ __forceinline__ bool prefill_block_pass(const PrefillArgs& a, int rows0, int* pair_s, int64_t* brow_s,
+                                                   int& cnt, int& slot) {
+  const int y = blockIdx.y;
+  if (y >= *a.ntiles) return false;
+  const int seg = a.tile_seg[y], start = a.tile_start[y];
+  const int e = a.seg_expert[seg];
+  cnt = min(PF_BN, a.seg_cnt[seg] - start);
+  const int* pairs = a.order + a.seg_off[seg] + start;
+  const int tid = threadIdx.x;
+  if (tid < PF_BN) {
+    const int p = pairs[tid < cnt ? tid : 0];  // columns past the pass read pair 0's B; never written back
+    pair_s[tid] = p;
+    brow_s[tid] = int64_t(W13 ? p / a.topk : p) * a.K;
+  }
+  slot = a.slot_of[e];
+  __syncthreads();
+  if (slot >= 0) return true;
+  if (tid == 0 && blockIdx.x == 0) atomicExch(a.error_flag, e + 1);
+  if (!W13) {
+    for (int i = tid; i < cnt * PF_BM; i += blockDim.x)
+      a.partial[int64_t(pair_s[i / PF_BM]) * a.N + rows0 + i % PF_BM] = 0.f;
+  }
+  return false;
+}
+
 // MT = m16 tiles per warp. MT = 2: warps 4 (M) x 2 (N), each 32 rows (w13: 16 gate + the matching 16 up rows)
 // x 32 pairs (NT = 4 n8 tiles). MT = 1: warps 8 (M) x 1, each 16 MMA rows (w13: row g = gate row j, row g + 8 = up
 // row j) x all 64 pairs (NT = 8): half the decode per warp (no two warps decode the same rows), twice the B loads.
@@ -130,31 +160,12 @@ __global__ void __launch_bounds__(32 * PF_WARPS, 2) prefill_stage_kernel(Prefill
 
   griddep_wait();  // route, pair_kernel / the w13 stage wrote what this block reads
   griddep_launch_dependents();
-  const int y = blockIdx.y;
-  if (y >= *a.ntiles) return;
-  const int seg = a.tile_seg[y], start = a.tile_start[y];
-  const int e = a.seg_expert[seg];
-  const int cnt = min(BN, a.seg_cnt[seg] - start);
-  const int* pairs = a.order + a.seg_off[seg] + start;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wm = MT == 2 ? warp & 3 : warp, wn = MT == 2 ? warp >> 2 : 0;
   const int rows0 = blockIdx.x * (W13 ? PF_BM / 2 : PF_BM);  // w13: gate rows rows0.., up rows Ir + rows0..
-  if (tid < BN) {
-    const int p = pairs[tid < cnt ? tid : 0];  // columns past the pass read pair 0's B; never written back
-    pair_s[tid] = p;
-    brow_s[tid] = int64_t(W13 ? p / a.topk : p) * a.K;
-  }
-  const int slot = a.slot_of[e];
-  __syncthreads();
-  if (slot < 0) {
-    if (tid == 0 && blockIdx.x == 0) atomicExch(a.error_flag, e + 1);
-    if (!W13) {  // defined zeros, so a captured graph cannot propagate garbage
-      for (int i = tid; i < cnt * PF_BM; i += blockDim.x)
-        a.partial[int64_t(pair_s[i / PF_BM]) * a.N + rows0 + i % PF_BM] = 0.f;
-    }
-    return;
-  }
+  int cnt, slot;
+  if (!prefill_block_pass<W13>(a, rows0, pair_s, brow_s, cnt, slot)) return;
   const uint8_t* row_base = a.pool + int64_t(slot) * a.stride;
   const int64_t qrow = a.K / 4, srow = a.K / 32;
   auto matrix_row = [&](int r) {  // block row r (0..127) -> row of the expert's matrix

@@ -81,31 +81,12 @@ __global__ void __launch_bounds__(32 * PF_WARPS, 1) prefill_wgmma_kernel(Prefill
 
   griddep_wait();
   griddep_launch_dependents();
-  const int y = blockIdx.y;
-  if (y >= *a.ntiles) return;
-  const int seg = a.tile_seg[y], start = a.tile_start[y];
-  const int e = a.seg_expert[seg];
-  const int cnt = min(PF_BN, a.seg_cnt[seg] - start);
-  const int* pairs = a.order + a.seg_off[seg] + start;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;
   const int rows0 = blockIdx.x * (W13 ? PF_BM / 2 : PF_BM);
-  if (tid < PF_BN) {
-    const int p = pairs[tid < cnt ? tid : 0];  // columns past the pass read pair 0's B; never written back
-    pair_s[tid] = p;
-    brow_s[tid] = int64_t(W13 ? p / a.topk : p) * a.K;
-  }
-  const int slot = a.slot_of[e];
-  __syncthreads();
-  if (slot < 0) {
-    if (tid == 0 && blockIdx.x == 0) atomicExch(a.error_flag, e + 1);
-    if (!W13) {
-      for (int i = tid; i < cnt * PF_BM; i += blockDim.x)
-        a.partial[int64_t(pair_s[i / PF_BM]) * a.N + rows0 + i % PF_BM] = 0.f;
-    }
-    return;
-  }
+  int cnt, slot;
+  if (!prefill_block_pass<W13>(a, rows0, pair_s, brow_s, cnt, slot)) return;
   const uint8_t* row_base = a.pool + int64_t(slot) * a.stride;
   const int64_t qrow = a.K / 4, srow = a.K / 32;
   // Block row m (= warpgroup m / 64, its MMA row m % 64) -> row of the expert's matrix.
