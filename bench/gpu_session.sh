@@ -2,7 +2,7 @@
 # One device call's worth of GPU work (the device machine has torch+CUDA but no vLLM and no moetplan install):
 # the probe reference profile, the GPU tests of the store/probe/kernels, the tier and kernel benchmarks.
 # Usage (on the GPU machine, repo root):  OUT=/path bash bench/gpu_session.sh [probe] [tests] [tiers] [kernels]
-#                                                                          [pattern] [ncu]
+#                                                                          [pattern] [ncu] [ncu-prefill]
 set -u
 OUT=${OUT:-/tmp/moetplan-gpu}
 mkdir -p "$OUT"
@@ -28,5 +28,12 @@ for s in $steps; do
              ncu -i "$OUT/gemv_t8.ncu-rep" --page details > "$OUT/ncu_gemv_t8.txt" 2>&1
              ncu -i "$OUT/gemv_t8.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_gemv_t8_sass.csv" 2>&1
              rm -f "$OUT/gemv_t8.ncu-rep"; grep -E "Duration|Issue Slots Busy|DRAM Throughput" "$OUT/ncu_gemv_t8.txt" ;;
+    ncu-prefill)  # Nsight Compute on the prefill stages (DeepSeek-V4-Flash, 8192 tokens, w13 + w2 of one call).
+             k=${MOETPLAN_PREFILL_KERNEL:-auto}; re=$([ "$k" = wgmma ] && echo prefill_wgmma || echo prefill_stage)
+             timeout 240 ncu --set full --clock-control none -k "regex:$re" --launch-count 2 -o "$OUT/prefill" \
+               python3 bench/ncu_gemv.py --tokens 8192 --calls 1 > "$OUT/ncu_prefill.log" 2>&1; echo "ncu rc=$?"
+             ncu -i "$OUT/prefill.ncu-rep" --page details > "$OUT/ncu_prefill_t8192.txt" 2>&1
+             ncu -i "$OUT/prefill.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_prefill_sass.csv" 2>&1
+             rm -f "$OUT/prefill.ncu-rep"; grep -E "Duration|Issue Slots Busy|Tensor" "$OUT/ncu_prefill_t8192.txt" ;;
   esac
 done
