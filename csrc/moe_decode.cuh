@@ -154,6 +154,21 @@ __host__ __device__ __forceinline__ int b_pos(int n, int ns) {
   return ((((rr << lg) + j) * 8 + sub) << 2) + t;
 }
 
+// 8 consecutive elements of x (fp32 or bf16, 16-byte aligned) as floats.
+template <typename XT>
+__device__ __forceinline__ void load_x8(const XT* p, float (&f)[8]) {
+  if constexpr (std::is_same<XT, float>::value) {
+    const float4 u = reinterpret_cast<const float4*>(p)[0];
+    const float4 v = reinterpret_cast<const float4*>(p)[1];
+    f[0] = u.x; f[1] = u.y; f[2] = u.z; f[3] = u.w; f[4] = v.x; f[5] = v.y; f[6] = v.z; f[7] = v.w;
+  } else {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) { const float2 v = __bfloat1622float2(h[j]); f[2 * j] = v.x; f[2 * j + 1] = v.y; }
+  }
+}
+
 // x [T, H] (bf16 or fp32) -> xp [T, planes, H] bf16 in the paired order, groups of 8 at b_pos: plane 0 = bf16(x),
 // plane 1 (fp32 x only) = bf16(x - plane 0). One thread per group of 8; the decode stages then load B with plain
 // 16-byte loads.
@@ -167,16 +182,7 @@ __global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H, int* 
   if (i >= int64_t(T) * H / 8) return;
   const int64_t tok = i / (H / 8), k0 = (i % (H / 8)) * 8;
   float f[8];
-  if (SPLIT) {
-    const float4 u = reinterpret_cast<const float4*>(x + tok * H + k0)[0];
-    const float4 v = reinterpret_cast<const float4*>(x + tok * H + k0)[1];
-    f[0] = u.x; f[1] = u.y; f[2] = u.z; f[3] = u.w; f[4] = v.x; f[5] = v.y; f[6] = v.z; f[7] = v.w;
-  } else {
-    const uint4 u = *reinterpret_cast<const uint4*>(x + tok * H + k0);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) { const float2 v = __bfloat1622float2(h[j]); f[2 * j] = v.x; f[2 * j + 1] = v.y; }
-  }
+  load_x8(x + tok * H + k0, f);
   uint32_t hi[4], lo[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {

@@ -18,7 +18,8 @@ constexpr int PF_BM = 128;     // weight rows per block (w13: 64 gate rows + the
 constexpr int PF_BK = 128;     // K per pipeline step
 constexpr int PF_WARPS = 8;    // per block; their layout over the tile: MT below
 // Block passes of PF_BN = 64 pairs. 128-pair passes (8 n8 tiles per warp on a 4 x 2 warp grid, 176-186 registers,
-// one block per SM) were 5-8% slower on the H200 at 2048 and 8192 tokens: two blocks per SM hide more latency.
+// one block per SM) were 5-8% slower on the H200 at 8192 tokens (two blocks per SM hide more latency) and 19-43%
+// slower at 2048, where experts have ~50 pairs (bench/results/kernels_h200_prefill_bn_experiment.json).
 constexpr int PF_BN = 64;
 
 struct PrefillArgs {
@@ -55,10 +56,7 @@ __device__ __forceinline__ void mma_bf16_sched(float (&d)[4], uint32_t a0, uint3
 }
 
 // Where the B operand's natural K index k is stored: the paired order e0,e4,e1,e5,e2,e6,e3,e7 per group of 8.
-__host__ __device__ __forceinline__ int64_t b_store_pos(int64_t k) {
-  const int r = int(k & 7);
-  return (k & ~int64_t(7)) + (r < 4 ? 2 * r : 2 * (r - 4) + 1);  // paired_pos
-}
+__device__ __forceinline__ int64_t b_store_pos(int64_t k) { return (k & ~int64_t(7)) + paired_pos(int(k & 7)); }
 
 // x [T, H] (bf16 or fp32, rounded to bf16) -> bf16 in the paired order: four bf16x2 pairs (e_j, e_j+4) per group.
 template <typename XT>
@@ -68,16 +66,7 @@ __global__ void pair_kernel(const XT* x, __nv_bfloat16* xp, int64_t groups) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= groups) return;
   float f[8];
-  if constexpr (std::is_same<XT, float>::value) {
-    const float4 u = reinterpret_cast<const float4*>(x + 8 * i)[0];
-    const float4 v = reinterpret_cast<const float4*>(x + 8 * i)[1];
-    f[0] = u.x; f[1] = u.y; f[2] = u.z; f[3] = u.w; f[4] = v.x; f[5] = v.y; f[6] = v.z; f[7] = v.w;
-  } else {
-    const uint4 u = *reinterpret_cast<const uint4*>(x + 8 * i);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) { const float2 v = __bfloat1622float2(h[j]); f[2 * j] = v.x; f[2 * j + 1] = v.y; }
-  }
+  load_x8(x + 8 * i, f);
   uint4 o;
   o.x = pack_bf16(f[0], f[4]); o.y = pack_bf16(f[1], f[5]); o.z = pack_bf16(f[2], f[6]); o.w = pack_bf16(f[3], f[7]);
   reinterpret_cast<uint4*>(xp)[i] = o;

@@ -774,6 +774,7 @@ class _FakePrefillExtension(_FakeGemvExtension):
                 n += 1
         assert n <= tile_seg.numel()
         ntiles[0] = n
+        self.passes, self.segments = n, int(nseg[0])
 
     def prefill_stage(self, w13, pool, slot_of, q_off, s_off, H, Ir, seg_e, seg_off, seg_cnt, order, tile_seg,
                       tile_start, ntiles, topk, b, act, partial, limit, has_limit, flag, wgmma, variant, pdl):
@@ -813,7 +814,7 @@ def test_prefill_plumbing_with_stand_in_extension(wgmma, fp4, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     for env in ("MOETPLAN_PREFILL_KERNEL", "MOETPLAN_PREFILL_VARIANT"):
         monkeypatch.delenv(env, raising=False)
-    ids[:40, 0] = 3  # one expert with 40 + pairs: a second pass
+    ids[:, 0] = 3  # one expert with 96+ pairs: two passes of 64
     for limit in (None, 0.5):
         fake.calls.clear()
         got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, extra.get("fp4_pool"),
@@ -821,6 +822,7 @@ def test_prefill_plumbing_with_stand_in_extension(wgmma, fp4, monkeypatch):
         ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2, swiglu_limit=limit, **extra)
         # the default is the mma.sync tiles (variant 1) even where wgmma is available; bf16 B and intermediate
         assert fake.calls[:5] == ["route", "pair_x", "tiles", "prefill13", "prefill2"]
+        assert fake.passes > fake.segments  # expert 3's pairs span two block passes
         assert fake.variants[-1] == (False, 1)
         assert ("stage13r" in fake.calls) == fp4  # FP4-resident experts take the warp tiles
         assert _rel(got.float(), ref.float()) < 1e-2
