@@ -332,8 +332,9 @@ def prefill_case(m, T, lay, pool, slot_of, w13, w2, gen, quick,
     out = torch.empty_like(x)
     res: dict[str, Any] = {"model": m["name"], "tokens": T, "variant": prefill_kernels[0], "variants": {}}
     mod = kernels.get_module()
-    if mod is not None:  # what the default ("auto") resolves to for this shape: tiled, or None (warp tiles)
-        res["auto_resolves_to"] = ops.use_tiled_prefill(mod, lay)
+    if mod is not None:  # what the default ("auto") resolves to for this step: wgmma, tiled, or None (warp tiles)
+        os.environ.pop("MOETPLAN_PREFILL_KERNEL", None)
+        res["auto_resolves_to"] = ops.use_tiled_prefill(mod, lay, T * k / E)
     # Each prefill path (MOETPLAN_PREFILL_KERNEL) on the same routing; the first is the headline figure.
     outs = {}
     for pk in prefill_kernels:  # "name" or "name:variant" (MOETPLAN_PREFILL_VARIANT)

@@ -917,26 +917,20 @@ void rowdot_stage(bool w13, int64_t np, torch::Tensor pool, torch::Tensor slot_o
 // ------------------------------------------------------------------------------------------------ prefill (tiled)
 // Shapes the tiled prefill stages take: H and Ir multiples of PF_BK (every target model and its TP2/TP4 shards).
 int64_t prefill_k_align() { return PF_BK; }
-int64_t prefill_block_n() { return PF_BN; }
-// Whether the wgmma prefill stages run on the current GPU: compute capability 9.0 and kernels compiled for sm_90a.
+// Pairs per block pass: 64 for the mma.sync tiles, 128 for the wgmma stages.
+int64_t prefill_block_n(bool wgmma) { return wgmma ? WS_BN : PF_BN; }
+// Whether the wgmma prefill stages run on the current GPU: compute capability 9.0 and a binary compiled for sm_90a.
+// Read from the loaded kernel's register count (without the sm_90a features its body is empty), so the answer needs
+// no kernel launch or host sync and is safe while a CUDA graph is being captured.
 bool prefill_wgmma_available() {
-  static int avail[64];
-  static bool init[64] = {};
-  int dev = 0;
+  int dev = 0, major = 0, minor = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 64 && init[dev]) return avail[dev] != 0;
-  int major = 0, minor = 0, ok = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (major == 9 && minor == 0) {
-    auto flag = torch::zeros({1}, torch::dtype(torch::kInt32).device(torch::kCUDA, dev));
-    auto stream = at::cuda::getCurrentCUDAStream();
-    wgmma_probe_kernel<<<1, 1, 0, stream>>>(flag.data_ptr<int>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    ok = flag.item<int>();
-  }
-  if (dev < 64) { avail[dev] = ok; init[dev] = true; }
-  return ok != 0;
+  if (major != 9 || minor != 0) return false;
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, prefill_wgmma_kernel<true>));
+  return attr.numRegs >= 32;
 }
 
 // x [T, H] bf16/fp32 -> xp [T, H] bf16 in the prefill stages' paired K order.
@@ -961,14 +955,43 @@ void pair_x(torch::Tensor x, torch::Tensor xp, bool pdl) {
   }
 }
 
+// x [T, H] bf16/fp32 -> the wgmma stages' tiled B operand out [>= passes, 128, H] bf16 (tile_b_kernel).
+void prefill_tile_b(torch::Tensor x, torch::Tensor order, torch::Tensor seg_off, torch::Tensor seg_cnt,
+                    torch::Tensor tile_seg, torch::Tensor tile_start, torch::Tensor ntiles, int64_t topk,
+                    torch::Tensor out, bool pdl) {
+  CHECK_CUDA_T(x, "x");
+  const int64_t H = x.size(1), gy = tile_seg.numel();
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && H % PF_BK == 0 && out.scalar_type() == torch::kBFloat16 &&
+                  out.is_contiguous() && out.numel() >= gy * WS_BN * H,
+              "prefill_tile_b: contiguous x [T, H] (H % ", PF_BK, " == 0) and bf16 out of >= passes x ", WS_BN, " x H");
+  const at::cuda::CUDAGuard guard(x.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (gy == 0) return;
+  const dim3 grid(unsigned(gy), unsigned(H / PF_BK));
+  auto* o = reinterpret_cast<__nv_bfloat16*>(out.data_ptr<at::BFloat16>());
+  const auto* ord = order.data_ptr<int32_t>();
+  if (x.scalar_type() == torch::kFloat32) {
+    launch(tile_b_kernel<float>, grid, dim3(256), 0, stream, pdl, x.data_ptr<float>(), ord,
+           seg_off.data_ptr<int32_t>(), seg_cnt.data_ptr<int32_t>(), tile_seg.data_ptr<int32_t>(),
+           tile_start.data_ptr<int32_t>(), ntiles.data_ptr<int32_t>(), int(topk), int(H), o);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16 or float32 here");
+    launch(tile_b_kernel<__nv_bfloat16>, grid, dim3(256), 0, stream, pdl,
+           reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>()), ord, seg_off.data_ptr<int32_t>(),
+           seg_cnt.data_ptr<int32_t>(), tile_seg.data_ptr<int32_t>(), tile_start.data_ptr<int32_t>(),
+           ntiles.data_ptr<int32_t>(), int(topk), int(H), o);
+  }
+}
+
 // Passes of PF_BN pairs over the 2-bit segments: tile_seg / tile_start [>= ceil(P/bn) + segments], ntiles [1].
 void prefill_tiles(torch::Tensor seg_cnt, torch::Tensor nseg, torch::Tensor tile_seg,
-                   torch::Tensor tile_start, torch::Tensor ntiles, bool pdl) {
+                   torch::Tensor tile_start, torch::Tensor ntiles, int64_t bn, bool pdl) {
+  TORCH_CHECK(bn > 0 && bn <= WS_BN, "prefill_tiles: pass size ", bn, " out of range");
   CHECK_CUDA_T(seg_cnt, "seg_cnt");
   const at::cuda::CUDAGuard guard(seg_cnt.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   launch(prefill_tiles_kernel, dim3(1), dim3(32), 0, stream, pdl, static_cast<const int32_t*>(seg_cnt.data_ptr<int32_t>()),
-         static_cast<const int32_t*>(nseg.data_ptr<int32_t>()), PF_BN, tile_seg.data_ptr<int32_t>(),
+         static_cast<const int32_t*>(nseg.data_ptr<int32_t>()), int(bn), tile_seg.data_ptr<int32_t>(),
          tile_start.data_ptr<int32_t>(), ntiles.data_ptr<int32_t>());
 }
 
@@ -1059,14 +1082,16 @@ void prefill_stage(bool w13, torch::Tensor pool, torch::Tensor slot_of, int64_t 
   const int gx = int(a.N / PF_BM);
   if (wgmma) {
     TORCH_CHECK(prefill_wgmma_available(), "wgmma prefill stages: needs an sm_90 GPU and kernels built for sm_90a");
+    TORCH_CHECK(b.numel() >= int64_t(gy) * WS_BN * a.K && (!w13 || act->numel() >= int64_t(gy) * WS_BN * Ir),
+                "wgmma prefill stages: B (and the w13 output) must be tiled [>= passes, ", WS_BN, ", K] bf16");
     static bool attr = false;
     if (!attr) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_wgmma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM));
-      C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_wgmma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM));
+      C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_wgmma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM));
+      C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_wgmma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM));
       attr = true;
     }
-    if (w13) launch(prefill_wgmma_kernel<true>, dim3(gx, gy), dim3(32 * PF_WARPS), WG_SMEM, stream, pdl, a);
-    else launch(prefill_wgmma_kernel<false>, dim3(gx, gy), dim3(32 * PF_WARPS), WG_SMEM, stream, pdl, a);
+    if (w13) launch(prefill_wgmma_kernel<true>, dim3(gx, gy), dim3(WS_THREADS), WS_SMEM, stream, pdl, a);
+    else launch(prefill_wgmma_kernel<false>, dim3(gx, gy), dim3(WS_THREADS), WS_SMEM, stream, pdl, a);
     return;
   }
   // variant: m16 tiles per warp of the mma.sync stages (1 or 2).
@@ -1123,6 +1148,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rowdot_rows_per_unit", &moet::rowdot_rows_per_unit, "rows per rowdot unit for contraction K");
   m.def("pair_x", &moet::pair_x, "x -> bf16 in the prefill stages' paired K order");
   m.def("prefill_wgmma_available", &moet::prefill_wgmma_available, "wgmma prefill stages run on this GPU");
+  m.def("prefill_tile_b", &moet::prefill_tile_b, "x -> the wgmma prefill stages' tiled B operand");
   m.def("prefill_tiles", &moet::prefill_tiles, "passes of bn pairs over the 2-bit segments -> block rows");
   m.def("prefill_stage", &moet::prefill_stage, "tiled prefill stage (block tiles, B in shared memory), 2-bit");
   m.def("prefill_k_align", &moet::prefill_k_align, "H and Ir must be multiples of this for the tiled prefill");

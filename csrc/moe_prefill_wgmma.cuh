@@ -1,29 +1,51 @@
-// Prefill stages on Hopper warpgroup MMAs (wgmma, sm_90a only; MOETPLAN_PREFILL_KERNEL=wgmma): the tiled stages'
-// block tile (128 weight rows x 64 pairs x 128 K per step) with both MMA operands in shared memory, so that a
-// warpgroup decodes step k + 1 while the tensor cores run step k. Included by moe_kernels.cu after moe_prefill.cuh
-// (PrefillArgs, the cp.async helpers, the decode).
+// Prefill stages on Hopper warpgroup MMAs (wgmma, sm_90a only): a warp-specialized block tile of 128 weight rows x
+// up to 128 pairs of one expert. Included by moe_kernels.cu after moe_prefill.cuh (PrefillArgs, prefill_block_pass,
+// the cp.async helpers, the decode).
 //
-// Why: on the H200 the mma.sync tiles reach ~45% of the tensor pipe (Nsight Compute, docs/KERNELS.md), and mma.sync
-// itself runs at half of wgmma's rate. A first wgmma version took A from registers: ptxas gave each step's decoded
-// registers the same physical registers as the previous step's MMAs and waited for them first, so a warpgroup never
-// overlapped decode and MMA (0.48-0.71x the tiled stages). Here the decode writes bf16 A tiles to shared memory
-// (two buffers), the MMA reads them through a descriptor, and the only waits are on buffers.
+// Why: the mma.sync tiles (moe_prefill.cuh) reach ~45% of the tensor pipe on the H200 and mma.sync itself runs at
+// about half of wgmma's rate, so at 8192 tokens they stay below torch's bf16 grouped mm. Earlier wgmma versions had
+// every warp both decode and issue MMAs (0.48-0.71x the tiled stages); a first warp-specialized one (one producer
+// warpgroup gathering B rows with cp.async and decoding) ran 0.67x: Nsight Compute showed the consumers waiting for
+// the producer, and the producer stalled behind its 16 cp.async per thread and step (docs/KERNELS.md). So B no
+// longer goes through threads at all:
+//   - the B operand is stored in global memory already in the shared-memory tile layout, per pass and K step
+//     (`tile_b_kernel` gathers and pairs x for w13; the w13 epilogue writes the intermediate that way for w2), so
+//     one thread of a loader warp (warp 16) moves a step's B tile with one bulk copy (TMA engine) into a 3-stage
+//     ring, completing on an mbarrier by byte count;
+//   - two producer warpgroups (warps 8-15; two threads per block row, each half of the row's 32 code bytes per K
+//     step) copy codes and scales through a private cp.async ring and decode them into a bf16 A tile (three buffers:
+//     with two, Nsight Compute showed producers and consumers taking turns waiting for each other);
+//   - two consumer warpgroups (warps 0-7) each issue m64nNk16 wgmmas for 64 block rows (N = the pass's pairs rounded
+//     up to 32: a partial last pass of an expert wastes < 32 columns) with both operands in shared memory and release a step's A buffer and B stage through
+//     an mbarrier ring once its MMAs have completed.
+// No block-wide barrier after the start: the decode and B copies of steps k + 1 and k + 2 overlap the MMAs of step k.
 //
-// Layout. Two warpgroups along M, each a 64-row m64n64k16 tile per k16. Warpgroup wg's MMA row 16q + r is, for w13,
-// gate row j (r < 8) or up row j (r >= 8) of j = wg*32 + q*8 + (r & 7), so warp q's accumulator rows g and g + 8
-// are the gate and up of one j (SiLU(gate) * up in registers); for w2 it is block row wg*64 + 16q + r. Both
-// operands are K-major no-swizzle core matrices (8 rows x 16 bytes; LBO = 128 between the two K halves of a k16,
-// SBO = 2048 between 8-row groups; checked on its own by bench/cuda/wgmma_probe.cu) in the paired K order of the
-// tiled stages (pair_kernel, b_store_pos): chunk c of a row holds natural elements 8c .. 8c + 7 paired, so
-// k16 MMA kk reads chunks 2kk, 2kk + 1 of both and the permutation cancels.
+// Layout. Consumer warpgroup wg's MMA row 16q + r is, for w13, gate row j (r < 8) or up row j (r >= 8) of
+// j = wg*32 + q*8 + (r & 7), so warp q's accumulator rows g and g + 8 are the gate and up of one j (SiLU(gate) * up
+// in registers); for w2 it is block row wg*64 + 16q + r. Both operands are K-major no-swizzle core matrices (8 rows x
+// 16 bytes; LBO = 128 between the two K halves of a k16, SBO = 2048 between 8-row groups; checked on its own by
+// bench/cuda/wgmma_probe.cu) in the paired K order of the tiled stages: chunk c of a row holds natural elements
+// 8c .. 8c + 7 paired, so k16 MMA kk reads chunks 2kk, 2kk + 1 of both and the permutation cancels. A B tile of
+// pass y and step kt (128 pairs x 128 K, 32 KB) is stored at (y * K/128 + kt) * 32 KB in global memory, pair column
+// c's chunk ch at (c / 8) * 2048 + ch * 128 + (c % 8) * 16 (`ws_b_offset`); a pass of N columns reads the first
+// N * 256 bytes.
 
-constexpr int WG_STAGES = 4;
-constexpr int WG_C_BYTES = PF_BM * PF_BK / 4;        // codes of a step: 128 rows x 32 bytes
-constexpr int WG_S_BYTES = PF_BM * PF_BK / 32;       // scales: 128 rows x 4 bytes
-constexpr int WG_B_BYTES = PF_BN * PF_BK * 2;        // 64 pairs x 128 K bf16, core matrices
-constexpr int WG_STAGE = WG_C_BYTES + WG_S_BYTES + WG_B_BYTES;
-constexpr int WG_A_TILE = PF_BM * PF_BK * 2;         // one step's decoded A (both warpgroups), core matrices
-constexpr int WG_SMEM = WG_STAGES * WG_STAGE + 2 * WG_A_TILE;
+constexpr int WS_BN = 128;                            // pairs per pass
+constexpr int WS_RING = 3;                            // B stages = A buffers = steps in flight
+constexpr int WS_CODE_STAGES = 4;                     // private code ring of each producer thread
+constexpr int WS_B_BYTES = WS_BN * PF_BK * 2;         // one step's B tile: 128 pairs x 128 K bf16, core matrices
+constexpr int WS_A_TILE = PF_BM * PF_BK * 2;          // one step's decoded A (both consumer warpgroups)
+constexpr int WS_CODE_STAGE = 256 * 16 + 256 * 4;     // per producer thread: 16 code bytes + its row's scale word
+constexpr int WS_A_OFF = WS_RING * WS_B_BYTES;
+constexpr int WS_CODE_OFF = WS_A_OFF + WS_RING * WS_A_TILE;
+constexpr int WS_SMEM = WS_CODE_OFF + WS_CODE_STAGES * WS_CODE_STAGE;
+constexpr int WS_THREADS = 544;                       // 2 consumer + 2 producer warpgroups + the loader warp
+
+// Element offset of (pair column c, paired K position k) of pass y in a tiled B operand with contraction K.
+__host__ __device__ __forceinline__ int64_t ws_b_offset(int64_t y, int c, int64_t k, int64_t K) {
+  return (y * (K / PF_BK) + k / PF_BK) * (WS_B_BYTES / 2) + (c >> 3) * 1024 + ((k >> 3) & 15) * 64 + (c & 7) * 8 +
+         (k & 7);
+}
 
 __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -37,9 +59,10 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
-__device__ __forceinline__ void fence_acc(float (&d)[32]) {
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // Shared-memory matrix descriptor: start address, LBO 128, SBO 2048, no swizzle.
@@ -47,13 +70,65 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   return uint64_t((addr >> 4) & 0x3FFF) | (uint64_t(128 >> 4) << 16) | (uint64_t(2048 >> 4) << 32);
 }
 
-// D[64 x 64] += A[64 x 16] * B[16 x 64], both from shared memory (bf16, K-major).
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t da, uint64_t db) {
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Release: this thread's earlier shared-memory writes (and, after fence_proxy_async, their async-proxy view) are
+// visible to whoever observes the phase complete.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Until the phase with this parity has completed (acquire).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// Arrive and expect `bytes` more of asynchronous copies in the current phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Bulk copy global -> shared (TMA engine), completing `bytes` on the mbarrier.
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// D[64 x 32] += A[64 x 16] * B[16 x 32], both from shared memory (bf16, K-major); d[0 .. 15].
+__device__ __forceinline__ void wgmma_m64n32k16_ss(float* d, uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "%16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(1));
+}
+
+// D[64 x 96] += A[64 x 16] * B[16 x 96], both from shared memory (bf16, K-major); d[0 .. 47].
+__device__ __forceinline__ void wgmma_m64n96k16_ss(float* d, uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+      "%48, %49, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "l"(da), "l"(db), "r"(1));
+}
+
+// D[64 x 64] += A[64 x 16] * B[16 x 64], both from shared memory (bf16, K-major); d[0 .. 31].
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, uint64_t da, uint64_t db) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "%32, %33, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -61,129 +136,200 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t da, 
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(da), "l"(db), "r"(1));
 }
+
+// D[64 x 128] += A[64 x 16] * B[16 x 128], both from shared memory (bf16, K-major); d[0 .. 63].
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float* d, uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(1));
+}
+// The 8 k16 MMAs of one K step.
+template <typename F>
+__device__ __forceinline__ void wgmma_step(float* acc, uint32_t abase, uint32_t bbase, F mma) {
+#pragma unroll
+  for (int kk = 0; kk < PF_BK / 16; ++kk) mma(acc, smem_desc(abase + kk * 256), smem_desc(bbase + kk * 256));
+}
 #endif
 
-// 1 when this binary's kernels were compiled with the sm_90a features (wgmma), else 0.
-__global__ void wgmma_probe_kernel(int* out) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  *out = 1;
-#else
-  *out = 0;
-#endif
+// x [T, H] (bf16 or fp32) -> the w13 wgmma stage's B operand: per pass y and K step, the 128 pair rows' x (of their
+// tokens) in the paired K order and the tile layout above; columns past the pass are zeros. Grid (passes, H / 128).
+template <typename XT>
+__global__ void tile_b_kernel(const XT* x, const int32_t* order, const int32_t* seg_off, const int32_t* seg_cnt,
+                              const int32_t* tile_seg, const int32_t* tile_start, const int32_t* ntiles, int topk,
+                              int H, __nv_bfloat16* out) {
+  griddep_wait();
+  griddep_launch_dependents();
+  const int y = blockIdx.x, kt = blockIdx.y;
+  if (y >= *ntiles) return;
+  const int seg = tile_seg[y], start = tile_start[y];
+  const int cnt = min(WS_BN, seg_cnt[seg] - start);
+  const int32_t* pairs = order + seg_off[seg] + start;
+  uint4* dst = reinterpret_cast<uint4*>(out + (int64_t(y) * (H / PF_BK) + kt) * (WS_B_BYTES / 2));
+  for (int i = threadIdx.x; i < WS_BN * 16; i += blockDim.x) {
+    const int c = i >> 4, ch = i & 15;  // a pair row's 16 chunks from 16 consecutive threads: 256 contiguous bytes
+    uint4 o = make_uint4(0u, 0u, 0u, 0u);
+    if (c < cnt) {
+      float f[8];
+      load_x8(x + int64_t(pairs[c] / topk) * H + kt * PF_BK + ch * 8, f);
+      o.x = pack_bf16(f[0], f[4]); o.y = pack_bf16(f[1], f[5]); o.z = pack_bf16(f[2], f[6]); o.w = pack_bf16(f[3], f[7]);
+    }
+    dst[(c >> 3) * 128 + ch * 8 + (c & 7)] = o;
+  }
 }
 
+// a.b: the tiled B operand (tile_b_kernel for w13, the w13 stage's output for w2); w13 writes a.act tiled the same
+// way (contraction Ir), w2 writes partial rows [P, H].
 template <bool W13>
-__global__ void __launch_bounds__(32 * PF_WARPS, 1) prefill_wgmma_kernel(PrefillArgs a) {
+__global__ void __launch_bounds__(WS_THREADS, 1) prefill_wgmma_kernel(PrefillArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) uint8_t wg_smem[];
-  __shared__ int64_t brow_s[PF_BN];
-  __shared__ int pair_s[PF_BN];
+  __shared__ int64_t brow_s[WS_BN];
+  __shared__ int pair_s[WS_BN];
+  // Per ring slot (step kt -> slot kt % 3, phase kt / 3): full = the step's A tile decoded, bfull = its B tile
+  // landed, done = its MMAs completed (the slot's A buffer and B stage are free again).
+  __shared__ __align__(8) uint64_t bars[3 * WS_RING];
 
   griddep_wait();
   griddep_launch_dependents();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int wg = warp >> 2, wq = warp & 3;
   const int rows0 = blockIdx.x * (W13 ? PF_BM / 2 : PF_BM);
+  const int y = blockIdx.y;
   int cnt, slot;
-  if (!prefill_block_pass<W13>(a, rows0, pair_s, brow_s, cnt, slot)) return;
-  const uint8_t* row_base = a.pool + int64_t(slot) * a.stride;
-  const int64_t qrow = a.K / 4, srow = a.K / 32;
-  // Block row m (= warpgroup m / 64, its MMA row m % 64) -> row of the expert's matrix.
-  auto matrix_row = [&](int m) {
-    if (!W13) return rows0 + m;
-    const int w = m >> 6, q = (m >> 4) & 3, r = m & 15;
-    const int j = rows0 + w * 32 + q * 8 + (r & 7);
-    return r < 8 ? j : a.Ir + j;
-  };
-  // cp.async share of a step: half of block row tid/2's 32 code bytes, the 4 scale bytes of row tid (tid < 128),
-  // 4 chunks of B (lanes 2i, 2i+1 copy one 32-byte sector of a pair's row).
-  const uint8_t* qsrc = row_base + a.q_off + matrix_row(tid >> 1) * qrow + 16 * (tid & 1);
-  const uint8_t* ssrc = row_base + a.s_off + matrix_row(tid & (PF_BM - 1)) * srow;
-  auto load_step = [&](int buf, int kt) {
-    uint8_t* st = wg_smem + buf * WG_STAGE;
-    const int k0 = kt * PF_BK;
-    cp_async16(st + tid * 16, qsrc + k0 / 4);
-    if (tid < PF_BM) cp_async_small<4>(st + WG_C_BYTES + tid * 4, ssrc + k0 / 32);
+  if (!prefill_block_pass<W13, WS_BN>(a, rows0, pair_s, brow_s, cnt, slot)) return;
+  const uint32_t full0 = static_cast<uint32_t>(__cvta_generic_to_shared(bars)), bfull0 = full0 + 8 * WS_RING,
+                 done0 = full0 + 16 * WS_RING;
+  if (tid == 0) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int idx = tid + 32 * PF_WARPS * j;
-      const int r = (idx >> 1) & (PF_BN - 1), c = 2 * (idx >> 7) + (idx & 1);
-      cp_async16(st + WG_C_BYTES + WG_S_BYTES + (r >> 3) * 2048 + c * 128 + (r & 7) * 16,
-                 a.b + brow_s[r] + k0 + c * 8);
+    for (int j = 0; j < WS_RING; ++j) {
+      mbar_init(full0 + 8 * j, 256);
+      mbar_init(bfull0 + 8 * j, 1);
+      mbar_init(done0 + 8 * j, 8);
     }
-  };
-  const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
-  uint8_t* atile = wg_smem + WG_STAGES * WG_STAGE;
-  // This thread decodes words 4h .. 4h + 3 (bytes 16h .. 16h + 15) of MMA row ml of its warpgroup: a quarter-warp
-  // stores 8 consecutive rows of one chunk (8 distinct bank groups).
-  const int ml = wq * 16 + (lane & 15), h = lane >> 4;
-  const int m = wg * 64 + ml;
-  const int a_off = wg * (WG_A_TILE / 2) + (ml >> 3) * 2048 + (ml & 7) * 16;
-
-  float acc[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
-
-  const int nk = a.K / PF_BK;
-  // Steps kt + 1, kt + 2 load while step kt is decoded and step kt - 1's MMAs may still read their stage: 4 stages.
-#pragma unroll
-  for (int s = 0; s < WG_STAGES - 2; ++s) {
-    if (s < nk) load_step(s, s);
-    cp_async_commit();
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  for (int kt = 0; kt < nk; ++kt) {
-    cp_async_wait<WG_STAGES - 3>();  // step kt's bytes (this thread's copies)
-    fence_proxy_async();             // B copies (generic proxy) -> the MMAs' reads (async proxy)
-    __syncthreads();                 // everyone's copies of step kt; every warpgroup's MMAs of step kt - 2 done
-    if (kt + WG_STAGES - 2 < nk) load_step((kt + WG_STAGES - 2) % WG_STAGES, kt + WG_STAGES - 2);
-    cp_async_commit();
-    const uint8_t* st = wg_smem + (kt % WG_STAGES) * WG_STAGE;
-    // Decode into A buffer kt & 1 (last read by this warpgroup's MMAs of step kt - 2: complete).
-    const uint4 cw = *reinterpret_cast<const uint4*>(st + m * 32 + h * 16);
-    const uint32_t sw = *reinterpret_cast<const uint32_t*>(st + WG_C_BYTES + m * 4);
-    uint8_t* ad = atile + (kt & 1) * WG_A_TILE + a_off;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t b = (sw >> (8 * (2 * h + (i >> 1)))) & 0xFFu;  // scale block of word 4h + i
-      uint32_t r[8];
-      decode_2bit_fast(i == 0 ? cw.x : i == 1 ? cw.y : i == 2 ? cw.z : cw.w, (b >> 1) * 0x01010101u + 0x81800100u,
-                       (b & 1u) << 7, 0x04040404u, r);
-      const int c = 2 * (4 * h + i);  // chunks 2w, 2w + 1 of word w: its two groups of 8, paired order
-      *reinterpret_cast<uint4*>(ad + c * 128) = make_uint4(r[0], r[1], r[2], r[3]);
-      *reinterpret_cast<uint4*>(ad + (c + 1) * 128) = make_uint4(r[4], r[5], r[6], r[7]);
+  __syncthreads();
+  const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
+  const int nk = a.K / PF_BK;
+  // MMA width: the pass's pairs rounded up to 32 (the B tile's first ncols columns are its first ncols * 256 bytes).
+  const int ncols = (cnt + 31) & ~31;
+
+  if (warp == 16) {
+    // ---- loader: one bulk copy per step into B stage kt % 3, once step kt - 3's MMAs are done ----
+    if (lane == 0) {
+      const uint32_t bytes = ncols * PF_BK * 2;
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(a.b) + int64_t(y) * nk * WS_B_BYTES;
+      for (int kt = 0; kt < nk; ++kt) {
+        const int sl = kt % WS_RING, ph = kt / WS_RING;
+        if (kt >= WS_RING) mbar_wait(done0 + 8 * sl, (ph - 1) & 1);
+        mbar_arrive_expect_tx(bfull0 + 8 * sl, bytes);
+        bulk_copy_g2s(smem0 + sl * WS_B_BYTES, src + int64_t(kt) * WS_B_BYTES, bytes, bfull0 + 8 * sl);
+      }
     }
-    fence_proxy_async();  // the A stores -> the MMAs' reads
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the warpgroup's A tile is complete
-    const uint32_t abase = smem0 + WG_STAGES * WG_STAGE + (kt & 1) * WG_A_TILE + wg * (WG_A_TILE / 2);
-    const uint32_t bbase = smem0 + (kt % WG_STAGES) * WG_STAGE + WG_C_BYTES + WG_S_BYTES;
+    return;
+  }
+  if (warp >= 8) {
+    // ---- producers: thread pt decodes half h of block row m (16 code bytes = 4 words per step) ----
+    const int pt = tid - 256, m = pt >> 1, h = pt & 1;
+    int mr;  // block row m -> row of the expert's matrix (the consumers' MMA row order, header comment)
+    if (W13) {
+      const int w = m >> 6, q = (m >> 4) & 3, r = m & 15;
+      const int j = rows0 + w * 32 + q * 8 + (r & 7);
+      mr = r < 8 ? j : a.Ir + j;
+    } else {
+      mr = rows0 + m;
+    }
+    const uint8_t* row_base = a.pool + int64_t(slot) * a.stride;
+    const uint8_t* qsrc = row_base + a.q_off + int64_t(mr) * (a.K / 4) + 16 * h;
+    const uint8_t* ssrc = row_base + a.s_off + int64_t(mr) * (a.K / 32);
+    uint8_t* cring = wg_smem + WS_CODE_OFF;
+    auto load_codes = [&](int kt) {  // this thread's private slot of code stage kt % 4
+      uint8_t* st = cring + (kt % WS_CODE_STAGES) * WS_CODE_STAGE;
+      cp_async16(st + pt * 16, qsrc + kt * (PF_BK / 4));
+      cp_async_small<4>(st + 256 * 16 + pt * 4, ssrc + kt * (PF_BK / 32));
+    };
+    const int a_off = WS_A_OFF + (m >> 3) * 2048 + (m & 7) * 16 + h * 8 * 128;
+#pragma unroll
+    for (int s = 0; s < WS_CODE_STAGES - 1; ++s) {
+      if (s < nk) load_codes(s);
+      cp_async_commit();
+    }
+    for (int kt = 0; kt < nk; ++kt) {
+      cp_async_wait<WS_CODE_STAGES - 2>();  // this thread's copies of step kt
+      const uint8_t* st = cring + (kt % WS_CODE_STAGES) * WS_CODE_STAGE;
+      const uint4 cw = *reinterpret_cast<const uint4*>(st + pt * 16);
+      const uint32_t sw = *reinterpret_cast<const uint32_t*>(st + 256 * 16 + pt * 4);
+      if (kt + WS_CODE_STAGES - 1 < nk) load_codes(kt + WS_CODE_STAGES - 1);  // the slot step kt - 1 read
+      cp_async_commit();
+      const int sl = kt % WS_RING, ph = kt / WS_RING;
+      if (kt >= WS_RING) mbar_wait(done0 + 8 * sl, (ph - 1) & 1);  // A buffer sl: step kt - 3's MMAs are done
+      uint8_t* ad = wg_smem + a_off + sl * WS_A_TILE;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t b = (sw >> (8 * (2 * h + (i >> 1)))) & 0xFFu;  // scale block of word 4h + i
+        uint32_t r[8];
+        decode_2bit_fast(i == 0 ? cw.x : i == 1 ? cw.y : i == 2 ? cw.z : cw.w, (b >> 1) * 0x01010101u + 0x81800100u,
+                         (b & 1u) << 7, 0x04040404u, r);
+        *reinterpret_cast<uint4*>(ad + (2 * i) * 128) = make_uint4(r[0], r[1], r[2], r[3]);
+        *reinterpret_cast<uint4*>(ad + (2 * i + 1) * 128) = make_uint4(r[4], r[5], r[6], r[7]);
+      }
+      fence_proxy_async();  // the A stores -> the MMAs' (async proxy) reads
+      mbar_arrive(full0 + 8 * sl);
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ---- consumers: warpgroup wg computes block rows wg*64 .. wg*64 + 63 x all pairs of the pass ----
+  const int wg = warp >> 2, wq = warp & 3, g = lane >> 2, t = lane & 3;
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int kt = 0; kt < nk; ++kt) {
+    const int sl = kt % WS_RING, ph = kt / WS_RING;
+    mbar_wait(bfull0 + 8 * sl, ph & 1);
+    mbar_wait(full0 + 8 * sl, ph & 1);
+    const uint32_t abase = smem0 + WS_A_OFF + sl * WS_A_TILE + wg * (WS_A_TILE / 2);
+    const uint32_t bbase = smem0 + sl * WS_B_BYTES;
     fence_acc(acc);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < PF_BK / 16; ++kk)
-      wgmma_m64n64k16_ss(acc, smem_desc(abase + kk * 256), smem_desc(bbase + kk * 256));
+    // One branch per width around the whole step (a branch between wgmmas makes ptxas fence each one).
+    if (ncols == 128) wgmma_step(acc, abase, bbase, wgmma_m64n128k16_ss);
+    else if (ncols == 96) wgmma_step(acc, abase, bbase, wgmma_m64n96k16_ss);
+    else if (ncols == 64) wgmma_step(acc, abase, bbase, wgmma_m64n64k16_ss);
+    else wgmma_step(acc, abase, bbase, wgmma_m64n32k16_ss);
     wgmma_commit();
-    wgmma_wait<1>();  // step kt - 1's MMAs done: its A buffer and stage are free after the next barrier
+    wgmma_wait<1>();  // step kt - 1's MMAs are done: its A buffer and B stage go back to the producers / loader
     fence_acc(acc);
+    if (kt >= 1 && lane == 0) mbar_arrive(done0 + 8 * ((kt - 1) % WS_RING));
   }
   wgmma_wait<0>();
   fence_acc(acc);
-  cp_async_wait<0>();
 
   // Accumulator rows g and g + 8 of warp wq: w13 gate and up of j, w2 block rows R0, R0 + 8.
   const int R0 = W13 ? wg * 32 + wq * 8 + g : wg * 64 + wq * 16 + g;
+  const int64_t jpos = b_store_pos(rows0 + R0);  // w13: the intermediate index j in the paired K order of w2
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 16; ++j)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int col = 8 * j + 2 * t + i;
       if (col >= cnt) continue;
-      const int64_t p = pair_s[col];
       if (W13) {
-        a.act[p * a.Ir + b_store_pos(rows0 + R0)] =
+        a.act[ws_b_offset(y, col, jpos, a.Ir)] =
             __float2bfloat16_rn(silu_mul(acc[4 * j + i], acc[4 * j + 2 + i], a.has_limit, a.limit));
       } else {
-        float* dst = a.partial + p * a.N + rows0;
+        float* dst = a.partial + int64_t(pair_s[col]) * a.N + rows0;
         dst[R0] = acc[4 * j + i];
         dst[R0 + 8] = acc[4 * j + 2 + i];
       }

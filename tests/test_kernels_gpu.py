@@ -150,8 +150,11 @@ def test_prefill_default_path(mod, monkeypatch):
     monkeypatch.delenv("MOETPLAN_PREFILL_KERNEL", raising=False)
     lay = RowLayout.for_expert(4096, 1024, fmt="2bit")
     assert ops.use_tiled_prefill(mod, lay) == "tiled"
-    # a 9.0 build carries the sm_90a binary: the wgmma stages are there to be asked for
+    # a 9.0 build carries the sm_90a binary: the wgmma stages are there, and 'auto' takes them for wide passes
     assert mod.prefill_wgmma_available() == (torch.cuda.get_device_capability() == (9, 0))
+    wide = ops.use_tiled_prefill(mod, lay, ops.WGMMA_PAIRS_PER_EXPERT)
+    assert wide == ("wgmma" if mod.prefill_wgmma_available() else "tiled")
+    assert ops.use_tiled_prefill(mod, lay, ops.WGMMA_PAIRS_PER_EXPERT - 1) == "tiled"
     if not mod.prefill_wgmma_available():
         monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "wgmma")
         with pytest.raises(UsageError, match="compute-capability 9.0"):

@@ -744,6 +744,12 @@ def test_decode_kernel_selection(monkeypatch):
         ops.decode_kernel()
 
 
+def _ws_offsets(y: int, K: int) -> torch.Tensor:
+    """Mirror of csrc ws_b_offset: element offsets [128 pair columns, K] of pass y in a tiled B operand."""
+    c, k = torch.arange(128)[:, None], torch.arange(K)[None, :]
+    return (y * (K // 128) + k // 128) * 16384 + (c >> 3) * 1024 + ((k >> 3) & 15) * 64 + (c & 7) * 8 + (k & 7)
+
+
 class _FakePrefillExtension(_FakeGemvExtension):
     """Adds the block-tile prefill stages (pair_x / prefill_tiles / prefill_stage) with their buffer orders."""
 
@@ -755,8 +761,8 @@ class _FakePrefillExtension(_FakeGemvExtension):
     def prefill_k_align(self) -> int:
         return 128
 
-    def prefill_block_n(self) -> int:
-        return 64
+    def prefill_block_n(self, wgmma: bool) -> int:
+        return 128 if wgmma else 64
 
     def prefill_wgmma_available(self) -> bool:
         return self.wgmma
@@ -765,11 +771,23 @@ class _FakePrefillExtension(_FakeGemvExtension):
         self.calls.append("pair_x")
         xp.copy_(_to_paired(x.float()).to(torch.bfloat16))
 
-    def prefill_tiles(self, seg_cnt, nseg, tile_seg, tile_start, ntiles, pdl):
+    def prefill_tile_b(self, x, order, seg_off, seg_cnt, tile_seg, tile_start, ntiles, topk, out, pdl):
+        self.calls.append("tile_b")
+        H = x.shape[1]
+        for y in range(int(ntiles[0])):
+            i, start = int(tile_seg[y]), int(tile_start[y])
+            o, c = int(seg_off[i]), int(seg_cnt[i])
+            rows = torch.zeros(128, H)
+            toks = order[o + start:o + min(c, start + 128)].long() // topk
+            rows[:len(toks)] = _to_paired(x[toks].float())
+            out.view(-1)[_ws_offsets(y, H)] = rows.to(torch.bfloat16)
+
+    def prefill_tiles(self, seg_cnt, nseg, tile_seg, tile_start, ntiles, bn, pdl):
         self.calls.append("tiles")
+        self.bn = bn
         n = 0
         for i in range(int(nseg[0])):
-            for start in range(0, int(seg_cnt[i]), 64):
+            for start in range(0, int(seg_cnt[i]), bn):
                 tile_seg[n], tile_start[n] = i, start
                 n += 1
         assert n <= tile_seg.numel()
@@ -780,12 +798,13 @@ class _FakePrefillExtension(_FakeGemvExtension):
                       tile_start, ntiles, topk, b, act, partial, limit, has_limit, flag, wgmma, variant, pdl):
         self.calls.append(f"prefill{'13' if w13 else '2'}")
         self.variants.append((wgmma, variant))
+        assert self.bn == self.prefill_block_n(wgmma)  # the pass list was built for this kernel's pass size
         N, K = (2 * Ir, H) if w13 else (H, Ir)
         for y in range(int(ntiles[0])):
             i, start = int(tile_seg[y]), int(tile_start[y])
             e, o, c = int(seg_e[i]), int(seg_off[i]), int(seg_cnt[i])
             slot = int(slot_of[e])
-            for p in [int(q) for q in order[o + start:o + min(c, start + 64)]]:
+            for col, p in enumerate([int(q) for q in order[o + start:o + min(c, start + self.bn)]]):
                 if slot < 0:
                     flag[0] = e + 1
                     if not w13:
@@ -794,13 +813,20 @@ class _FakePrefillExtension(_FakeGemvExtension):
                 row = pool[slot]
                 W = ops.dequantize_rows(row[q_off:q_off + N * K // 4].view(N, K // 4),
                                         row[s_off:s_off + N * K // 32].view(N, K // 32), "2bit")
-                src = _from_paired(b[p // topk if w13 else p].float())
+                if wgmma:  # B tiled per pass (prefill_tile_b / the w13 stage's tiled output)
+                    src = _from_paired(b.view(-1)[_ws_offsets(y, K)[col]].float())
+                else:
+                    src = _from_paired(b[p // topk if w13 else p].float())
                 h = W @ src
                 if w13:
                     gate, up = h[:Ir], h[Ir:]
                     if has_limit:
                         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-                    act[p] = _to_paired(torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
+                    v = _to_paired(torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
+                    if wgmma:
+                        act.view(-1)[_ws_offsets(y, Ir)[col]] = v
+                    else:
+                        act[p] = v
                 else:
                     partial[p] = h
 
@@ -821,7 +847,7 @@ def test_prefill_plumbing_with_stand_in_extension(wgmma, fp4, monkeypatch):
                             extra.get("fp4_slot_of"), extra.get("fp4_layout"), limit, None)
         ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2, swiglu_limit=limit, **extra)
         # the default is the mma.sync tiles (variant 1) even where wgmma is available; bf16 B and intermediate
-        assert fake.calls[:5] == ["route", "pair_x", "tiles", "prefill13", "prefill2"]
+        assert fake.calls[:5] == ["route", "tiles", "pair_x", "prefill13", "prefill2"]
         assert fake.passes > fake.segments  # expert 3's pairs span two block passes
         assert fake.variants[-1] == (False, 1)
         assert ("stage13r" in fake.calls) == fp4  # FP4-resident experts take the warp tiles
@@ -833,7 +859,8 @@ def test_prefill_plumbing_with_stand_in_extension(wgmma, fp4, monkeypatch):
         return
     fake.calls.clear()
     got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
-    assert fake.calls[:3] == ["route", "pair_x", "tiles"] and fake.variants[-1] == (True, 1)
+    assert fake.calls[:4] == ["route", "tiles", "tile_b", "prefill13"] and fake.variants[-1] == (True, 1)
+    assert fake.bn == 128  # the wgmma stages' pass list: 128-pair passes
     assert _rel(got.float(), ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2).float()) < 1e-2
     monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "tiled")
     monkeypatch.setenv("MOETPLAN_PREFILL_VARIANT", "2")
@@ -855,6 +882,29 @@ def test_prefill_kernel_selection(monkeypatch):
     assert ops.use_tiled_prefill(fake, lay) is None
     monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "wgmma")
     assert ops.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay) == "wgmma"
+    # auto: wgmma on Hopper for wide passes only; never where the build or GPU lacks it
+    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "auto")
+    wide = ops.WGMMA_PAIRS_PER_EXPERT
+    assert ops.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay, wide) == "wgmma"
+    assert ops.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay, wide - 0.5) == "tiled"
+    assert ops.use_tiled_prefill(_FakePrefillExtension(wgmma=False), lay, 10 * wide) == "tiled"
+    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "tiled")
+    assert ops.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay, 10 * wide) == "tiled"
     monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "bogus")
     with pytest.raises(UsageError, match="auto"):
         ops.prefill_kernel()
+
+
+def test_wgmma_b_tile_layout_is_a_permutation_per_pass():
+    # The wgmma stages copy a pass's B tiles whole (32 KB per K step; a pass of N <= 128 columns, N a multiple of
+    # 32, the first N * 256 bytes): every (pair column, K) element of pass y must own one slot of its step's block,
+    # and columns < N must lie in the first N * 128 elements of it.
+    K = 512
+    for y in (0, 3):
+        off = _ws_offsets(y, K)
+        base = y * (K // 128) * 16384
+        assert sorted(off.flatten().tolist()) == list(range(base, base + 128 * K))
+        step = (off - base) // 16384
+        assert torch.equal(step, (torch.arange(K) // 128).expand(128, K))
+        for n in (32, 64, 96):
+            assert int(((off - base) % 16384)[:n].max()) < n * 128 <= int(((off - base) % 16384)[n:].min())

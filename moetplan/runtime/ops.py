@@ -28,10 +28,14 @@ PREFILL_PAIRS_PER_EXPERT = 8
 PARTIAL_BYTES_CAP = 1 << 30
 DECODE_KERNELS = ("auto", "rowdot", "gemv", "mma")
 # Routed (prefill) steps: "tiled" = block tiles with the B operand in shared memory on mma.sync
-# (csrc/moe_prefill.cuh, every arch), "wgmma" = the same tiles on Hopper warpgroup MMAs (csrc/moe_prefill_wgmma.cuh,
-# sm_90a; correct but 0.54-0.63x the tiled stages' speed on the H200, docs/KERNELS.md), "warp" = the first
-# version's one-warp tiles (kept for comparison and for shapes the block tiles do not take). "auto" = tiled.
+# (csrc/moe_prefill.cuh, every arch), "wgmma" = warp-specialized block tiles on Hopper warpgroup MMAs
+# (csrc/moe_prefill_wgmma.cuh, sm_90a), "warp" = the first version's one-warp tiles (kept for comparison and for
+# shapes the block tiles do not take). "auto" = wgmma for wide passes on Hopper, else tiled.
 PREFILL_KERNELS = ("auto", "tiled", "wgmma", "warp")
+# Average (token, expert) pairs per expert from which 'auto' takes the wgmma stages (on Hopper): their 128-pair passes
+# and one block per SM pay off on wide passes. Measured on the H200 (docs/KERNELS.md): the mma.sync tiles are faster
+# at 43-48 pairs per expert (Kimi-K2.7-Code / DeepSeek-V4-Flash at 2048 tokens), wgmma at 64 (GLM-5.2, 2048) and up.
+WGMMA_PAIRS_PER_EXPERT = 56
 # "auto": the CUDA-core rowdot stages for steps of at most this many tokens (1-2 pairs per expert), the gemv stages
 # above it. 0 = gemv everywhere: on the H200 rowdot took 1.24-1.55x gemv's time at 1 token and ~2.2x at 2-8
 # (instruction-issue bound, docs/KERNELS.md). Raise it only on a GPU where bench/kernels.py measures rowdot faster.
@@ -238,18 +242,21 @@ def prefill_kernel() -> str:
     return v
 
 
-def use_tiled_prefill(mod, layout: RowLayout) -> str | None:
-    """The block-tile prefill stages that take a routed step's 2-bit experts: 'tiled' (mma.sync, the default) or
-    'wgmma' (asked for, Hopper with an sm_90a build), or None (MOETPLAN_PREFILL_KERNEL=warp, an extension without
-    them, or H / Ir not multiples of the extension's prefill_k_align, 128: every target model and its TP2/TP4
-    shards take them)."""
+def use_tiled_prefill(mod, layout: RowLayout, pairs_per_expert: float = 0.0) -> str | None:
+    """The block-tile prefill stages that take a routed step's 2-bit experts, or None (MOETPLAN_PREFILL_KERNEL=warp,
+    an extension without them, or H / Ir not multiples of the extension's prefill_k_align, 128: every target model
+    and its TP2/TP4 shards take them). 'auto' takes 'wgmma' (warpgroup MMAs, Hopper with an sm_90a build) for steps
+    with at least WGMMA_PAIRS_PER_EXPERT (token, expert) pairs per expert on average, else 'tiled' (mma.sync)."""
     pk = prefill_kernel()
     if pk == "warp" or not hasattr(mod, "prefill_stage"):
         return None
     a = mod.prefill_k_align()
     if layout.hidden % a or layout.inter_per_rank % a:
         return None
-    if pk != "wgmma":
+    if pk == "auto":
+        big = pairs_per_expert >= WGMMA_PAIRS_PER_EXPERT
+        return "wgmma" if big and mod.prefill_wgmma_available() else "tiled"
+    if pk == "tiled":
         return "tiled"
     if not mod.prefill_wgmma_available():
         raise UsageError("MOETPLAN_PREFILL_KERNEL=wgmma needs a compute-capability 9.0 GPU (H100/H200) and kernels "
@@ -333,19 +340,26 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
         xs = x[t0:t1] if x.dtype != torch.float16 else x[t0:t1].float()  # the kernels take bf16 or fp32 x
         todo = fmts
         act = None
-        tiled = use_tiled_prefill(mod, layout) if routed else None
+        tiled = use_tiled_prefill(mod, layout, P / E) if routed else None
         if tiled:
             # 2-bit experts on block tiles: x -> bf16 in the stages' B order, passes of bn pairs per expert,
             # w13 (+SiLU) -> bf16 intermediate (same order), w2 -> partial rows. FP4 experts take the tiles below.
             wg = tiled == "wgmma"
             variant = _prefill_variant(tiled)
-            xpair = torch.empty(xs.shape[0], H, dtype=torch.bfloat16, device=dev)
-            mod.pair_x(xs.contiguous(), xpair, pdl)
-            bn = mod.prefill_block_n()
+            bn = mod.prefill_block_n(wg)
             tiles = torch.empty(2, (P + bn - 1) // bn + M, dtype=torch.int32, device=dev)
             ntiles = torch.empty(1, dtype=torch.int32, device=dev)
-            mod.prefill_tiles(segs[2, :M], nseg[0:1], tiles[0], tiles[1], ntiles, pdl)
-            act_b = torch.empty(P, ir, dtype=torch.bfloat16, device=dev)
+            mod.prefill_tiles(segs[2, :M], nseg[0:1], tiles[0], tiles[1], ntiles, bn, pdl)
+            if wg:
+                # The wgmma stages copy B tiles whole: x gathered per pass, and the intermediate, in tile layout.
+                xpair = torch.empty(tiles.shape[1], bn, H, dtype=torch.bfloat16, device=dev)
+                mod.prefill_tile_b(xs.contiguous(), order, segs[1, :M], segs[2, :M], tiles[0], tiles[1], ntiles,
+                                   k, xpair, pdl)
+                act_b = torch.empty(tiles.shape[1], bn, ir, dtype=torch.bfloat16, device=dev)
+            else:
+                xpair = torch.empty(xs.shape[0], H, dtype=torch.bfloat16, device=dev)
+                mod.pair_x(xs.contiguous(), xpair, pdl)
+                act_b = torch.empty(P, ir, dtype=torch.bfloat16, device=dev)
             for w13, b, a_, p_ in ((True, xpair, act_b, None), (False, act_b, None, partial)):
                 q_off, s_off = ((layout.w13_q_off, layout.w13_s_off) if w13 else (layout.w2_q_off, layout.w2_s_off))
                 mod.prefill_stage(w13, pool, slot32, q_off, s_off, H, ir, segs[0, :M], segs[1, :M], segs[2, :M],
