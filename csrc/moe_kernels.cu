@@ -1090,8 +1090,16 @@ void prefill_stage(bool w13, torch::Tensor pool, torch::Tensor slot_of, int64_t 
       C10_CUDA_CHECK(cudaFuncSetAttribute(prefill_wgmma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM));
       attr = true;
     }
-    if (w13) launch(prefill_wgmma_kernel<true>, dim3(gx, gy), dim3(WS_THREADS), WS_SMEM, stream, pdl, a);
-    else launch(prefill_wgmma_kernel<false>, dim3(gx, gy), dim3(WS_THREADS), WS_SMEM, stream, pdl, a);
+    // Per-pass records, then one persistent block per SM over the (row block, pass) tiles.
+    auto info = torch::empty({gy, 4}, torch::dtype(torch::kInt32).device(pool.device()));
+    launch(ws_pass_info_kernel, dim3((gy + 127) / 128), dim3(128), 0, stream, pdl, a.seg_expert, a.seg_off,
+           a.seg_cnt, a.tile_seg, a.tile_start, a.ntiles, a.slot_of, reinterpret_cast<int4*>(info.data_ptr<int32_t>()));
+    a.pass_info = reinterpret_cast<const int4*>(info.data_ptr<int32_t>());
+    int dev = 0, sms = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    if (w13) launch(prefill_wgmma_kernel<true>, dim3(sms), dim3(WS_THREADS), WS_SMEM, stream, pdl, a);
+    else launch(prefill_wgmma_kernel<false>, dim3(sms), dim3(WS_THREADS), WS_SMEM, stream, pdl, a);
     return;
   }
   // variant: m16 tiles per warp of the mma.sync stages (1 or 2).

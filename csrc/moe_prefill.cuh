@@ -44,6 +44,7 @@ struct PrefillArgs {
   float limit;
   int has_limit;
   int* error_flag;
+  const int4* pass_info;       // wgmma stages: per pass {first pair in order, pair count, slot, expert}
 };
 
 // mma_bf16 without `volatile`: the MMAs are pure functions of their operands, so the compiler may interleave them
@@ -105,17 +106,17 @@ __device__ __forceinline__ int pf_chunk(int c, int row) { return c ^ (((c >> 3) 
 // the expert's slot. Returns false when the block has nothing to compute: past the last pass, or the expert has no
 // slot (error flag set; the w2 stage leaves defined zeros, so a captured graph cannot propagate garbage). Called by
 // every thread of the block (it holds a barrier).
-template <bool W13, int BN = PF_BN>
+template <bool W13>
 __device__ __forceinline__ bool prefill_block_pass(const PrefillArgs& a, int rows0, int* pair_s, int64_t* brow_s,
                                                    int& cnt, int& slot) {
   const int y = blockIdx.y;
   if (y >= *a.ntiles) return false;
   const int seg = a.tile_seg[y], start = a.tile_start[y];
   const int e = a.seg_expert[seg];
-  cnt = min(BN, a.seg_cnt[seg] - start);
+  cnt = min(PF_BN, a.seg_cnt[seg] - start);
   const int* pairs = a.order + a.seg_off[seg] + start;
   const int tid = threadIdx.x;
-  if (tid < BN) {
+  if (tid < PF_BN) {
     const int p = pairs[tid < cnt ? tid : 0];  // columns past the pass read pair 0's B; never written back
     pair_s[tid] = p;
     brow_s[tid] = int64_t(W13 ? p / a.topk : p) * a.K;

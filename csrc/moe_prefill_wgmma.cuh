@@ -188,25 +188,34 @@ __global__ void tile_b_kernel(const XT* x, const int32_t* order, const int32_t* 
   }
 }
 
+// Per pass y < *ntiles: {first pair in `order`, pair count, the expert's slot, expert}: one 16-byte load per pass for
+// every role of the persistent wgmma stages instead of a chain of dependent loads at each tile's start.
+__global__ void ws_pass_info_kernel(const int32_t* seg_expert, const int32_t* seg_off, const int32_t* seg_cnt,
+                                    const int32_t* tile_seg, const int32_t* tile_start, const int32_t* ntiles,
+                                    const int32_t* slot_of, int4* info) {
+  griddep_wait();
+  griddep_launch_dependents();
+  const int y = blockIdx.x * blockDim.x + threadIdx.x;
+  if (y >= *ntiles) return;
+  const int seg = tile_seg[y], start = tile_start[y], e = seg_expert[seg];
+  info[y] = make_int4(seg_off[seg] + start, min(WS_BN, seg_cnt[seg] - start), slot_of[e], e);
+}
+
+// Persistent: block b computes tiles b, b + gridDim.x, ... of the (row block, pass) space, row blocks fastest (the
+// blocks running at once share a pass's B tiles in L2). Every role walks the same tile sequence and counts the same
+// global step index s (ring slot s % 3, phase s / 3), so the rings run on across tiles: the loader and producers
+// fill the next tile's first steps while the consumers finish a tile and write its outputs.
 // a.b: the tiled B operand (tile_b_kernel for w13, the w13 stage's output for w2); w13 writes a.act tiled the same
 // way (contraction Ir), w2 writes partial rows [P, H].
 template <bool W13>
 __global__ void __launch_bounds__(WS_THREADS, 1) prefill_wgmma_kernel(PrefillArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) uint8_t wg_smem[];
-  __shared__ int64_t brow_s[WS_BN];
-  __shared__ int pair_s[WS_BN];
-  // Per ring slot (step kt -> slot kt % 3, phase kt / 3): full = the step's A tile decoded, bfull = its B tile
+  // Per ring slot (step s -> slot s % 3, phase s / 3): full = the step's A tile decoded, bfull = its B tile
   // landed, done = its MMAs completed (the slot's A buffer and B stage are free again).
   __shared__ __align__(8) uint64_t bars[3 * WS_RING];
 
-  griddep_wait();
-  griddep_launch_dependents();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int rows0 = blockIdx.x * (W13 ? PF_BM / 2 : PF_BM);
-  const int y = blockIdx.y;
-  int cnt, slot;
-  if (!prefill_block_pass<W13, WS_BN>(a, rows0, pair_s, brow_s, cnt, slot)) return;
   const uint32_t full0 = static_cast<uint32_t>(__cvta_generic_to_shared(bars)), bfull0 = full0 + 8 * WS_RING,
                  done0 = full0 + 16 * WS_RING;
   if (tid == 0) {
@@ -219,21 +228,30 @@ __global__ void __launch_bounds__(WS_THREADS, 1) prefill_wgmma_kernel(PrefillArg
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  griddep_wait();  // ws_pass_info_kernel / tile_b_kernel / the w13 stage wrote what this block reads
+  griddep_launch_dependents();
   const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
   const int nk = a.K / PF_BK;
-  // MMA width: the pass's pairs rounded up to 32 (the B tile's first ncols columns are its first ncols * 256 bytes).
-  const int ncols = (cnt + 31) & ~31;
+  const int gx = a.N / PF_BM;
+  const int total = gx * *a.ntiles;
+  const int rstep = W13 ? PF_BM / 2 : PF_BM;  // w13: gate rows rows0.., up rows Ir + rows0..
 
   if (warp == 16) {
-    // ---- loader: one bulk copy per step into B stage kt % 3, once step kt - 3's MMAs are done ----
+    // ---- loader: one bulk copy per step into B stage s % 3, once step s - 3's MMAs are done ----
     if (lane == 0) {
-      const uint32_t bytes = ncols * PF_BK * 2;
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(a.b) + int64_t(y) * nk * WS_B_BYTES;
-      for (int kt = 0; kt < nk; ++kt) {
-        const int sl = kt % WS_RING, ph = kt / WS_RING;
-        if (kt >= WS_RING) mbar_wait(done0 + 8 * sl, (ph - 1) & 1);
-        mbar_arrive_expect_tx(bfull0 + 8 * sl, bytes);
-        bulk_copy_g2s(smem0 + sl * WS_B_BYTES, src + int64_t(kt) * WS_B_BYTES, bytes, bfull0 + 8 * sl);
+      int s = 0;
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const int y = tile / gx;
+        const int4 pi = a.pass_info[y];
+        if (pi.z < 0) continue;
+        const uint32_t bytes = ((pi.y + 31) & ~31) * PF_BK * 2;  // the pass's columns rounded up to 32
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(a.b) + int64_t(y) * nk * WS_B_BYTES;
+        for (int kt = 0; kt < nk; ++kt, ++s) {
+          const int sl = s % WS_RING, ph = s / WS_RING;
+          if (s >= WS_RING) mbar_wait(done0 + 8 * sl, (ph - 1) & 1);
+          mbar_arrive_expect_tx(bfull0 + 8 * sl, bytes);
+          bulk_copy_g2s(smem0 + sl * WS_B_BYTES, src + int64_t(kt) * WS_B_BYTES, bytes, bfull0 + 8 * sl);
+        }
       }
     }
     return;
@@ -241,98 +259,120 @@ __global__ void __launch_bounds__(WS_THREADS, 1) prefill_wgmma_kernel(PrefillArg
   if (warp >= 8) {
     // ---- producers: thread pt decodes half h of block row m (16 code bytes = 4 words per step) ----
     const int pt = tid - 256, m = pt >> 1, h = pt & 1;
-    int mr;  // block row m -> row of the expert's matrix (the consumers' MMA row order, header comment)
+    // block row m -> row of the expert's matrix, relative to rows0 (the consumers' MMA row order, header comment)
+    int mrel;
     if (W13) {
       const int w = m >> 6, q = (m >> 4) & 3, r = m & 15;
-      const int j = rows0 + w * 32 + q * 8 + (r & 7);
-      mr = r < 8 ? j : a.Ir + j;
+      const int j = w * 32 + q * 8 + (r & 7);
+      mrel = r < 8 ? j : a.Ir + j;
     } else {
-      mr = rows0 + m;
+      mrel = m;
     }
-    const uint8_t* row_base = a.pool + int64_t(slot) * a.stride;
-    const uint8_t* qsrc = row_base + a.q_off + int64_t(mr) * (a.K / 4) + 16 * h;
-    const uint8_t* ssrc = row_base + a.s_off + int64_t(mr) * (a.K / 32);
     uint8_t* cring = wg_smem + WS_CODE_OFF;
-    auto load_codes = [&](int kt) {  // this thread's private slot of code stage kt % 4
-      uint8_t* st = cring + (kt % WS_CODE_STAGES) * WS_CODE_STAGE;
-      cp_async16(st + pt * 16, qsrc + kt * (PF_BK / 4));
-      cp_async_small<4>(st + 256 * 16 + pt * 4, ssrc + kt * (PF_BK / 32));
-    };
     const int a_off = WS_A_OFF + (m >> 3) * 2048 + (m & 7) * 16 + h * 8 * 128;
+    int s = 0;
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+      const int4 pi = a.pass_info[tile / gx];
+      if (pi.z < 0) continue;
+      const int64_t mr = int64_t(tile % gx) * rstep + mrel;
+      const uint8_t* row_base = a.pool + int64_t(pi.z) * a.stride;
+      const uint8_t* qsrc = row_base + a.q_off + mr * (a.K / 4) + 16 * h;
+      const uint8_t* ssrc = row_base + a.s_off + mr * (a.K / 32);
+      auto load_codes = [&](int kt) {  // this thread's private slot of code stage kt % 4
+        uint8_t* st = cring + (kt % WS_CODE_STAGES) * WS_CODE_STAGE;
+        cp_async16(st + pt * 16, qsrc + kt * (PF_BK / 4));
+        cp_async_small<4>(st + 256 * 16 + pt * 4, ssrc + kt * (PF_BK / 32));
+      };
 #pragma unroll
-    for (int s = 0; s < WS_CODE_STAGES - 1; ++s) {
-      if (s < nk) load_codes(s);
-      cp_async_commit();
-    }
-    for (int kt = 0; kt < nk; ++kt) {
-      cp_async_wait<WS_CODE_STAGES - 2>();  // this thread's copies of step kt
-      const uint8_t* st = cring + (kt % WS_CODE_STAGES) * WS_CODE_STAGE;
-      const uint4 cw = *reinterpret_cast<const uint4*>(st + pt * 16);
-      const uint32_t sw = *reinterpret_cast<const uint32_t*>(st + 256 * 16 + pt * 4);
-      if (kt + WS_CODE_STAGES - 1 < nk) load_codes(kt + WS_CODE_STAGES - 1);  // the slot step kt - 1 read
-      cp_async_commit();
-      const int sl = kt % WS_RING, ph = kt / WS_RING;
-      if (kt >= WS_RING) mbar_wait(done0 + 8 * sl, (ph - 1) & 1);  // A buffer sl: step kt - 3's MMAs are done
-      uint8_t* ad = wg_smem + a_off + sl * WS_A_TILE;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t b = (sw >> (8 * (2 * h + (i >> 1)))) & 0xFFu;  // scale block of word 4h + i
-        uint32_t r[8];
-        decode_2bit_fast(i == 0 ? cw.x : i == 1 ? cw.y : i == 2 ? cw.z : cw.w, (b >> 1) * 0x01010101u + 0x81800100u,
-                         (b & 1u) << 7, 0x04040404u, r);
-        *reinterpret_cast<uint4*>(ad + (2 * i) * 128) = make_uint4(r[0], r[1], r[2], r[3]);
-        *reinterpret_cast<uint4*>(ad + (2 * i + 1) * 128) = make_uint4(r[4], r[5], r[6], r[7]);
+      for (int i = 0; i < WS_CODE_STAGES - 1; ++i) {
+        if (i < nk) load_codes(i);
+        cp_async_commit();
       }
-      fence_proxy_async();  // the A stores -> the MMAs' (async proxy) reads
-      mbar_arrive(full0 + 8 * sl);
+      for (int kt = 0; kt < nk; ++kt, ++s) {
+        cp_async_wait<WS_CODE_STAGES - 2>();  // this thread's copies of step kt
+        const uint8_t* st = cring + (kt % WS_CODE_STAGES) * WS_CODE_STAGE;
+        const uint4 cw = *reinterpret_cast<const uint4*>(st + pt * 16);
+        const uint32_t sw = *reinterpret_cast<const uint32_t*>(st + 256 * 16 + pt * 4);
+        if (kt + WS_CODE_STAGES - 1 < nk) load_codes(kt + WS_CODE_STAGES - 1);  // the slot step kt - 1 read
+        cp_async_commit();
+        const int sl = s % WS_RING, ph = s / WS_RING;
+        if (s >= WS_RING) mbar_wait(done0 + 8 * sl, (ph - 1) & 1);  // A buffer sl: step s - 3's MMAs are done
+        uint8_t* ad = wg_smem + a_off + sl * WS_A_TILE;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t b = (sw >> (8 * (2 * h + (i >> 1)))) & 0xFFu;  // scale block of word 4h + i
+          uint32_t r[8];
+          decode_2bit_fast(i == 0 ? cw.x : i == 1 ? cw.y : i == 2 ? cw.z : cw.w,
+                           (b >> 1) * 0x01010101u + 0x81800100u, (b & 1u) << 7, 0x04040404u, r);
+          *reinterpret_cast<uint4*>(ad + (2 * i) * 128) = make_uint4(r[0], r[1], r[2], r[3]);
+          *reinterpret_cast<uint4*>(ad + (2 * i + 1) * 128) = make_uint4(r[4], r[5], r[6], r[7]);
+        }
+        fence_proxy_async();  // the A stores -> the MMAs' (async proxy) reads
+        mbar_arrive(full0 + 8 * sl);
+      }
+      cp_async_wait<0>();  // the code ring is empty between tiles
     }
-    cp_async_wait<0>();
     return;
   }
 
   // ---- consumers: warpgroup wg computes block rows wg*64 .. wg*64 + 63 x all pairs of the pass ----
   const int wg = warp >> 2, wq = warp & 3, g = lane >> 2, t = lane & 3;
-  float acc[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-  for (int kt = 0; kt < nk; ++kt) {
-    const int sl = kt % WS_RING, ph = kt / WS_RING;
-    mbar_wait(bfull0 + 8 * sl, ph & 1);
-    mbar_wait(full0 + 8 * sl, ph & 1);
-    const uint32_t abase = smem0 + WS_A_OFF + sl * WS_A_TILE + wg * (WS_A_TILE / 2);
-    const uint32_t bbase = smem0 + sl * WS_B_BYTES;
-    fence_acc(acc);
-    wgmma_fence();
-    // One branch per width around the whole step (a branch between wgmmas makes ptxas fence each one).
-    if (ncols == 128) wgmma_step(acc, abase, bbase, wgmma_m64n128k16_ss);
-    else if (ncols == 96) wgmma_step(acc, abase, bbase, wgmma_m64n96k16_ss);
-    else if (ncols == 64) wgmma_step(acc, abase, bbase, wgmma_m64n64k16_ss);
-    else wgmma_step(acc, abase, bbase, wgmma_m64n32k16_ss);
-    wgmma_commit();
-    wgmma_wait<1>();  // step kt - 1's MMAs are done: its A buffer and B stage go back to the producers / loader
-    fence_acc(acc);
-    if (kt >= 1 && lane == 0) mbar_arrive(done0 + 8 * ((kt - 1) % WS_RING));
-  }
-  wgmma_wait<0>();
-  fence_acc(acc);
-
-  // Accumulator rows g and g + 8 of warp wq: w13 gate and up of j, w2 block rows R0, R0 + 8.
+  // Accumulator rows g and g + 8 of warp wq: w13 gate and up of j = rows0 + R0, w2 block rows R0, R0 + 8.
   const int R0 = W13 ? wg * 32 + wq * 8 + g : wg * 64 + wq * 16 + g;
-  const int64_t jpos = b_store_pos(rows0 + R0);  // w13: the intermediate index j in the paired K order of w2
-#pragma unroll
-  for (int j = 0; j < 16; ++j)
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int col = 8 * j + 2 * t + i;
-      if (col >= cnt) continue;
-      if (W13) {
-        a.act[ws_b_offset(y, col, jpos, a.Ir)] =
-            __float2bfloat16_rn(silu_mul(acc[4 * j + i], acc[4 * j + 2 + i], a.has_limit, a.limit));
-      } else {
-        float* dst = a.partial + int64_t(pair_s[col]) * a.N + rows0;
-        dst[R0] = acc[4 * j + i];
-        dst[R0 + 8] = acc[4 * j + 2 + i];
-      }
+  int s = 0;
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const int y = tile / gx, rows0 = (tile % gx) * rstep;
+    const int4 pi = a.pass_info[y];
+    const int cnt = pi.y;
+    if (pi.z < 0) {  // routed expert without a slot: flag it; w2 leaves defined zeros (no garbage in a graph)
+      if (tid == 0 && rows0 == 0) atomicExch(a.error_flag, pi.w + 1);
+      if (!W13)
+        for (int i = tid; i < cnt * PF_BM; i += 256)
+          a.partial[int64_t(a.order[pi.x + i / PF_BM]) * a.N + rows0 + i % PF_BM] = 0.f;
+      continue;
     }
+    const int ncols = (cnt + 31) & ~31;
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int kt = 0; kt < nk; ++kt, ++s) {
+      const int sl = s % WS_RING, ph = s / WS_RING;
+      mbar_wait(bfull0 + 8 * sl, ph & 1);
+      mbar_wait(full0 + 8 * sl, ph & 1);
+      const uint32_t abase = smem0 + WS_A_OFF + sl * WS_A_TILE + wg * (WS_A_TILE / 2);
+      const uint32_t bbase = smem0 + sl * WS_B_BYTES;
+      fence_acc(acc);
+      wgmma_fence();
+      // One branch per width around the whole step (a branch between wgmmas makes ptxas fence each one).
+      if (ncols == 128) wgmma_step(acc, abase, bbase, wgmma_m64n128k16_ss);
+      else if (ncols == 96) wgmma_step(acc, abase, bbase, wgmma_m64n96k16_ss);
+      else if (ncols == 64) wgmma_step(acc, abase, bbase, wgmma_m64n64k16_ss);
+      else wgmma_step(acc, abase, bbase, wgmma_m64n32k16_ss);
+      wgmma_commit();
+      wgmma_wait<1>();  // step s - 1's MMAs are done: its A buffer and B stage go back to the producers / loader
+      fence_acc(acc);
+      if (kt >= 1 && lane == 0) mbar_arrive(done0 + 8 * ((s - 1) % WS_RING));
+    }
+    wgmma_wait<0>();
+    fence_acc(acc);
+    if (lane == 0) mbar_arrive(done0 + 8 * ((s - 1) % WS_RING));  // the tile's last step
+
+    const int64_t jpos = b_store_pos(rows0 + R0);  // w13: the intermediate index j in the paired K order of w2
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int col = 8 * j + 2 * t + i;
+        if (col >= cnt) continue;
+        if (W13) {
+          a.act[ws_b_offset(y, col, jpos, a.Ir)] =
+              __float2bfloat16_rn(silu_mul(acc[4 * j + i], acc[4 * j + 2 + i], a.has_limit, a.limit));
+        } else {
+          float* dst = a.partial + int64_t(a.order[pi.x + col]) * a.N + rows0;
+          dst[R0] = acc[4 * j + i];
+          dst[R0 + 8] = acc[4 * j + 2 + i];
+        }
+      }
+  }
 #endif
 }
