@@ -199,6 +199,22 @@ def test_tiled_prefill_skewed_routing(mod, monkeypatch, block_prefill):
     assert _rel(got, ops.moe_forward(x, ids, w, pool, slot_of, lay).float()) < PREFILL_TOL
 
 
+def test_block_prefill_every_pass_width(mod, block_prefill):
+    # Experts with 1..212 pairs: full and partial last passes of every width, the wgmma stages' n32 / n64 / n96 /
+    # n128 MMAs (pass pairs rounded up to 32) and the tiled stages' 64-pair passes, on both sides of each boundary.
+    counts = [1, 31, 32, 33, 63, 64, 65, 96, 97, 127, 128, 129, 160, 212]
+    flat = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    T = flat.numel() // 2  # token t takes flat[t] and flat[t + T]: distinct, since no expert has T pairs
+    ids = torch.stack([flat[:T], flat[T:]], dim=1)
+    assert bool((ids[:, 0] != ids[:, 1]).all()) and torch.equal(torch.bincount(ids.flatten())[:14],
+                                                                  torch.tensor(counts))
+    x, _, w, pool, slot_of, lay, _ = _case(4096, 1024, 2, T, E=16, seed=31)
+    ids = ids.cuda()
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    assert _rel(got, ref.float()) < PREFILL_TOL
+
+
 def test_tiled_prefill_shape_rules(mod, monkeypatch):
     # H = 4160 is a multiple of 64 (the warp tiles take it) but not of 128: the tiled stages decline it.
     monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "tiled")
