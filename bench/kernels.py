@@ -324,8 +324,7 @@ def grouped_bf16(m, gen):
     return w13, w2
 
 
-def prefill_case(m, T, lay, pool, slot_of, w13, w2, gen, quick,
-                 prefill_kernels: tuple[str, ...] = ("auto", "tiled:2", "wgmma", "warp")) -> dict[str, Any]:
+def prefill_case(m, T, lay, pool, slot_of, w13, w2, gen, quick, prefill_kernels: tuple[str, ...]) -> dict[str, Any]:
     H, I, k, E = m["H"], m["I"], m["k"], m["E"]
     ids, w = routing(T, k, E, gen)
     x = (torch.randn(T, H, device="cuda", generator=gen) * 0.3).to(torch.bfloat16)

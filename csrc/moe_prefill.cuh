@@ -59,7 +59,12 @@ __device__ __forceinline__ void mma_bf16_sched(float (&d)[4], uint32_t a0, uint3
 // Where the B operand's natural K index k is stored: the paired order e0,e4,e1,e5,e2,e6,e3,e7 per group of 8.
 __device__ __forceinline__ int64_t b_store_pos(int64_t k) { return (k & ~int64_t(7)) + paired_pos(int(k & 7)); }
 
-// x [T, H] (bf16 or fp32, rounded to bf16) -> bf16 in the paired order: four bf16x2 pairs (e_j, e_j+4) per group.
+// 8 consecutive elements -> bf16 in the paired order: four bf16x2 pairs (e_j, e_j+4).
+__device__ __forceinline__ uint4 pack_paired8(const float (&f)[8]) {
+  return make_uint4(pack_bf16(f[0], f[4]), pack_bf16(f[1], f[5]), pack_bf16(f[2], f[6]), pack_bf16(f[3], f[7]));
+}
+
+// x [T, H] (bf16 or fp32, rounded to bf16) -> bf16 in the paired order (pack_paired8 per group of 8).
 template <typename XT>
 __global__ void pair_kernel(const XT* x, __nv_bfloat16* xp, int64_t groups) {
   griddep_wait();
@@ -68,9 +73,7 @@ __global__ void pair_kernel(const XT* x, __nv_bfloat16* xp, int64_t groups) {
   if (i >= groups) return;
   float f[8];
   load_x8(x + 8 * i, f);
-  uint4 o;
-  o.x = pack_bf16(f[0], f[4]); o.y = pack_bf16(f[1], f[5]); o.z = pack_bf16(f[2], f[6]); o.w = pack_bf16(f[3], f[7]);
-  reinterpret_cast<uint4*>(xp)[i] = o;
+  reinterpret_cast<uint4*>(xp)[i] = pack_paired8(f);
 }
 
 // One warp: the 2-bit segments' passes of `bn` pairs, in segment order -> (segment, first pair) per block row.

@@ -182,7 +182,7 @@ __global__ void tile_b_kernel(const XT* x, const int32_t* order, const int32_t* 
     if (c < cnt) {
       float f[8];
       load_x8(x + int64_t(pairs[c] / topk) * H + kt * PF_BK + ch * 8, f);
-      o.x = pack_bf16(f[0], f[4]); o.y = pack_bf16(f[1], f[5]); o.z = pack_bf16(f[2], f[6]); o.w = pack_bf16(f[3], f[7]);
+      o = pack_paired8(f);
     }
     dst[(c >> 3) * 128 + ch * 8 + (c & 7)] = o;
   }

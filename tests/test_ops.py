@@ -846,7 +846,8 @@ def test_prefill_plumbing_with_stand_in_extension(wgmma, fp4, monkeypatch):
         got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, extra.get("fp4_pool"),
                             extra.get("fp4_slot_of"), extra.get("fp4_layout"), limit, None)
         ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2, swiglu_limit=limit, **extra)
-        # the default is the mma.sync tiles (variant 1) even where wgmma is available; bf16 B and intermediate
+        # 24 pairs per expert (< WGMMA_PAIRS_PER_EXPERT): the default is the mma.sync tiles (variant 1) even where
+        # wgmma is available; bf16 B and intermediate
         assert fake.calls[:5] == ["route", "tiles", "pair_x", "prefill13", "prefill2"]
         assert fake.passes > fake.segments  # expert 3's pairs span two block passes
         assert fake.variants[-1] == (False, 1)
