@@ -22,12 +22,17 @@ for s in $steps; do
              echo "kernels rc=$?"; tail -30 "$OUT/kernels.log" ;;
     pattern) timeout 240 python3 bench/read_pattern.py --out "$OUT/read_pattern_h200.json" > "$OUT/pattern.log" 2>&1
              echo "pattern rc=$?"; tail -20 "$OUT/pattern.log" ;;
-    ncu)     # Nsight Compute on the decode stages (DeepSeek-V4-Flash, 8 tokens): details page + SASS stall samples.
-             timeout 240 ncu --set full --clock-control none -k regex:gemv_stage --launch-skip 2 --launch-count 2 \
-               -o "$OUT/gemv_t8" python3 bench/ncu_gemv.py --tokens 8 > "$OUT/ncu.log" 2>&1; echo "ncu rc=$?"
-             ncu -i "$OUT/gemv_t8.ncu-rep" --page details > "$OUT/ncu_gemv_t8.txt" 2>&1
-             ncu -i "$OUT/gemv_t8.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_gemv_t8_sass.csv" 2>&1
-             rm -f "$OUT/gemv_t8.ncu-rep"; grep -E "Duration|Issue Slots Busy|DRAM Throughput" "$OUT/ncu_gemv_t8.txt" ;;
+    ncu)     # Nsight Compute on the decode stages (DeepSeek-V4-Flash, NCU_TOKENS tokens, default 8): details page +
+             # per-instruction stall samples (SASS csv).
+             nt=${NCU_TOKENS:-8}
+             timeout 240 ncu --set full --import-source no --clock-control none -k regex:gemv_stage --launch-skip 2 \
+               --launch-count 2 -o "$OUT/gemv_t$nt" python3 bench/ncu_gemv.py --tokens "$nt" > "$OUT/ncu_t$nt.log" 2>&1
+             echo "ncu rc=$?"
+             ncu -i "$OUT/gemv_t$nt.ncu-rep" --page details > "$OUT/ncu_gemv_t$nt.txt" 2>&1
+             ncu -i "$OUT/gemv_t$nt.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_gemv_t${nt}_sass.csv" 2>&1
+             ncu -i "$OUT/gemv_t$nt.ncu-rep" --page raw --csv > "$OUT/ncu_gemv_t${nt}_raw.csv" 2>&1
+             rm -f "$OUT/gemv_t$nt.ncu-rep"; grep -E "Duration|Issue Slots Busy|DRAM Throughput" "$OUT/ncu_gemv_t$nt.txt"
+             python3 bench/ncu_stalls.py "$OUT/ncu_gemv_t${nt}_sass.csv" | tee "$OUT/ncu_gemv_t${nt}_stalls.txt" ;;
     ncu-prefill)  # Nsight Compute on the prefill stages (DeepSeek-V4-Flash, 8192 tokens, w13 + w2 of one call).
              k=${MOETPLAN_PREFILL_KERNEL:-auto}; re=$([ "$k" = wgmma ] && echo prefill_wgmma || echo prefill_stage)
              timeout 240 ncu --set full --clock-control none -k "regex:$re" --launch-count 2 -o "$OUT/prefill" \

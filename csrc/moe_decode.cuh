@@ -27,7 +27,12 @@ constexpr int GEMV_MAX_PAIRS = 64;  // pairs (T * k) per call that the block-lev
 constexpr int GEMV_CHUNK = 256;     // K granularity of the stages (a row's K must be a multiple of this)
 constexpr int GEMV_WARPS = 4;
 
-constexpr int GEMV_ROUNDS = 2;     // rounds of codes + scales in flight per warp (cp.async groups)
+constexpr int GEMV_ROUNDS = 2;
+
+// What a stage streams for an expert without a slot: zeros (codes 0 under scale byte 0 decode to exact zeros).
+// Covers a row of K <= GEMV_MAX_K (the ops check it).
+constexpr int GEMV_MAX_K = 65536;
+__device__ __align__(16) uint8_t g_zero_page[GEMV_MAX_K / 4];     // rounds of codes + scales in flight per warp (cp.async groups)
 
 // Code and scale bytes travel by cp.async into a per-warp shared ring. Loaded into registers instead, they share
 // scoreboards with the B loads (ptxas gave all of them one: SASS control bits of the register-ring version), so
@@ -119,21 +124,25 @@ __device__ __forceinline__ void decode_2bit_fast(uint32_t w, uint32_t b, uint32_
   decode_2bit_fast(w, (b >> 1) * 0x01010101u + 0x81800100u, (b & 1u) << 7, 0x04040404u, r);
 }
 
-// Per-round scale prep for 4 scale bytes sw: h = b >> 1 per byte, h1 = h + 1, lw = (b & 1) << 7 per byte.
+// Per-round scale prep for 4 scale bytes sw: h = b >> 1 per byte, lw = (b & 1) << 7 per byte.
 struct ScaleWord {
-  uint32_t h, h1, lw;
+  uint32_t h, lw;
 };
 __device__ __forceinline__ ScaleWord scale_word(uint32_t sw) {
   ScaleWord s;
   s.h = __umulhi(sw, 1u << 31) & 0x7F7F7F7Fu;
-  s.h1 = s.h + 0x01010101u;  // no carry between bytes: h <= 0x7F (and < 0x7F for scale bytes below 254)
   s.lw = (sw & 0x01010101u) * 128u;
   return s;
 }
-// The decode table of byte k (0..3) of a ScaleWord: bytes h_k, h1_k, h_k | 0x80, h1_k | 0x80.
+// The decode table of byte k (0..3) of a ScaleWord: bytes h_k, h_k + 1, h_k | 0x80, (h_k + 1) | 0x80 (the
+// rowdot form, (b >> 1) * 0x01010101 + 0x81800100; h_k <= 0x7F, so no carry between bytes below scale byte 254,
+// where the +-4 values overflow anyway). Built with shifts and one multiply-add only: they issue on the FMA pipe,
+// and the decode keeps the integer ALU pipe (PRMT, LOP3: half rate) busy enough (Nsight Compute, w13 stage at
+// 8 tokens: math-pipe throttle and dispatch stalls on PRMT/LOP3 once the B loads stopped missing the L1).
 template <int K>
 __device__ __forceinline__ uint32_t scale_table(const ScaleWord& s) {
-  return prmt(s.h, s.h1, K | ((4 + K) << 4) | (K << 8) | ((4 + K) << 12)) | 0x80800000u;
+  const uint32_t hk = __umulhi(K == 3 ? s.h : s.h << (24 - 8 * K), 1u << 8);  // byte k of h, as h >> 24 would
+  return hk * 0x01010101u + 0x81800100u;
 }
 
 // Position of natural index r (0..7) of a group of 8 in the paired storage order e0,e4,e1,e5,e2,e6,e3,e7.
@@ -201,21 +210,25 @@ __global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H, int* 
 // 2-bit experts in first-occurrence order (experts with an FP4 copy are left to the FP4 launch), each split into
 // passes of at most NP pairs (slot, pair count, pairs). Returns the number of passes. Flags an id outside [0, E)
 // with -1 and an expert without a slot with expert + 1.
+// The three loads per pair form two dependent steps (topk id, then both slot tables at once): this runs before
+// any code byte of the block can be requested, so each step is a global-memory latency on every block's start.
 template <int NP, typename Args>
-__device__ __forceinline__ int decode_routing(const Args& a, int lane, int* ids_s, int* ep_slot, int* ep_cnt,
-                                              int (*ep_pair)[NP]) {
+__device__ __forceinline__ int decode_routing(const Args& a, int lane, int* ids_s, int* slot_s, int* ep_slot,
+                                              int* ep_cnt, int (*ep_pair)[NP]) {
   for (int q = lane; q < GEMV_MAX_PAIRS; q += 32) {
-    int e = -1;
+    int e = -1, slot = -1;
     if (q < a.P) {
       e = load_id(a.topk_ids, a.ids64, q);
       if (e < 0 || e >= a.E) {
         if (blockIdx.x == 0) atomicExch(a.error_flag, -1);
         e = -1;
-      } else if (a.fp4_slot_of != nullptr && a.fp4_slot_of[e] >= 0) {
-        e = -1;  // computed by the FP4 launch
+      } else {
+        slot = a.slot_of[e];
+        if (a.fp4_slot_of != nullptr && a.fp4_slot_of[e] >= 0) e = -1;  // computed by the FP4 launch
       }
     }
     ids_s[q] = e;
+    slot_s[q] = slot;
   }
   __syncwarp();
   int base = 0;
@@ -236,7 +249,7 @@ __device__ __forceinline__ int decode_routing(const Args& a, int lane, int* ids_
     }
     if (first) {
       int idx = base + incl - np, c = 0;
-      const int slot = a.slot_of[e];
+      const int slot = slot_s[q];
       if (slot < 0 && blockIdx.x == 0) atomicExch(a.error_flag, e + 1);
       for (int r = q; r < a.P && r < GEMV_MAX_PAIRS; ++r) {
         if (ids_s[r] != e) continue;
@@ -252,21 +265,31 @@ __device__ __forceinline__ int decode_routing(const Args& a, int lane, int* ids_
 }
 
 // Fused combine of a w2 unit (gemv and rowdot, when no FP4 launch follows): count the unit's pairs into their
-// token's row group (an int counter per (token, group), after __threadfence); the warp whose arrival completes the
-// group's k partial rows sums them in j order (__ldcg) into out: the combine kernel's order and arithmetic, so
-// results stay bit-identical run to run. No float atomics.
+// token's row group (an int counter per (token, group), a release atomic); the warp whose arrival completes the
+// group's k partial rows acquires and sums them in j order (__ldcg) into out: the combine kernel's order and
+// arithmetic, so results stay bit-identical run to run. No float atomics.
+// Why not __threadfence: on sm_90 it is MEMBAR.SC + CCTL.IVALL, i.e. every unit emptied its SM's L1, and with
+// it the B operand the other warps were reading (Nsight Compute, w2 stage: 9% of stall samples on the fence,
+// 14% on B loads). A release atomic by lane 0 after __syncwarp (which orders the lanes' stores before it)
+// publishes the whole warp's rows without touching the L1; only the completing arrival pays the acquire.
+__device__ __forceinline__ int atomic_add_release_gpu(int* p, int v) {
+  int old;
+  asm volatile("atom.add.release.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ void fence_acquire_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 template <typename Args>
 __device__ __forceinline__ void fused_combine(const Args& a, const int* pairs, int cnt, int group, int groups,
                                               int rows, int lane) {
-  __threadfence();  // this lane's partial rows before the count (syncwarp orders the lanes for lane 0)
-  __syncwarp();
+  __syncwarp();  // the lanes' partial rows before lane 0's release
   for (int col = 0; col < cnt; ++col) {
     const int tok = pairs[col] / a.topk;
     int old = 0;
-    if (lane == 0) old = atomicAdd(a.counter + int64_t(tok) * groups + group, 1);
+    if (lane == 0) old = atomic_add_release_gpu(a.counter + int64_t(tok) * groups + group, 1);
     old = __shfl_sync(0xffffffffu, old, 0);
     if (old != a.topk - 1) continue;
-    __threadfence();
+    fence_acquire_gpu();  // the other arrivals' rows (each released by its own atomic)
     for (int i = lane; i < rows; i += 32) {
       const int h = group * rows + i;
       float acc_o = 0.f;
@@ -337,25 +360,32 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   __shared__ int ep_cnt[GEMV_MAX_PAIRS];
   __shared__ int ep_pair[GEMV_MAX_PAIRS][NCOL];
   __shared__ int ids_s[GEMV_MAX_PAIRS];
+  __shared__ int slot_s[GEMV_MAX_PAIRS];
   __shared__ int n_ep_s;
 
   // Routing and code fetches read only what kernels before the previous one wrote (that one triggered its
   // dependents after its own wait): the B operand (xp / act, the previous kernel's output) is read after the wait.
   if (warp == 0) {
-    const int n = decode_routing<NCOL>(a, lane, ids_s, ep_slot, ep_cnt, ep_pair);
+    const int n = decode_routing<NCOL>(a, lane, ids_s, slot_s, ep_slot, ep_cnt, ep_pair);
     if (lane == 0) n_ep_s = n;
   }
   __syncthreads();
   const int n_units = n_ep_s * a.tiles;
-  // Warps interleaved over blocks so that the busy ones spread over the SMs; contiguous unit ranges per warp.
+  // Contiguous unit ranges per warp, and the block's warps on neighbouring ranges: units are expert-pass major, so
+  // a block's warps mostly stream tiles of the same pass and read the same B rows, which then stay in the L1
+  // (interleaving warps over blocks gave every warp of an SM its own pass: at 8 tokens the w2 stage's B rows
+  // of 16 passes, 8 KB each, did not fit the ~88 KB of L1 beside the rings; 6% L1 hits, B loads 13% of its
+  // stall samples). The launch sizes the grid so that every warp has units, so no SM is left with idle warps.
   const int W = gridDim.x * GEMV_WARPS;
-  const int wg = warp * gridDim.x + blockIdx.x;
+  const int wg = blockIdx.x * GEMV_WARPS + warp;
   const int u_begin = int(int64_t(wg) * n_units / W), u_end = int(int64_t(wg + 1) * n_units / W);
   const int RPU = a.K / (GEMV_CHUNK * NS);  // rounds per unit
   const int n_rounds = (u_end - u_begin) * RPU;
   const int64_t qrow = a.K / 4, srow = a.K / 32;
 
   // Load cursor: the next round to request (unit lu, round lr of it) and its row pointers (this thread's offset in).
+  // An expert without a slot streams the zero page instead (codes 0 under scale byte 0 decode to exact zeros), so
+  // the copy path has no branch.
   int lu = u_begin, lr = 0;
   const uint8_t *q0 = nullptr, *q1 = nullptr, *s0 = nullptr, *s1 = nullptr;
   auto set_rows = [&](int u) {
@@ -364,7 +394,11 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
     int r0, r1;
     if (W13) { r0 = tile * 8 + g; r1 = a.Ir + r0; }
     else { r0 = tile * 16 + g; r1 = r0 + 8; }
-    if (slot < 0) { q0 = nullptr; return; }
+    if (slot < 0) {
+      q0 = q1 = g_zero_page + t * 16 * NS;
+      s0 = s1 = g_zero_page + t * 2 * NS;
+      return;
+    }
     const uint8_t* row = a.pool + int64_t(slot) * a.stride;
     q0 = row + a.q_off + r0 * qrow + t * 16 * NS;
     q1 = row + a.q_off + r1 * qrow + t * 16 * NS;
@@ -375,35 +409,35 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
     if (++lr == RPU) {
       lr = 0;
       if (++lu < u_end) set_rows(lu);
-    } else if (q0 != nullptr) {
+    } else {
       q0 += 64 * NS; q1 += 64 * NS; s0 += 8 * NS; s1 += 8 * NS;
     }
   };
-  // The warp's ring: [GEMV_ROUNDS][2 rows][NS][32 lanes] x 16 bytes of codes and [GEMV_ROUNDS][2 rows][32 lanes] x
-  // 8 bytes of scales (the round's 2*NS scale bytes of a row; for NS = 1 the aligned 4 bytes holding them). Each
-  // thread reads back only what it copied (no barrier); a buffer is refilled after the MMAs that used its bytes.
+  // The warp's ring: [GEMV_ROUNDS][2 rows][NS][32 lanes] x 16 bytes of codes, each read back only by the thread
+  // that copied it, and [GEMV_ROUNDS][32 lanes] x 16 bytes of scales. Scales travel as 16-byte L2-only copies
+  // (cp.async.cg) like the codes: as 8-byte copies (cp.async.ca, the only kind below 16 bytes) they were
+  // allocated in the L1 and evicted the B operand there. NS = 4: the aligned 16 bytes holding the round's
+  // scale bytes of threads t & ~1 and t | 1; the even thread copies row 0's, the odd one row 1's. NS = 2: the
+  // quad's 16 bytes per row (thread 0 row 0, thread 1 row 1). NS = 1 (K not a multiple of 512, so the rows'
+  // scales are not 16-byte aligned): each thread copies the aligned 4 bytes of each row (.x row 0, .y row 1).
+  // A buffer is refilled after the MMAs that used its bytes, behind a __syncwarp (lanes read their neighbours').
   __shared__ uint4 cring[GEMV_WARPS][GEMV_ROUNDS][2][NS][32];
-  __shared__ uint2 sring[GEMV_WARPS][GEMV_ROUNDS][2][32];
+  __shared__ uint4 sring[GEMV_WARPS][GEMV_ROUNDS][32];
   auto issue_round = [&](int buf) {
-    if (q0 != nullptr) {
 #pragma unroll
-      for (int j = 0; j < NS; ++j) {
-        cp_async16(&cring[warp][buf][0][j][lane], q0 + 16 * j);
-        cp_async16(&cring[warp][buf][1][j][lane], q1 + 16 * j);
-      }
-      if (NS == 4) {
-        cp_async_small<8>(&sring[warp][buf][0][lane], s0);
-        cp_async_small<8>(&sring[warp][buf][1][lane], s1);
-      } else {
-        const uint8_t* a0 = reinterpret_cast<const uint8_t*>(uintptr_t(s0) & ~uintptr_t(3));
-        const uint8_t* a1 = reinterpret_cast<const uint8_t*>(uintptr_t(s1) & ~uintptr_t(3));
-        cp_async_small<4>(&sring[warp][buf][0][lane], a0);
-        cp_async_small<4>(&sring[warp][buf][1][lane], a1);
-      }
-    } else {  // expert without a slot: codes 0 under scale byte 0 decode to exact zeros
-#pragma unroll
-      for (int j = 0; j < NS; ++j) cring[warp][buf][0][j][lane] = cring[warp][buf][1][j][lane] = make_uint4(0u, 0u, 0u, 0u);
-      sring[warp][buf][0][lane] = sring[warp][buf][1][lane] = make_uint2(0u, 0u);
+    for (int j = 0; j < NS; ++j) {
+      cp_async16(&cring[warp][buf][0][j][lane], q0 + 16 * j);
+      cp_async16(&cring[warp][buf][1][j][lane], q1 + 16 * j);
+    }
+    if (NS == 4) {
+      cp_async16(&sring[warp][buf][lane], (t & 1) ? s1 - 8 : s0);
+    } else if (NS == 2) {
+      if (t < 2) cp_async16(&sring[warp][buf][lane], t == 0 ? s0 : s1 - 4);
+    } else {
+      const uint8_t* a0 = reinterpret_cast<const uint8_t*>(uintptr_t(s0) & ~uintptr_t(3));
+      const uint8_t* a1 = reinterpret_cast<const uint8_t*>(uintptr_t(s1) & ~uintptr_t(3));
+      cp_async_small<4>(&sring[warp][buf][lane].x, a0);
+      cp_async_small<4>(&sring[warp][buf][lane].y, a1);
     }
   };
 
@@ -441,13 +475,28 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   for (int r = 0; r < n_rounds; ++r) {
     const int buf = r % GEMV_ROUNDS;
     cp_async_wait<GEMV_ROUNDS - 1>();  // this round's group has landed (this thread's copies)
+    if (NS > 1) __syncwarp();          // and the neighbours' scale copies
     ScaleWord sw[2][2];
+    {
+      uint2 sc[2];
+      if (NS == 4) {
+        const uint4 v0 = sring[warp][buf][lane & ~1], v1 = sring[warp][buf][lane | 1];
+        sc[0] = (t & 1) ? make_uint2(v0.z, v0.w) : make_uint2(v0.x, v0.y);
+        sc[1] = (t & 1) ? make_uint2(v1.z, v1.w) : make_uint2(v1.x, v1.y);
+      } else if (NS == 2) {
+        const uint4 v0 = sring[warp][buf][lane & ~3], v1 = sring[warp][buf][(lane & ~3) | 1];
+        sc[0] = make_uint2(t == 0 ? v0.x : t == 1 ? v0.y : t == 2 ? v0.z : v0.w, 0u);
+        sc[1] = make_uint2(t == 0 ? v1.x : t == 1 ? v1.y : t == 2 ? v1.z : v1.w, 0u);
+      } else {
+        const uint4 v = sring[warp][buf][lane];
+        sc[0] = make_uint2((v.x >> (16 * (t & 1))) & 0xFFFFu, 0u);
+        sc[1] = make_uint2((v.y >> (16 * (t & 1))) & 0xFFFFu, 0u);
+      }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      uint2 sc = sring[warp][buf][i][lane];
-      if (NS == 1) sc.x = (sc.x >> (16 * (t & 1))) & 0xFFFFu;
-      sw[i][0] = scale_word(sc.x);
-      if (NS == 4) sw[i][1] = scale_word(sc.y);
+      for (int i = 0; i < 2; ++i) {
+        sw[i][0] = scale_word(sc[i].x);
+        if (NS == 4) sw[i][1] = scale_word(sc[i].y);
+      }
     }
     // This thread's B of the round (b_pos order): 16-byte unit (j * 8 + wq * 2 + half) * 4 of bround.
     const uint4* bround = bptr + unsigned(rc) * (NS * 32) + unsigned(t);
@@ -490,6 +539,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
       }
     }
     // The round's bytes are consumed (the MMAs above used them): refill the buffer with round r + GEMV_ROUNDS.
+    if (NS > 1) __syncwarp();  // every lane has read the scales it takes from this buffer
     if (r + GEMV_ROUNDS < n_rounds) {
       issue_round(buf);
       advance();

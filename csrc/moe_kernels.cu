@@ -668,6 +668,7 @@ void stage(int64_t fmt, bool w13, torch::Tensor pool, torch::Tensor slot_of,
 
 int64_t gemv_max_pairs() { return GEMV_MAX_PAIRS; }
 int64_t gemv_chunk() { return GEMV_CHUNK; }
+int64_t gemv_max_k() { return GEMV_MAX_K; }
 
 // x [T, H] bf16/fp32 -> xp [T, planes, H] bf16 paired (planes = 2 for fp32 x: hi and lo).
 void xprep(torch::Tensor x, torch::Tensor xp, c10::optional<torch::Tensor> counter, bool pdl) {
@@ -796,6 +797,7 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
   decode_args_common(a, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, topk_ids, topk, b, limit, has_limit,
                      error_flag, w13);
   a.tiles = int(w13 ? Ir / 8 : H / 16);
+  TORCH_CHECK(a.K <= GEMV_MAX_K, "decode stage: contraction length ", a.K, " above ", GEMV_MAX_K);
   if (w13) {
     TORCH_CHECK(act.has_value() && act->scalar_type() == torch::kBFloat16 && act->numel() >= int64_t(a.P) * 2 * Ir,
                 "w13 decode stage needs act bf16 [P, 2, Ir]");
@@ -1152,6 +1154,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_stage", &moet::gemv_stage, "decode stage (few pairs per expert) over the 2-bit experts");
   m.def("gemv_max_pairs", &moet::gemv_max_pairs, "largest pair count of the decode stages");
   m.def("gemv_chunk", &moet::gemv_chunk, "the decode stages' K granularity: H and Ir must be multiples of it");
+  m.def("gemv_max_k", &moet::gemv_max_k, "the decode stages' largest H and Ir");
   m.def("rowdot_stage", &moet::rowdot_stage, "decode stage on CUDA cores (1-2 pairs per expert pass)");
   m.def("rowdot_rows_per_unit", &moet::rowdot_rows_per_unit, "rows per rowdot unit for contraction K");
   m.def("pair_x", &moet::pair_x, "x -> bf16 in the prefill stages' paired K order");

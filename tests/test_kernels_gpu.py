@@ -71,11 +71,12 @@ def _case(H, I, k, T, E=32, fmt_mix=False, dtype=torch.bfloat16, seed=0, limit=N
 SHAPES = [(4096, 2048), (6144, 1024), (7168, 2048), (7168, 512)]
 
 
-@pytest.fixture(params=["gemv", "rowdot", "mma"])
+@pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused"])
 def decode_kernel(request, monkeypatch):
     """Every decode path (MOETPLAN_DECODE_KERNEL): the mma.sync streaming stages (gemv), the CUDA-core rowdot stages
-    and the first version's tiles."""
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", request.param)
+    and the first version's tiles; "+fused": with the per-token sum folded into the w2 stage (ops.FUSED_COMBINE)."""
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", request.param.split("+")[0])
+    monkeypatch.setattr(ops, "FUSED_COMBINE", request.param.endswith("+fused"))
     return request.param
 
 

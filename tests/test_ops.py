@@ -523,6 +523,9 @@ class _FakeGemvExtension(_FakeExtension):
     def gemv_chunk(self) -> int:
         return 256
 
+    def gemv_max_k(self) -> int:
+        return 65536
+
     def xprep(self, x, xp, counter, pdl):
         self.calls.append("xprep")
         if counter is not None:
@@ -598,7 +601,9 @@ def _stand_in_case(T: int, x_dtype: torch.dtype, fp4: bool):
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fp4", [False, True])
-def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, fused, monkeypatch):
+    monkeypatch.setattr(ops, "FUSED_COMBINE", fused)
     lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(3, x_dtype, fp4)
     fake = _FakeGemvExtension()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -608,7 +613,9 @@ def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, monkeypatch)
     ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2, **extra)
     assert fake.calls[:3] == ["xprep", "gemv13", "gemv2"]
     assert ("stage13s" in fake.calls) == fp4  # FP4-resident experts still take the tile stages
-    assert ("combine" in fake.calls) == fp4  # otherwise the w2 stage does the per-token sum
+    # The separate combine kernel, unless asked to fold the per-token sum into the w2 stage (only possible
+    # without FP4-resident experts, which have their own w2 launch).
+    assert ("combine" in fake.calls) == (fp4 or not fused)
     # fp32 x travels as bf16 hi + lo (~16 mantissa bits), the intermediate too.
     assert _rel(got.float(), ref.float()) < (1e-4 if x_dtype == torch.float32 else 8e-3)
     # The first version's decode tiles stay selectable.
@@ -668,6 +675,19 @@ def test_kernel_shape_rule():
     assert ops.kernel_supports(RowLayout.for_expert(224, 96, fmt="fp4"), _Cuda())
 
 
+def test_decode_stage_shape_rule(monkeypatch):
+    """The streaming decode stages take K in whole chunks up to the extension's gemv_max_k (the zero page they
+    stream for a missing expert covers that much); other shapes go to the tiles."""
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    fake = _FakeGemvExtension()
+    assert ops.use_gemv(fake, 8, RowLayout.for_expert(7168, 2048))
+    assert not ops.use_gemv(fake, fake.gemv_max_pairs() + 1, RowLayout.for_expert(7168, 2048))
+    assert not ops.use_gemv(fake, 8, RowLayout.for_expert(7168 + 64, 2048))  # H not a multiple of 256
+    monkeypatch.setattr(fake, "gemv_max_k", lambda: 4096)
+    assert ops.use_gemv(fake, 8, RowLayout.for_expert(4096, 2048))
+    assert not ops.use_gemv(fake, 8, RowLayout.for_expert(7168, 2048))
+
+
 class _FakeRowdotExtension(_FakeGemvExtension):
     """Adds the CUDA-core rowdot stages (rowdot_stage) with their buffer contract, on the CPU."""
 
@@ -700,7 +720,9 @@ class _FakeRowdotExtension(_FakeGemvExtension):
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fp4", [False, True])
 @pytest.mark.parametrize("T", [1, 2])
-def test_rowdot_decode_plumbing_with_stand_in_extension(x_dtype, fp4, T, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_rowdot_decode_plumbing_with_stand_in_extension(x_dtype, fp4, T, fused, monkeypatch):
+    monkeypatch.setattr(ops, "FUSED_COMBINE", fused)
     lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(T, x_dtype, fp4)
     fake = _FakeRowdotExtension()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -712,7 +734,7 @@ def test_rowdot_decode_plumbing_with_stand_in_extension(x_dtype, fp4, T, monkeyp
     assert fake.calls[:2] == [f"rowdot13/{np_}", f"rowdot2/{np_}"]
     assert "xprep" not in fake.calls and "gemv13" not in fake.calls
     assert ("stage13s" in fake.calls) == fp4
-    assert ("combine" in fake.calls) == fp4
+    assert ("combine" in fake.calls) == (fp4 or not fused)
     # fp32 intermediate and fp32 x: the only rounding left is the output dtype's.
     tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}[x_dtype]
     assert _rel(got.float(), ref.float()) < tol

@@ -40,6 +40,11 @@ WGMMA_PAIRS_PER_EXPERT = 56
 # above it. 0 = gemv everywhere: on the H200 rowdot took 1.24-1.55x gemv's time at 1 token and ~2.2x at 2-8
 # (instruction-issue bound, docs/KERNELS.md). Raise it only on a GPU where bench/kernels.py measures rowdot faster.
 ROWDOT_MAX_TOKENS = 0
+# True: without FP4-resident experts in a step, the decode stages' w2 launch also does the weighted per-token sum
+# (one launch less per layer, a release atomic per w2 unit, an acquire per completed token group). Off by default:
+# on the H200 the separate combine kernel measured 1-6% faster per layer at 1-8 tokens, all three model shapes
+# (bench/kernels.py, decode kernel names with "+fused" time the fused form; docs/KERNELS.md).
+FUSED_COMBINE = False
 
 
 class ResidencyError(MoetplanError):
@@ -278,9 +283,10 @@ def _prefill_variant(kind: str) -> int:
 
 
 def _decode_shape_ok(mod, P: int, layout: RowLayout, fn: str) -> bool:
-    # The decode stages read K in whole chunks (the extension's gemv_chunk: 256 weights per row).
+    # The decode stages read K in whole chunks (the extension's gemv_chunk: 256 weights per row), up to gemv_max_k.
     return (hasattr(mod, fn) and P <= mod.gemv_max_pairs()
-            and layout.hidden % mod.gemv_chunk() == 0 and layout.inter_per_rank % mod.gemv_chunk() == 0)
+            and layout.hidden % mod.gemv_chunk() == 0 and layout.inter_per_rank % mod.gemv_chunk() == 0
+            and max(layout.hidden, layout.inter_per_rank) <= mod.gemv_max_k())
 
 
 def use_rowdot(mod, P: int, layout: RowLayout, T: int | None = None) -> bool:
@@ -371,7 +377,7 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             # partial rows and, without FP4 experts, does the weighted per-token sum. 1 pair per pass for one
             # token (every expert has one pair), else 2.
             np_ = 1 if t1 - t0 == 1 else 2
-            fused = fp4_pool is None
+            fused = fp4_pool is None and FUSED_COMBINE
             xr = xs if xs.dtype in (torch.float32, torch.bfloat16) else xs.float()
             act = torch.empty(P, ir, dtype=torch.float32, device=dev)
             counter = (torch.empty(t1 - t0, H // mod.rowdot_rows_per_unit(ir), dtype=torch.int32, device=dev)
@@ -389,7 +395,7 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             # w2 -> partial rows. FP4-resident experts (if any) still take the tiles below.
             # Without FP4 experts the w2 stage also does the weighted per-token sum (one launch less per layer).
             split = xs.dtype == torch.float32
-            fused = fp4_pool is None
+            fused = fp4_pool is None and FUSED_COMBINE
             xp = torch.empty(xs.shape[0], 2 if split else 1, H, dtype=torch.bfloat16, device=dev)
             act_hl = torch.empty(P, 2, ir, dtype=torch.bfloat16, device=dev)
             counter = torch.empty(xs.shape[0], H // 16, dtype=torch.int32, device=dev) if fused else None
