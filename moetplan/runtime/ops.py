@@ -374,8 +374,8 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             todo = fmts[1:]
         elif not routed and use_rowdot(mod, P, layout, t1 - t0):
             # 2-bit experts on CUDA cores: w13 (+SiLU) reads x directly and writes an fp32 intermediate; w2 writes
-            # partial rows and, without FP4 experts, does the weighted per-token sum. 1 pair per pass for one
-            # token (every expert has one pair), else 2.
+            # partial rows (and, with FUSED_COMBINE and no FP4 experts, does the weighted per-token sum). 1 pair
+            # per pass for one token (every expert has one pair), else 2.
             np_ = 1 if t1 - t0 == 1 else 2
             fused = fp4_pool is None and FUSED_COMBINE
             xr = xs if xs.dtype in (torch.float32, torch.bfloat16) else xs.float()
@@ -393,7 +393,7 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
         elif not routed and use_gemv(mod, P, layout, t1 - t0):
             # 2-bit experts: x -> bf16 planes in the stages' K pairing, w13 (+SiLU) -> bf16 hi/lo intermediate,
             # w2 -> partial rows. FP4-resident experts (if any) still take the tiles below.
-            # Without FP4 experts the w2 stage also does the weighted per-token sum (one launch less per layer).
+            # With FUSED_COMBINE and no FP4 experts the w2 stage also does the weighted per-token sum.
             split = xs.dtype == torch.float32
             fused = fp4_pool is None and FUSED_COMBINE
             xp = torch.empty(xs.shape[0], 2 if split else 1, H, dtype=torch.bfloat16, device=dev)
