@@ -27,12 +27,12 @@ constexpr int GEMV_MAX_PAIRS = 64;  // pairs (T * k) per call that the block-lev
 constexpr int GEMV_CHUNK = 256;     // K granularity of the stages (a row's K must be a multiple of this)
 constexpr int GEMV_WARPS = 4;
 
-constexpr int GEMV_ROUNDS = 2;
+constexpr int GEMV_ROUNDS = 2;     // rounds of codes + scales in flight per warp (cp.async groups)
 
 // What a stage streams for an expert without a slot: zeros (codes 0 under scale byte 0 decode to exact zeros).
-// Covers a row of K <= GEMV_MAX_K (the ops check it).
+// Covers a row of K <= GEMV_MAX_K (ops._decode_shape_ok checks it, through gemv_max_k()).
 constexpr int GEMV_MAX_K = 65536;
-__device__ __align__(16) uint8_t g_zero_page[GEMV_MAX_K / 4];     // rounds of codes + scales in flight per warp (cp.async groups)
+__device__ __align__(16) uint8_t g_zero_page[GEMV_MAX_K / 4];
 
 // Code and scale bytes travel by cp.async into a per-warp shared ring. Loaded into registers instead, they share
 // scoreboards with the B loads (ptxas gave all of them one: SASS control bits of the register-ring version), so
