@@ -197,6 +197,7 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     variants: dict[str, Any] = {}
     outs0: dict[str, torch.Tensor] = {}
     d0 = layers[0]
+    fused_default = ops.FUSED_COMBINE
     for i, dk in enumerate(decode_kernels):
         # "gemv+fused": the gemv stages with the per-token sum folded into the w2 launch (ops.FUSED_COMBINE).
         os.environ["MOETPLAN_DECODE_KERNEL"] = dk.split("+")[0]
@@ -221,7 +222,7 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
                               "share_of_read_bw": bytes_step / (t["median_ms"] * 1e-3) / 1e9 / ref_gbps}
     os.environ.pop("MOETPLAN_PDL", None)
     os.environ.pop("MOETPLAN_DECODE_KERNEL", None)
-    ops.FUSED_COMBINE = False
+    ops.FUSED_COMBINE = fused_default
     # Deterministic across launch modes (bit-identical), and the decode kernels agree with each other and with
     # the float32 torch reference on layer 0.
     res["pdl_equals_no_pdl"] = {dk: bool(torch.equal(outs0[f"{dk}_pdl"], outs0[f"{dk}_no_pdl"]))
