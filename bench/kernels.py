@@ -133,6 +133,15 @@ def routing(T: int, k: int, E: int, gen: torch.Generator) -> tuple[torch.Tensor,
     return ids, torch.softmax(w, dim=-1).float()
 
 
+def resident_layer(lay: RowLayout, T: int, k: int, E: int, gen: torch.Generator) -> dict[str, Any]:
+    """One layer of a step: a routing of T tokens and a slot pool holding exactly the experts it uses."""
+    ids, w = routing(T, k, E, gen)
+    used = torch.unique(ids)
+    slot_of = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+    slot_of[used] = torch.arange(len(used), dtype=torch.int32, device="cuda")
+    return dict(ids=ids, w=w, slot_of=slot_of, pool=random_pool(lay, len(used), gen), used=len(used))
+
+
 # ------------------------------------------------------------------------------------------------ 1. bandwidth
 
 
@@ -168,17 +177,11 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     H, I, k, E, L = m["H"], m["I"], m["k"], m["E"], m["L"]
     lay = RowLayout.for_expert(H, I, fmt="2bit")
     # Distinct data per layer, cycled over NL layers whose rows total >= 6 GiB (100x the H200's L2).
-    layers = []
     probe_ids = [routing(T, k, E, gen) for _ in range(4)]
     used_avg = sum(len(torch.unique(i)) for i, _ in probe_ids) / 4
     per_layer = used_avg * lay.stride
     NL = int(min(L, max(4, math.ceil((3 if quick else 6) * GIB / per_layer))))
-    for _ in range(NL):
-        ids, w = routing(T, k, E, gen)
-        used = torch.unique(ids)
-        slot_of = torch.full((E,), -1, dtype=torch.int32, device="cuda")
-        slot_of[used] = torch.arange(len(used), dtype=torch.int32, device="cuda")
-        layers.append(dict(ids=ids, w=w, slot_of=slot_of, pool=random_pool(lay, len(used), gen), used=len(used)))
+    layers = [resident_layer(lay, T, k, E, gen) for _ in range(NL)]
     x = (torch.randn(T, H, device="cuda", generator=gen) * 0.3).to(torch.bfloat16)
     outs = [torch.empty_like(x) for _ in range(NL)]
 
@@ -197,11 +200,14 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     variants: dict[str, Any] = {}
     outs0: dict[str, torch.Tensor] = {}
     d0 = layers[0]
-    fused_default = ops.FUSED_COMBINE
+    fused_default, e4m3_default = ops.FUSED_COMBINE, ops.E4M3_DECODE
     for i, dk in enumerate(decode_kernels):
-        # "gemv+fused": the gemv stages with the per-token sum folded into the w2 launch (ops.FUSED_COMBINE).
-        os.environ["MOETPLAN_DECODE_KERNEL"] = dk.split("+")[0]
-        ops.FUSED_COMBINE = dk.endswith("+fused")
+        # Suffixes: "+fused" the per-token sum folded into the w2 launch (ops.FUSED_COMBINE); "+e4m3" / "+bf16" the
+        # w13 stage's A operand (ops.E4M3_DECODE). Without one, the op's defaults.
+        base, *suffixes = dk.split("+")
+        os.environ["MOETPLAN_DECODE_KERNEL"] = base
+        ops.FUSED_COMBINE = "fused" in suffixes
+        ops.E4M3_DECODE = True if "e4m3" in suffixes else False if "bf16" in suffixes else e4m3_default
         # Both launch modes for the headline kernel; the others with the default (PDL on sm_90+).
         for pdl_name, env in ((("pdl", "1"), ("no_pdl", "0")) if i == 0 else (("pdl", "1"),)):
             name = f"{dk}_{pdl_name}"
@@ -222,7 +228,7 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
                               "share_of_read_bw": bytes_step / (t["median_ms"] * 1e-3) / 1e9 / ref_gbps}
     os.environ.pop("MOETPLAN_PDL", None)
     os.environ.pop("MOETPLAN_DECODE_KERNEL", None)
-    ops.FUSED_COMBINE = fused_default
+    ops.FUSED_COMBINE, ops.E4M3_DECODE = fused_default, e4m3_default
     # Deterministic across launch modes (bit-identical), and the decode kernels agree with each other and with
     # the float32 torch reference on layer 0.
     res["pdl_equals_no_pdl"] = {dk: bool(torch.equal(outs0[f"{dk}_pdl"], outs0[f"{dk}_no_pdl"]))
@@ -422,8 +428,9 @@ def main() -> int:
     ap.add_argument("--models", default="", help="comma-separated subset of model names")
     ap.add_argument("--sections", default="smoke,bw,decode,prefill")
     ap.add_argument("--decode-kernels", default="gemv,mma,rowdot",
-                    help="MOETPLAN_DECODE_KERNEL values to time, a '+fused' suffix for the per-token sum folded "
-                         "into the w2 launch (ops.FUSED_COMBINE); the first (the default path) is the headline figure")
+                    help="MOETPLAN_DECODE_KERNEL values to time, suffixes '+fused' (the per-token sum folded into the "
+                         "w2 launch), '+e4m3' / '+bf16' (the w13 stage's A operand, ops.E4M3_DECODE); the first "
+                         "(the default path) is the headline figure")
     ap.add_argument("--prefill-kernels", default="auto,tiled:2,wgmma,warp",
                     help="MOETPLAN_PREFILL_KERNEL values to time, optionally name:variant (MOETPLAN_PREFILL_VARIANT); the "
                          "first (the default path) is the headline figure")

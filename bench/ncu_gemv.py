@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kernels import model_shapes, random_pool, routing  # noqa: E402
+from bench.kernels import model_shapes, resident_layer  # noqa: E402
 from moetplan.runtime import ops  # noqa: E402
 from moetplan.runtime.format import RowLayout  # noqa: E402
 
@@ -30,16 +30,13 @@ def main() -> None:
     m = next(s for s in model_shapes() if s["name"] == args.model)
     gen = torch.Generator(device="cuda").manual_seed(0)
     lay = RowLayout.for_expert(m["H"], m["I"], fmt="2bit")
-    ids, w = routing(args.tokens, m["k"], m["E"], gen)
-    used = torch.unique(ids)
-    slot_of = torch.full((m["E"],), -1, dtype=torch.int32, device="cuda")
-    slot_of[used] = torch.arange(len(used), dtype=torch.int32, device="cuda")
-    pool = random_pool(lay, len(used), gen)
+    d = resident_layer(lay, args.tokens, m["k"], m["E"], gen)
+    ids, w, slot_of, pool = d["ids"], d["w"], d["slot_of"], d["pool"]
     x = (torch.randn(args.tokens, m["H"], device="cuda", generator=gen) * 0.3).to(torch.bfloat16)
     for _ in range(args.calls):
         ops.moe_forward(x, ids, w, pool, slot_of, lay)
     torch.cuda.synchronize()
-    print(f"{args.model} T={args.tokens}: {len(used)} experts, {len(used) * lay.payload_bytes / 1e6:.1f} MB")
+    print(f"{args.model} T={args.tokens}: {d['used']} experts, {d['used'] * lay.payload_bytes / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,8 @@ struct GemvArgs {
   int P;
   int topk;
   const void* b;               // w13: xp [T, planes, H]; w2: act [P, 2, Ir]; bf16 in the paired order
+                               // (F8 w13: e4m3 hi/lo planes [T, 2, H] in the F8 order, b8_off)
+  const float* xinv;           // F8 w13: [T] the inverse of each token's power-of-two x scale (xprep8_kernel)
   __nv_bfloat16* act;          // w13 output [P, 2, Ir]
   float* partial;              // w2 output [P, H]
   float limit;
@@ -206,6 +208,119 @@ __global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H, int* 
   if (SPLIT) *reinterpret_cast<uint4*>(xp + (tok * planes + 1) * H + kp) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
 }
 
+// ---- e4m3 A operand (sm_89+, opt-in: ops.E4M3_DECODE) -----------------------------------------------------------
+//
+// Why: the bf16 A operand above costs 8 PRMT + 4 LOP3 + 7 shifts per 16 weights and two m16n8k16 MMAs, and that
+// arithmetic is what bounds the stages (docs/KERNELS.md, Nsight Compute). As e4m3 the code's value is one byte,
+// so a PRMT looks up four weights at once straight from the code bits (selector nibble = code, with the codes of a
+// word at 2-bit spacing: w & 0x33333333 and (w >> 2) & 0x33333333 are the selectors of all 16), and one
+// m16n8k32 MMA takes the 16 weights of a thread that two m16n8k16 ones took: per 16 weights 4 PRMT + 2 LOP3 +
+// 3 shifts + 1 MMA.
+// Where it pays: sm_89 and sm_120 (RTX 40 / 50, RTX PRO) run e4m3 mma.sync on the tensor cores. sm_90 does not:
+// ptxas expands it into e4m3 -> f16 conversions (F2FP) and f16 HMMAs, and on the H200 this stage measured 5-12%
+// slower than the bf16 one (a wgmma form, Hopper's fp8 tensor-core path, made the layer 1.16-1.54x slower and
+// moved the w13 result 1.1e-4 from the bf16 stage's: docs/KERNELS.md). Off by default until measured on an
+// sm_89 / sm_120 GPU.
+// The block scale cannot ride in the byte as it does in bf16 (e4m3 spans 2^-9 .. 2^8), so it is split: the table
+// of a block holds code * 2^(b - base) with base = (largest scale byte of the row in this round, over the quad)
+// - 13, and the MMA results are scaled by 2^(base - 120) per row and round in fp32. A block more than 12 binades
+// below the round's largest block of its row flushes to zero (weights < 2^-13 of the row's largest there).
+// The B operand is x as two e4m3 planes, hi = e4m3(x s) and lo = e4m3(16 (x s - hi)), under a per-token
+// power-of-two s that puts max |x| in [128, 256): a bf16 x is exact in hi + lo / 16 for elements within 2^13 of
+// the token's largest (the factor 16 moves lo out of e4m3's subnormals: without it only within 2^10, and a token
+// with a 300x outlier lost 2-5e-4 of its w13 result). hi and lo are MMA columns of their own (4 pairs per pass).
+// Each m16n8k32 starts from a zero accumulator and is added in fp32 after one more MMA (k = 64): fp8 tensor cores
+// keep fewer accumulator bits than fp32 (DeepSeek-V3 report, sec. 3.3.2).
+
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// Byte offset of 16-weight word n (K positions 16n .. 16n+15) in an F8 B plane: the word's 16 bytes sit where
+// thread t reads them in round rr as word wq of its piece j (a quad's 4 threads read 64 contiguous bytes), and
+// inside them in the MMA's order: bytes 0-3 = weights 0,2,4,6 (b0 of the first m16n8k32), 4-7 = 1,3,5,7 (its
+// b1), 8-15 the same for weights 8-15 (the second MMA).
+__host__ __device__ __forceinline__ int64_t b8_off(int64_t n, int ns) {
+  const int lg = ns >> 1;
+  const int64_t ph = n >> 2;
+  const int wq = int(n & 3);
+  const int64_t rr = ph >> (2 + lg);
+  const int t = int((ph >> lg) & 3), j = int(ph & (ns - 1));
+  return ((((rr << lg) + j) * 4 + wq) * 4 + t) * 16;
+}
+__device__ __forceinline__ int b8_pos(int i) { return (i & 8) + (i & 1) * 4 + ((i & 7) >> 1); }
+
+__device__ __forceinline__ uint32_t f32_to_e4m3(float v) {
+  return uint32_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+__device__ __forceinline__ float e4m3_to_f32(uint32_t b) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+// x [T, H] bf16 -> xp8 [T, 2, H] e4m3 hi/lo planes at b8_off, xinv [T]; one block per token (two passes over the
+// token's x: its largest magnitude, then the planes).
+__global__ void xprep8_kernel(const __nv_bfloat16* x, uint8_t* xp, float* xinv, int H, int* counter) {
+  griddep_wait();
+  griddep_launch_dependents();
+  const int tok = blockIdx.x;
+  if (counter != nullptr)
+    for (int i = threadIdx.x; i < H / 16; i += blockDim.x) counter[int64_t(tok) * (H / 16) + i] = 0;
+  const __nv_bfloat16* xr = x + int64_t(tok) * H;
+  float m = 0.f;
+  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) {
+    float f[8];
+    load_x8(xr + i * 8, f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(f[j]));
+  }
+  __shared__ float red[32];
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  m = 0.f;
+  for (int w = 0; w < int(blockDim.x >> 5); ++w) m = fmaxf(m, red[w]);
+  // s = 2^(134 - e) for max |x| = 1.f * 2^(e - 127): max |x| s in [128, 256). e >= 7 keeps s a normal float.
+  const int e = max(int(__float_as_uint(m) >> 23), 7);
+  const float s = __uint_as_float(uint32_t(261 - e) << 23);
+  if (threadIdx.x == 0) xinv[tok] = __uint_as_float(uint32_t(e - 7) << 23);
+  const int ns = gemv_ns(H);
+  uint8_t* hi_p = xp + int64_t(tok) * 2 * H;
+  uint8_t* lo_p = hi_p + H;
+  for (int n = threadIdx.x; n < H / 16; n += blockDim.x) {
+    float f[16];
+    load_x8(xr + n * 16, *reinterpret_cast<float(*)[8]>(f));
+    load_x8(xr + n * 16 + 8, *reinterpret_cast<float(*)[8]>(f + 8));
+    uint32_t hw[4] = {0u, 0u, 0u, 0u}, lw[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float v = f[i] * s;
+      const uint32_t h = f32_to_e4m3(v);
+      const uint32_t l = f32_to_e4m3((v - e4m3_to_f32(h)) * 16.f);  // |v - h| <= 2^-4 |h|: no overflow
+      const int p = b8_pos(i);
+      hw[p >> 2] |= h << (8 * (p & 3));
+      lw[p >> 2] |= l << (8 * (p & 3));
+    }
+    const int64_t o = b8_off(n, ns);
+    *reinterpret_cast<uint4*>(hi_p + o) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+    *reinterpret_cast<uint4*>(lo_p + o) = make_uint4(lw[0], lw[1], lw[2], lw[3]);
+  }
+}
+
+// Largest byte of a (bytes of b too when NS = 4).
+__device__ __forceinline__ uint32_t max_byte(uint32_t a) {
+  a = __vmaxu4(a, a >> 16);
+  return __vmaxu4(a, a >> 8) & 0xFFu;
+}
+
 // The step's routing for a decode stage (gemv and rowdot), run by warp 0 of a block into shared memory: unique
 // 2-bit experts in first-occurrence order (experts with an FP4 copy are left to the FP4 launch), each split into
 // passes of at most NP pairs (slot, pair count, pairs). Returns the number of passes. Flags an id outside [0, E)
@@ -311,10 +426,12 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
                                               const int (&ep_pair)[GEMV_MAX_PAIRS][NCOL]) {
   const int g = lane >> 2, t = lane & 3;
   if (SPLIT) {
-    // Columns 4..7 hold the lo halves of columns 0..3 (lanes t and t^2): hi + lo, in that order.
+    // Columns 4..7 hold the lo halves of columns 0..3 (lanes t and t^2): hi + lo, in that order (the e4m3 lo plane
+    // is stored times 16).
+    const float lo_scale = a.xinv != nullptr ? 0.0625f : 1.f;
     float hi[4] = {v[0], v[1], v[2], v[3]};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = hi[i] + __shfl_xor_sync(0xffffffffu, hi[i], 2);
+    for (int i = 0; i < 4; ++i) v[i] = hi[i] + lo_scale * __shfl_xor_sync(0xffffffffu, hi[i], 2);
   }
   const int cnt = ep_cnt[ep];
 #pragma unroll
@@ -323,6 +440,11 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
     if ((SPLIT && t >= 2) || col >= cnt) continue;
     const int p = ep_pair[ep][col];
     if (W13) {
+      if (a.xinv != nullptr) {  // F8: undo the token's x scale
+        const float s = a.xinv[p / a.topk];
+        v[i] *= s;
+        v[2 + i] *= s;
+      }
       const float y = silu_mul(v[i], v[2 + i], a.has_limit, a.limit);  // row g: gate, row g+8: up
       const int j = b_pos(tile, gemv_ns(a.Ir)) * 8;  // group `tile` of 8, in the w2 stage's order
       const __nv_bfloat16 yh = __float2bfloat16_rn(y);
@@ -350,8 +472,13 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
 // B operand planes are read at the same K (the K order is free: codes and B agree on it, and within a piece the
 // order is the paired one; the planes are stored in consumption order, b_pos). A round's buffer of the cp.async
 // ring is refilled with round r + GEMV_ROUNDS once its MMAs have consumed it.
-template <bool W13, bool SPLIT, int NS>
+// F8 (w13, sm_89+): the e4m3 A operand and hi/lo e4m3 B planes (above); same units, rounds and ring.
+template <bool W13, bool SPLIT, int NS, bool F8 = false>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs a) {
+  static_assert(!F8 || (W13 && SPLIT), "F8: the w13 stage, hi and lo as columns of their own");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  if constexpr (F8) return;  // no e4m3 MMA before sm_89 (the host checks decode_fp8_available first)
+#endif
   constexpr int NCOL = SPLIT ? 4 : 8;  // pairs per pass
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -468,7 +595,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
     const int p = ep_pair[ep][col < ep_cnt[ep] ? col : 0];
     const int64_t brow = W13 ? p / a.topk : p;
     const int64_t plane = SPLIT ? brow * 2 + (g >= 4 ? 1 : 0) : brow;
-    bptr = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(a.b) + plane * a.K);
+    if (F8) bptr = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.b) + plane * a.K);
+    else bptr = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(a.b) + plane * a.K);
   };
   if (n_rounds > 0) set_b(cu);
 
@@ -476,9 +604,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
     const int buf = r % GEMV_ROUNDS;
     cp_async_wait<GEMV_ROUNDS - 1>();  // this round's group has landed (this thread's copies)
     if (NS > 1) __syncwarp();          // and the neighbours' scale copies
-    ScaleWord sw[2][2];
+    uint2 sc[2];  // this thread's scale bytes of the round per row (pieces 0, 1 in .x; 2, 3 in .y)
     {
-      uint2 sc[2];
       if (NS == 4) {
         const uint4 v0 = sring[warp][buf][lane & ~1], v1 = sring[warp][buf][lane | 1];
         sc[0] = (t & 1) ? make_uint2(v0.z, v0.w) : make_uint2(v0.x, v0.y);
@@ -492,49 +619,95 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
         sc[0] = make_uint2((v.x >> (16 * (t & 1))) & 0xFFFFu, 0u);
         sc[1] = make_uint2((v.y >> (16 * (t & 1))) & 0xFFFFu, 0u);
       }
+    }
+    if constexpr (F8) {
+      // Per row: the largest scale byte of the quad's round -> table offset, flush bound and fp32 factor.
+      int lo_r[2];
+      uint32_t c_r[2];
+      float f_r[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        int mb = int(max_byte(NS == 4 ? __vmaxu4(sc[i].x, sc[i].y) : sc[i].x));
+        mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
+        mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
+        lo_r[i] = mb - 12;                                        // E = hk - mb + 13 >= 1
+        c_r[i] = 0x90801000u - uint32_t(mb - 13) * 0x08080808u;  // table = E * 0x08080808 + 0x90801000
+        f_r[i] = __uint_as_float(uint32_t(max(mb - 6, 0)) << 23);  // 2^(mb - 133)
+      }
+      const uint4* bround = bptr + unsigned(rc) * (NS * 16) + unsigned(t);
+#pragma unroll
+      for (int j = 0; j < NS; ++j) {
+        const uint4 c0 = cring[warp][buf][0][j][lane], c1 = cring[warp][buf][1][j][lane];
+        const uint32_t cw0[4] = {c0.x, c0.y, c0.z, c0.w};
+        const uint32_t cw1[4] = {c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+        for (int wq = 0; wq < 4; ++wq) {
+          const uint4 bq = __ldg(bround + (j * 4 + wq) * 4);
+          const int byte = 2 * (j & 1) + (wq >> 1);
+          const uint32_t h0 = (((j >> 1) ? sc[0].y : sc[0].x) >> (8 * byte)) & 0xFFu;
+          const uint32_t h1 = (((j >> 1) ? sc[1].y : sc[1].x) >> (8 * byte)) & 0xFFu;
+          // e4m3 bytes of +1, +4, -1, -4 times 2^(E - 7), E = hk - mb + 13; zero below E = 1
+          const uint32_t t0 = int(h0) >= lo_r[0] ? h0 * 0x08080808u + c_r[0] : 0u;
+          const uint32_t t1 = int(h1) >= lo_r[1] ? h1 * 0x08080808u + c_r[1] : 0u;
+          const uint32_t w0 = cw0[wq], w1 = cw1[wq];
+          const uint32_t ea0 = w0 & 0x33333333u, eb0 = __umulhi(w0, 1u << 30) & 0x33333333u;
+          const uint32_t ea1 = w1 & 0x33333333u, eb1 = __umulhi(w1, 1u << 30) & 0x33333333u;
+          float d[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_e4m3(d, prmt(t0, t0, ea0), prmt(t1, t1, ea1), prmt(t0, t0, eb0), prmt(t1, t1, eb1), bq.x, bq.y);
+          mma_e4m3(d, prmt(t0, t0, __umulhi(ea0, 1u << 16)), prmt(t1, t1, __umulhi(ea1, 1u << 16)),
+                   prmt(t0, t0, __umulhi(eb0, 1u << 16)), prmt(t1, t1, __umulhi(eb1, 1u << 16)), bq.z, bq.w);
+          float(&ac)[4] = (wq & 1) ? acc2 : acc;
+          ac[0] = fmaf(d[0], f_r[0], ac[0]);
+          ac[1] = fmaf(d[1], f_r[0], ac[1]);
+          ac[2] = fmaf(d[2], f_r[1], ac[2]);
+          ac[3] = fmaf(d[3], f_r[1], ac[3]);
+        }
+      }
+    } else {
+      ScaleWord sw[2][2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         sw[i][0] = scale_word(sc[i].x);
         if (NS == 4) sw[i][1] = scale_word(sc[i].y);
       }
-    }
-    // This thread's B of the round (b_pos order): 16-byte unit (j * 8 + wq * 2 + half) * 4 of bround.
-    const uint4* bround = bptr + unsigned(rc) * (NS * 32) + unsigned(t);
+      // This thread's B of the round (b_pos order): 16-byte unit (j * 8 + wq * 2 + half) * 4 of bround.
+      const uint4* bround = bptr + unsigned(rc) * (NS * 32) + unsigned(t);
 #pragma unroll
-    for (int j = 0; j < NS; ++j) {
-      const uint4 c0 = cring[warp][buf][0][j][lane], c1 = cring[warp][buf][1][j][lane];
-      const uint32_t cw0[4] = {c0.x, c0.y, c0.z, c0.w};
-      const uint32_t cw1[4] = {c1.x, c1.y, c1.z, c1.w};
-      const ScaleWord& w0 = sw[0][j >> 1];
-      const ScaleWord& w1 = sw[1][j >> 1];
-      // Words 0,1 of a piece: its first scale block (byte 2 (j % 2) of the scale word); words 2,3: the second.
+      for (int j = 0; j < NS; ++j) {
+        const uint4 c0 = cring[warp][buf][0][j][lane], c1 = cring[warp][buf][1][j][lane];
+        const uint32_t cw0[4] = {c0.x, c0.y, c0.z, c0.w};
+        const uint32_t cw1[4] = {c1.x, c1.y, c1.z, c1.w};
+        const ScaleWord& w0 = sw[0][j >> 1];
+        const ScaleWord& w1 = sw[1][j >> 1];
+        // Words 0,1 of a piece: its first scale block (byte 2 (j % 2) of the scale word); words 2,3: the second.
 #pragma unroll
-      for (int wq = 0; wq < 4; ++wq) {
-        uint32_t bv[8];
-        {
-          const uint4 u0 = __ldg(bround + (j * 8 + 2 * wq) * 4);
-          const uint4 u1 = __ldg(bround + (j * 8 + 2 * wq + 1) * 4);
-          bv[0] = u0.x; bv[1] = u0.y; bv[2] = u0.z; bv[3] = u0.w;
-          bv[4] = u1.x; bv[5] = u1.y; bv[6] = u1.z; bv[7] = u1.w;
-        }
-        const int byte = 2 * (j & 1) + (wq >> 1);
-        const uint32_t o = 0x04040404u | (uint32_t(byte) * 0x01010101u);
-        uint32_t t0, t1;
-        switch (byte) {
-          case 0: t0 = scale_table<0>(w0); t1 = scale_table<0>(w1); break;
-          case 1: t0 = scale_table<1>(w0); t1 = scale_table<1>(w1); break;
-          case 2: t0 = scale_table<2>(w0); t1 = scale_table<2>(w1); break;
-          default: t0 = scale_table<3>(w0); t1 = scale_table<3>(w1); break;
-        }
-        uint32_t r0[8], r1[8];
-        decode_2bit_fast(cw0[wq], t0, w0.lw, o, r0);
-        decode_2bit_fast(cw1[wq], t1, w1.lw, o, r1);
+        for (int wq = 0; wq < 4; ++wq) {
+          uint32_t bv[8];
+          {
+            const uint4 u0 = __ldg(bround + (j * 8 + 2 * wq) * 4);
+            const uint4 u1 = __ldg(bround + (j * 8 + 2 * wq + 1) * 4);
+            bv[0] = u0.x; bv[1] = u0.y; bv[2] = u0.z; bv[3] = u0.w;
+            bv[4] = u1.x; bv[5] = u1.y; bv[6] = u1.z; bv[7] = u1.w;
+          }
+          const int byte = 2 * (j & 1) + (wq >> 1);
+          const uint32_t o = 0x04040404u | (uint32_t(byte) * 0x01010101u);
+          uint32_t t0, t1;
+          switch (byte) {
+            case 0: t0 = scale_table<0>(w0); t1 = scale_table<0>(w1); break;
+            case 1: t0 = scale_table<1>(w0); t1 = scale_table<1>(w1); break;
+            case 2: t0 = scale_table<2>(w0); t1 = scale_table<2>(w1); break;
+            default: t0 = scale_table<3>(w0); t1 = scale_table<3>(w1); break;
+          }
+          uint32_t r0[8], r1[8];
+          decode_2bit_fast(cw0[wq], t0, w0.lw, o, r0);
+          decode_2bit_fast(cw1[wq], t1, w1.lw, o, r1);
 #pragma unroll
-        for (int st = 0; st < 4; ++st) {
-          if (wq & 1)
-            mma_bf16(acc2, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
-          else
-            mma_bf16(acc, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
+          for (int st = 0; st < 4; ++st) {
+            if (wq & 1)
+              mma_bf16(acc2, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
+            else
+              mma_bf16(acc, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
+          }
         }
       }
     }

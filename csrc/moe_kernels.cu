@@ -25,6 +25,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <type_traits>
 #include <cuda_runtime.h>
 #include <cstdint>
@@ -751,14 +752,14 @@ int out_kind_of(const torch::Tensor& out) {
   return 0;
 }
 
-template <bool W13, bool SPLIT, int NS>
+template <bool W13, bool SPLIT, int NS, bool F8 = false>
 void launch_gemv(const GemvArgs& a, int max_units, cudaStream_t stream, bool pdl) {
   static int per_sm = -1, sms = 0;  // occupancy of this instantiation (one device type per process)
   if (per_sm < 0) {
     int dev = 0;
     C10_CUDA_CHECK(cudaGetDevice(&dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_stage_kernel<W13, SPLIT, NS>,
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_stage_kernel<W13, SPLIT, NS, F8>,
                                                                  32 * GEMV_WARPS, 0));
     per_sm = std::max(per_sm, 1);
   }
@@ -767,17 +768,50 @@ void launch_gemv(const GemvArgs& a, int max_units, cudaStream_t stream, bool pdl
   const int64_t per = (max_units + wmax - 1) / wmax;
   const int64_t warps = (max_units + per - 1) / per;
   const int blocks = int(std::max<int64_t>(1, (warps + GEMV_WARPS - 1) / GEMV_WARPS));
-  launch(gemv_stage_kernel<W13, SPLIT, NS>, dim3(blocks), dim3(32 * GEMV_WARPS), 0, stream, pdl, a);
+  launch(gemv_stage_kernel<W13, SPLIT, NS, F8>, dim3(blocks), dim3(32 * GEMV_WARPS), 0, stream, pdl, a);
 }
 
-template <bool W13, bool SPLIT>
+template <bool W13, bool SPLIT, bool F8 = false>
 void launch_gemv_ns(const GemvArgs& a, int max_units, cudaStream_t stream, bool pdl) {
   // Pieces per thread and row in a round: 4 (a quad reads 256 contiguous bytes of a row) when K allows.
   switch (gemv_ns(a.K)) {
-    case 4: launch_gemv<W13, SPLIT, 4>(a, max_units, stream, pdl); break;
-    case 2: launch_gemv<W13, SPLIT, 2>(a, max_units, stream, pdl); break;
-    default: launch_gemv<W13, SPLIT, 1>(a, max_units, stream, pdl); break;
+    case 4: launch_gemv<W13, SPLIT, 4, F8>(a, max_units, stream, pdl); break;
+    case 2: launch_gemv<W13, SPLIT, 2, F8>(a, max_units, stream, pdl); break;
+    default: launch_gemv<W13, SPLIT, 1, F8>(a, max_units, stream, pdl); break;
   }
+}
+
+// The e4m3 w13 stage runs here: an sm_89+ GPU, and its kernel compiled for one (not JIT-compiled from older PTX).
+bool decode_fp8_available() {
+  int dev = 0, major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major * 10 + minor < 89) return false;
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_stage_kernel<true, true, 4, true>));
+  return attr.ptxVersion >= 89;
+}
+
+// x [T, H] bf16 -> xp8 [T, 2, H] uint8 (e4m3 hi, lo planes in the F8 w13 stage's order), xinv [T] float32.
+void xprep8(torch::Tensor x, torch::Tensor xp8, torch::Tensor xinv, c10::optional<torch::Tensor> counter, bool pdl) {
+  CHECK_CUDA_T(x, "x");
+  TORCH_CHECK(x.is_contiguous() && xp8.is_contiguous() && x.dim() == 2 && x.size(1) % GEMV_CHUNK == 0 &&
+                  x.scalar_type() == torch::kBFloat16, "x: contiguous bf16 [T, H] with H a multiple of ", GEMV_CHUNK);
+  const int T = int(x.size(0)), H = int(x.size(1));
+  TORCH_CHECK(xp8.scalar_type() == torch::kUInt8 && xp8.numel() == int64_t(T) * 2 * H, "xp8 must be uint8 [T, 2, H]");
+  TORCH_CHECK(xinv.scalar_type() == torch::kFloat32 && xinv.numel() == T, "xinv must be float32 [T]");
+  if (T == 0) return;
+  int* cnt = nullptr;
+  if (counter.has_value()) {
+    TORCH_CHECK(counter->scalar_type() == torch::kInt32 && counter->numel() >= int64_t(T) * (H / 16),
+                "counter must be int32 [T, H / 16]");
+    cnt = counter->data_ptr<int>();
+  }
+  const at::cuda::CUDAGuard guard(x.device());
+  launch(xprep8_kernel, dim3(T), dim3(256), 0, at::cuda::getCurrentCUDAStream(), pdl,
+         reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>()), xp8.data_ptr<uint8_t>(),
+         xinv.data_ptr<float>(), H, cnt);
 }
 
 // One decode stage over the 2-bit experts of a step (experts with an FP4 copy are skipped).
@@ -787,16 +821,24 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
                 torch::Tensor topk_ids, int64_t topk, torch::Tensor b, c10::optional<torch::Tensor> act,
                 c10::optional<torch::Tensor> partial, c10::optional<torch::Tensor> weights,
                 c10::optional<torch::Tensor> out, c10::optional<torch::Tensor> counter, double limit,
-                bool has_limit, torch::Tensor error_flag, bool pdl) {
+                bool has_limit, torch::Tensor error_flag, bool pdl, c10::optional<torch::Tensor> xinv) {
   check_decode_inputs(pool, slot_of, topk_ids, H, Ir, "decode");
-  TORCH_CHECK(b.scalar_type() == torch::kBFloat16 && b.is_contiguous(), "B operand: contiguous bf16 planes");
+  const bool f8 = xinv.has_value();  // the e4m3 w13 stage: b = xprep8's planes, xinv its scales
+  TORCH_CHECK(b.is_contiguous() && b.scalar_type() == (f8 ? torch::kUInt8 : torch::kBFloat16),
+              "B operand: contiguous bf16 planes (uint8 e4m3 planes with xinv)");
   TORCH_CHECK(w13 || split, "the w2 stage reads the hi/lo intermediate");
+  TORCH_CHECK(!f8 || (w13 && split && decode_fp8_available()),
+              "e4m3 decode: the w13 stage on an sm_89+ GPU with kernels built for it");
   const at::cuda::CUDAGuard guard(pool.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   GemvArgs a{};
   decode_args_common(a, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, topk_ids, topk, b, limit, has_limit,
                      error_flag, w13);
   a.tiles = int(w13 ? Ir / 8 : H / 16);
+  if (f8) {
+    TORCH_CHECK(xinv->scalar_type() == torch::kFloat32 && xinv->numel() * 2 * H == b.numel(), "xinv: float32 [T]");
+    a.xinv = xinv->data_ptr<float>();
+  }
   TORCH_CHECK(a.K <= GEMV_MAX_K, "decode stage: contraction length ", a.K, " above ", GEMV_MAX_K);
   if (w13) {
     TORCH_CHECK(act.has_value() && act->scalar_type() == torch::kBFloat16 && act->numel() >= int64_t(a.P) * 2 * Ir,
@@ -819,7 +861,8 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
   }
   if (a.P == 0) return;
   const int max_units = std::min(a.P, a.E) * a.tiles;
-  if (w13 && split) launch_gemv_ns<true, true>(a, max_units, stream, pdl);
+  if (f8) launch_gemv_ns<true, true, true>(a, max_units, stream, pdl);
+  else if (w13 && split) launch_gemv_ns<true, true>(a, max_units, stream, pdl);
   else if (w13) launch_gemv_ns<true, false>(a, max_units, stream, pdl);
   else launch_gemv_ns<false, true>(a, max_units, stream, pdl);
 }
@@ -1152,6 +1195,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine", &moet::combine, "weighted per-token sum of the w2 partials");
   m.def("xprep", &moet::xprep, "x -> bf16 hi(/lo) planes in the decode stages' K pairing");
   m.def("gemv_stage", &moet::gemv_stage, "decode stage (few pairs per expert) over the 2-bit experts");
+  m.def("xprep8", &moet::xprep8, "x -> e4m3 hi/lo planes and per-token scales for the e4m3 w13 decode stage");
+  m.def("decode_fp8_available", &moet::decode_fp8_available, "the e4m3 w13 decode stage runs on this GPU");
   m.def("gemv_max_pairs", &moet::gemv_max_pairs, "largest pair count of the decode stages");
   m.def("gemv_chunk", &moet::gemv_chunk, "the decode stages' K granularity: H and Ir must be multiples of it");
   m.def("gemv_max_k", &moet::gemv_max_k, "the decode stages' largest H and Ir");

@@ -71,12 +71,17 @@ def _case(H, I, k, T, E=32, fmt_mix=False, dtype=torch.bfloat16, seed=0, limit=N
 SHAPES = [(4096, 2048), (6144, 1024), (7168, 2048), (7168, 512)]
 
 
-@pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused"])
-def decode_kernel(request, monkeypatch):
+@pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused", "gemv+e4m3"])
+def decode_kernel(request, monkeypatch, mod):
     """Every decode path (MOETPLAN_DECODE_KERNEL): the mma.sync streaming stages (gemv), the CUDA-core rowdot stages
-    and the first version's tiles; "+fused": with the per-token sum folded into the w2 stage (ops.FUSED_COMBINE)."""
+    and the first version's tiles; "+fused": with the per-token sum folded into the w2 stage (ops.FUSED_COMBINE);
+    "+e4m3": the gemv stages with the e4m3 w13 stage for bf16 x (ops.E4M3_DECODE)."""
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", request.param.split("+")[0])
     monkeypatch.setattr(ops, "FUSED_COMBINE", request.param.endswith("+fused"))
+    e4m3 = request.param.endswith("+e4m3")
+    if e4m3 and not mod.decode_fp8_available():
+        pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
+    monkeypatch.setattr(ops, "E4M3_DECODE", e4m3)
     return request.param
 
 
@@ -391,3 +396,83 @@ def test_default_decode_kernel_is_valid(mod, monkeypatch):
     for T in (1, 2, 3, 8):
         # Exactly one decode path per small step under the default selection.
         assert ops.use_rowdot(mod, 8 * T, lay, T) != ops.use_gemv(mod, 8 * T, lay, T)
+
+
+def _w13_act(mod, x, ids, pool, slot_of, lay, f8: bool) -> torch.Tensor:
+    """The gemv w13 stage's intermediate [P, Ir] (hi + lo, in the w2 stage's K order) for bf16 x, through the e4m3
+    stage (xprep8) or the bf16 one (xprep)."""
+    T, H = x.shape
+    P, Ir = ids.numel(), lay.inter_per_rank
+    dev = x.device
+    act = torch.empty(P, 2, Ir, dtype=torch.bfloat16, device=dev)
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    xinv = None
+    if f8:
+        xp = torch.empty(T, 2, H, dtype=torch.uint8, device=dev)
+        xinv = torch.empty(T, dtype=torch.float32, device=dev)
+        mod.xprep8(x, xp, xinv, None, False)
+    else:
+        xp = torch.empty(T, 1, H, dtype=torch.bfloat16, device=dev)
+        mod.xprep(x, xp, None, False)
+    mod.gemv_stage(True, f8, pool, slot_of, None, lay.w13_q_off, lay.w13_s_off, H, Ir, ids, ids.shape[1], xp, act,
+                   None, None, None, None, 0.0, False, flag, False, xinv)
+    torch.cuda.synchronize()
+    assert int(flag.item()) == 0
+    return act.float().sum(dim=1)
+
+
+@pytest.mark.parametrize("x_kind", ["randn", "outlier", "tiny", "zeros"])
+@pytest.mark.parametrize("H,I", [(4096, 2048), (7168, 512), (6144, 1024), (2560, 256)])
+@pytest.mark.parametrize("T", [1, 5])
+def test_e4m3_w13_stage_matches_bf16_stage(mod, H, I, T, x_kind):
+    # The e4m3 operands are exact here (scale bytes within 8 binades, x within 2^10 of its token's largest except a
+    # few tiny elements): the e4m3 and bf16 w13 stages agree to fp32 rounding and the bf16 hi/lo intermediate.
+    if not mod.decode_fp8_available():
+        pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
+    x, ids, _, pool, slot_of, lay, _ = _case(H, I, 6, T, seed=H + I + T)
+    if x_kind == "outlier":  # one massive activation per token, as in real hidden states
+        x[:, 17] = 3000.0
+    elif x_kind == "tiny":
+        x = (x.float() * 1e-12).to(torch.bfloat16)
+    elif x_kind == "zeros":
+        x = torch.zeros_like(x)
+    a8 = _w13_act(mod, x, ids, pool, slot_of, lay, True)
+    a16 = _w13_act(mod, x, ids, pool, slot_of, lay, False)
+    if x_kind == "zeros":
+        assert torch.equal(a8, torch.zeros_like(a8)) and torch.equal(a16, a8)
+        return
+    assert torch.isfinite(a8).all()
+    # With a 10^4 x outlier most elements of x sit near 2^-13 of the largest, where hi + lo / 16 stops being exact
+    # (error <= 2^-17 of the largest; tests/test_ops.py): measured 1.8-2.5e-5 on the H200.
+    assert _rel(a8, a16) < (5e-5 if x_kind == "outlier" else 2e-5)
+
+
+def test_e4m3_w13_stage_flushes_only_far_smaller_blocks(mod):
+    # Scale bytes over 40 binades: blocks more than 12 binades below their round's largest (of the row) flush to
+    # zero; what they held is < 2^-13 of that block's weights, so the result moves by far less than bf16 rounding.
+    if not mod.decode_fp8_available():
+        pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
+    x, ids, _, pool, slot_of, lay, _ = _case(4096, 1024, 8, 3, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    off, size = lay.w13_s_off, lay.w13_s_size
+    pool[:, off:off + size] = torch.randint(100, 140, (pool.shape[0], size), generator=g, dtype=torch.uint8,
+                                            device="cuda")
+    a8 = _w13_act(mod, x, ids, pool, slot_of, lay, True)
+    a16 = _w13_act(mod, x, ids, pool, slot_of, lay, False)
+    assert 0 < _rel(a8, a16) < 1e-3
+
+
+def test_e4m3_w13_stage_is_deterministic_and_graph_safe(mod, monkeypatch):
+    if not mod.decode_fp8_available():
+        pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
+    monkeypatch.setattr(ops, "E4M3_DECODE", True)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    x, ids, w, pool, slot_of, lay, _ = _case(7168, 2048, 8, 8, E=64, seed=3)
+    assert ops.use_fp8_w13(mod, x.device, x)
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    for _ in range(3):
+        assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay), a)
+    ref = ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
+    assert _rel(a.float(), ref) < 8e-3
+    # fp32 x keeps the bf16 hi/lo operand (float32-accurate), whatever the switch says.
+    assert not ops.use_fp8_w13(mod, x.device, x.float())

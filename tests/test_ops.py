@@ -526,6 +526,14 @@ class _FakeGemvExtension(_FakeExtension):
     def gemv_max_k(self) -> int:
         return 65536
 
+    def xprep8(self, x, xp8, xinv, counter, pdl):
+        self.calls.append("xprep8")
+        if counter is not None:
+            counter.zero_()
+        planes, inv, self.perm = _e4m3_planes(x)
+        xp8.copy_(planes)
+        xinv.copy_(inv)
+
     def xprep(self, x, xp, counter, pdl):
         self.calls.append("xprep")
         if counter is not None:
@@ -535,10 +543,15 @@ class _FakeGemvExtension(_FakeExtension):
         xp.copy_(_to_paired(planes))
 
     def gemv_stage(self, w13, split, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk, b, act, partial,
-                   weights, out, counter, limit, has_limit, flag, pdl):
+                   weights, out, counter, limit, has_limit, flag, pdl, xinv):
         self.calls.append(f"gemv{'13' if w13 else '2'}")
-        assert b.dtype == torch.bfloat16 and b.shape[1] == (2 if split else 1)
-        src = _from_paired(b.float()).sum(dim=1)  # hi + lo
+        if xinv is not None:  # the e4m3 w13 stage: xprep8's planes
+            assert w13 and split and b.dtype == torch.uint8 and b.shape[1] == 2
+            f8 = b.view(torch.float8_e4m3fn).float()
+            src = (f8[:, 0] + f8[:, 1] / 16)[:, torch.argsort(self.perm)] * xinv[:, None]
+        else:
+            assert b.dtype == torch.bfloat16 and b.shape[1] == (2 if split else 1)
+            src = _from_paired(b.float()).sum(dim=1)  # hi + lo
         for p, v in _stage_pairs(w13, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk, src, limit,
                                  has_limit, flag):
             if w13:
@@ -549,6 +562,101 @@ class _FakeGemvExtension(_FakeExtension):
             assert fp4_slot_of is None and not w13 and counter is not None
             T = out.shape[0]
             out.copy_((partial.view(T, topk, H) * weights.unsqueeze(-1)).sum(1))
+
+
+class _FakeFp8GemvExtension(_FakeGemvExtension):
+    """The stand-in on a GPU with e4m3 MMAs (decode_fp8_available)."""
+
+    def decode_fp8_available(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("e4m3", [False, True])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_e4m3_w13_stage_plumbing(e4m3, x_dtype, monkeypatch):
+    # ops.E4M3_DECODE sends bf16 x through xprep8 (e4m3 hi/lo planes + per-token scales) into the w13 stage; fp32 x
+    # keeps the bf16 hi/lo operand either way.
+    monkeypatch.setattr(ops, "E4M3_DECODE", e4m3)
+    monkeypatch.setattr(ops, "_FP8_CAP", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
+    lay2, pool, slot_of, _, ids, w, x = _stand_in_case(3, x_dtype, False)
+    fake = _FakeFp8GemvExtension()
+    got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    want_fp8 = e4m3 and x_dtype == torch.bfloat16
+    assert fake.calls[:3] == ["xprep8" if want_fp8 else "xprep", "gemv13", "gemv2"]
+    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2)
+    assert _rel(got.float(), ref.float()) < (1e-4 if x_dtype == torch.float32 else 8e-3)
+
+
+def _b8_off(n: int, ns: int) -> int:
+    """b8_off in csrc/moe_decode.cuh: byte offset of 16-weight word n in an e4m3 B plane (xprep8_kernel)."""
+    lg = ns >> 1
+    ph, wq = n >> 2, n & 3
+    rr, t, j = ph >> (2 + lg), (ph >> lg) & 3, ph & (ns - 1)
+    return ((((rr << lg) + j) * 4 + wq) * 4 + t) * 16
+
+
+def _b8_pos(i: int) -> int:
+    """b8_pos: weight i (0..15) of a word -> its byte in the word's 16 (the two m16n8k32 MMAs' b0, b1)."""
+    return (i & 8) + (i & 1) * 4 + ((i & 7) >> 1)
+
+
+def _e4m3_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """xprep8_kernel on the CPU: bf16 x [T, H] -> (uint8 [T, 2, H] hi / 16 * lo planes at _b8_off, xinv [T],
+    the permutation)."""
+    H = x.shape[1]
+    xf = x.float()
+    e = torch.clamp((xf.abs().amax(dim=1).view(torch.int32) >> 23), min=7)
+    s = ((261 - e) << 23).view(torch.float32)
+    xinv = ((e - 7) << 23).view(torch.float32)
+    v = xf * s[:, None]
+    hi = v.to(torch.float8_e4m3fn)
+    lo = ((v - hi.float()) * 16).to(torch.float8_e4m3fn)
+    ns = 4 if H % 1024 == 0 else 2 if H % 512 == 0 else 1
+    perm = torch.empty(H, dtype=torch.long)
+    for n in range(H // 16):
+        for i in range(16):
+            perm[_b8_off(n, ns) + _b8_pos(i)] = 16 * n + i
+    planes = torch.stack([hi.view(torch.uint8)[:, perm], lo.view(torch.uint8)[:, perm]], dim=1)
+    return planes, xinv, perm
+
+
+@pytest.mark.parametrize("K", [256, 512, 768, 1024, 2048, 3584, 7168])
+def test_e4m3_plane_order_is_a_permutation_that_quads_read_contiguously(K):
+    ns = 4 if K % 1024 == 0 else 2 if K % 512 == 0 else 1
+    offs = [_b8_off(n, ns) for n in range(K // 16)]
+    assert sorted(offs) == list(range(0, K, 16))
+    assert sorted(_b8_pos(i) for i in range(16)) == list(range(16))
+    # Thread t reads word wq of its piece j of round rr (K piece (rr * 4 + t) * ns + j of 64 weights) at 16-byte
+    # unit ((rr ns + j) 4 + wq) 4 + t: a quad's 4 threads read 64 contiguous bytes.
+    for rr in range(K // (256 * ns)):
+        for j in range(ns):
+            for wq in range(4):
+                got = [offs[((rr * 4 + t) * ns + j) * 4 + wq] // 16 for t in range(4)]
+                assert got == [((rr * ns + j) * 4 + wq) * 4 + t for t in range(4)]
+    # Bytes 0-3 of a word feed the first MMA's b0 (k = 4t .. 4t+3): weights 0, 2, 4, 6 (the PRMT of w & 0x3333).
+    assert [_b8_pos(i) for i in (0, 2, 4, 6, 1, 3, 5, 7)] == list(range(8))
+
+
+def test_e4m3_x_planes_are_exact_within_2_to_the_13_of_the_largest():
+    g = _rng(4)
+    x = (torch.randn(3, 1024, generator=g) * 0.3)
+    x[0, 5] = 3000.0  # a 10^4 x outlier
+    x[2] = 0.0
+    x = x.to(torch.bfloat16)
+    planes, xinv, perm = _e4m3_planes(x)
+    inv = torch.argsort(perm)
+    f8 = planes.view(torch.float8_e4m3fn).float()
+    back = (f8[:, 0] + f8[:, 1] / 16)[:, inv] * xinv[:, None]
+    xf = x.float()
+    big = xf.abs() >= xf.abs().amax(dim=1, keepdim=True) * 2.0 ** -13
+    assert torch.equal(back[big], xf[big])
+    assert not torch.equal(back[0], xf[0])  # below 2^-13 of a 10^4 x outlier: not all exact
+    small = ~big[0] & (xf[0] != 0)
+    assert float((back[0][small] - xf[0][small]).abs().max()) <= float(xf[0].abs().max()) * 2.0 ** -17
+    assert torch.equal(back[2], torch.zeros(1024))
+    assert float(xinv[2]) == 0.0
 
 
 def _b_pos(n: int, ns: int) -> int:

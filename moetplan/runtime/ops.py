@@ -45,6 +45,13 @@ ROWDOT_MAX_TOKENS = 0
 # on the H200 the separate combine kernel measured 1-6% faster per layer at 1-8 tokens, all three model shapes
 # (bench/kernels.py, decode kernel names with "+fused" time the fused form; docs/KERNELS.md).
 FUSED_COMBINE = False
+# True: the decode stages' w13 launch reads the 2-bit codes as an e4m3 A operand (four weights per table lookup,
+# one m16n8k32 MMA per 16 weights) with bf16 x as e4m3 hi/lo planes under a per-token power-of-two scale, on GPUs
+# with e4m3 MMAs (sm_89+) and for bf16 x (fp32 x keeps the bf16 hi/lo operand, float32-accurate). Off: on the
+# H200 (sm_90, where ptxas emulates e4m3 mma.sync with conversions + f16 MMAs) it measured 5-12% slower than the
+# bf16 stage; sm_89 / sm_120 run it on the tensor cores, unmeasured so far (bench decode kernel "gemv+e4m3").
+# Precision and measurements: docs/KERNELS.md ("e4m3 A operand").
+E4M3_DECODE = False
 
 
 class ResidencyError(MoetplanError):
@@ -222,6 +229,20 @@ def use_pdl(dev: torch.device) -> bool:
     return _PDL_CAP[key]
 
 
+_FP8_CAP: dict[str, bool] = {}
+
+
+def use_fp8_w13(mod, dev: torch.device, x: torch.Tensor) -> bool:
+    """The e4m3 w13 decode stage takes this step: switched on (E4M3_DECODE), bf16 x, and the kernels can run it
+    on this GPU (sm_89+, built for it)."""
+    if not E4M3_DECODE or x.dtype != torch.bfloat16 or not hasattr(mod, "decode_fp8_available"):
+        return False
+    key = str(dev)
+    if key not in _FP8_CAP:
+        _FP8_CAP[key] = bool(mod.decode_fp8_available())
+    return _FP8_CAP[key]
+
+
 def _check_residency() -> bool:
     return os.environ.get("MOETPLAN_CHECK_RESIDENCY", "1") != "0"
 
@@ -394,18 +415,26 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             # 2-bit experts: x -> bf16 planes in the stages' K pairing, w13 (+SiLU) -> bf16 hi/lo intermediate,
             # w2 -> partial rows. FP4-resident experts (if any) still take the tiles below.
             # With FUSED_COMBINE and no FP4 experts the w2 stage also does the weighted per-token sum.
-            split = xs.dtype == torch.float32
+            # bf16 x on sm_89+: x as e4m3 hi/lo planes + per-token scales and the e4m3 w13 stage.
+            f8 = use_fp8_w13(mod, dev, xs)
+            split = f8 or xs.dtype == torch.float32
             fused = fp4_pool is None and FUSED_COMBINE
-            xp = torch.empty(xs.shape[0], 2 if split else 1, H, dtype=torch.bfloat16, device=dev)
             act_hl = torch.empty(P, 2, ir, dtype=torch.bfloat16, device=dev)
             counter = torch.empty(xs.shape[0], H // 16, dtype=torch.int32, device=dev) if fused else None
-            mod.xprep(xs, xp, counter, pdl)
+            xinv = None
+            if f8:
+                xp = torch.empty(xs.shape[0], 2, H, dtype=torch.uint8, device=dev)
+                xinv = torch.empty(xs.shape[0], dtype=torch.float32, device=dev)
+                mod.xprep8(xs, xp, xinv, counter, pdl)
+            else:
+                xp = torch.empty(xs.shape[0], 2 if split else 1, H, dtype=torch.bfloat16, device=dev)
+                mod.xprep(xs, xp, counter, pdl)
             stage = mod.gemv_stage
             stage(True, split, pool, slot32, f4slot32, layout.w13_q_off, layout.w13_s_off, H, ir, ids, k,
-                  xp, act_hl, None, None, None, None, lim, swiglu_limit is not None, flag, pdl)
+                  xp, act_hl, None, None, None, None, lim, swiglu_limit is not None, flag, pdl, xinv)
             stage(False, True, pool, slot32, f4slot32, layout.w2_q_off, layout.w2_s_off, H, ir, ids, k,
                   act_hl, None, partial, weights[t0:t1] if fused else None, out[t0:t1] if fused else None,
-                  counter, lim, swiglu_limit is not None, flag, pdl)
+                  counter, lim, swiglu_limit is not None, flag, pdl, None)
             if fused:
                 continue
             todo = fmts[1:]

@@ -1,0 +1,38 @@
+"""bench/decode_timeline.py's bookkeeping, on the CPU: the union of kernel intervals and the kernel short names."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def timeline():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("decode_timeline", BENCH / "decode_timeline.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_union_counts_overlapping_kernels_once(timeline):
+    # PDL lets the next kernel start before the previous one ends: the overlap counts once, gaps not at all.
+    assert timeline.union_us([(0.0, 10.0), (8.0, 15.0), (20.0, 22.0)]) == pytest.approx(17.0)
+    assert timeline.union_us([(5.0, 6.0), (0.0, 10.0)]) == pytest.approx(10.0)
+    assert timeline.union_us([]) == 0.0
+
+
+def test_kernel_short_names(timeline):
+    assert timeline.short_name("void moet::gemv_stage_kernel<true, false, 4, false>(moet::GemvArgs)") == "gemv w13"
+    assert timeline.short_name("void moet::gemv_stage_kernel<false, true, 4, false>(moet::GemvArgs)") == "gemv w2"
+    assert timeline.short_name("void moet::xprep8_kernel(__nv_bfloat16 const*, ...)") == "xprep8"
+    assert timeline.short_name("void moet::xprep_kernel<__nv_bfloat16>(...)") == "xprep"
+    assert timeline.short_name("void moet::combine_kernel<float>(...)") == "combine"
+    assert timeline.short_name("x" * 100) == "x" * 60
