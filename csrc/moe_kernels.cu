@@ -782,15 +782,19 @@ void launch_gemv_ns(const GemvArgs& a, int max_units, cudaStream_t stream, bool 
 }
 
 // The e4m3 w13 stage runs here: an sm_89+ GPU, and its kernel compiled for one (not JIT-compiled from older PTX).
+// Checked once per process (one device type per process, as the launchers' occupancy).
 bool decode_fp8_available() {
-  int dev = 0, major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (major * 10 + minor < 89) return false;
-  cudaFuncAttributes attr{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_stage_kernel<true, true, 4, true>));
-  return attr.ptxVersion >= 89;
+  static int ok = -1;
+  if (ok < 0) {
+    int dev = 0, major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    cudaFuncAttributes attr{};
+    if (major * 10 + minor >= 89) C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_stage_kernel<true, true, 4, true>));
+    ok = major * 10 + minor >= 89 && attr.ptxVersion >= 89 ? 1 : 0;
+  }
+  return ok == 1;
 }
 
 // x [T, H] bf16 -> xp8 [T, 2, H] uint8 (e4m3 hi, lo planes in the F8 w13 stage's order), xinv [T] float32.
