@@ -3,6 +3,7 @@
 # the probe reference profile, the GPU tests of the store/probe/kernels, the tier and kernel benchmarks.
 # Usage (on the GPU machine, repo root):  OUT=/path bash bench/gpu_session.sh [probe] [tests] [tiers] [kernels]
 #                                                                          [pattern] [ncu] [ncu-prefill]
+#                                                                          [timeline] [e4m3]
 set -u
 OUT=${OUT:-/tmp/moetplan-gpu}
 mkdir -p "$OUT"
@@ -33,6 +34,13 @@ for s in $steps; do
              ncu -i "$OUT/gemv_t$nt.ncu-rep" --page raw --csv > "$OUT/ncu_gemv_t${nt}_raw.csv" 2>&1
              rm -f "$OUT/gemv_t$nt.ncu-rep"; grep -E "Duration|Issue Slots Busy|DRAM Throughput" "$OUT/ncu_gemv_t$nt.txt"
              python3 bench/ncu_stalls.py "$OUT/ncu_gemv_t${nt}_sass.csv" | tee "$OUT/ncu_gemv_t${nt}_stalls.txt" ;;
+    timeline) # per-kernel durations of the decode step (bench/decode_timeline.py), all three model shapes
+             timeout 200 python3 bench/decode_timeline.py --models DeepSeek-V4-Flash,GLM-5.2,Kimi-K2.7-Code \
+               --tokens 1,2,8 --out "$OUT/decode_timeline_h200.json" > "$OUT/timeline.log" 2>&1
+             echo "timeline rc=$?"; grep -v -i warn "$OUT/timeline.log" | tail -20 ;;
+    e4m3)    # the opt-in e4m3 w13 stage's distance from the bf16 stage (bench/e4m3_precision.py)
+             timeout 120 python3 bench/e4m3_precision.py --out "$OUT/e4m3_precision_h200.json" > "$OUT/e4m3.log" 2>&1
+             echo "e4m3 rc=$?"; tail -24 "$OUT/e4m3.log" ;;
     ncu-prefill)  # Nsight Compute on the prefill stages (DeepSeek-V4-Flash, 8192 tokens, w13 + w2 of one call).
              k=${MOETPLAN_PREFILL_KERNEL:-auto}; re=$([ "$k" = wgmma ] && echo prefill_wgmma || echo prefill_stage)
              timeout 240 ncu --set full --clock-control none -k "regex:$re" --launch-count 2 -o "$OUT/prefill" \
