@@ -217,18 +217,17 @@ __global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H, int* 
 // m16n8k32 MMA takes the 16 weights of a thread that two m16n8k16 ones took: per 16 weights 4 PRMT + 2 LOP3 +
 // 3 shifts + 1 MMA.
 // Where it pays: sm_89 and sm_120 (RTX 40 / 50, RTX PRO) run e4m3 mma.sync on the tensor cores. sm_90 does not:
-// ptxas expands it into e4m3 -> f16 conversions (F2FP) and f16 HMMAs, and on the H200 this stage measured 5-12%
-// slower than the bf16 one (a wgmma form, Hopper's fp8 tensor-core path, made the layer 1.16-1.54x slower and
-// moved the w13 result 1.1e-4 from the bf16 stage's: docs/KERNELS.md). Off by default until measured on an
-// sm_89 / sm_120 GPU.
+// ptxas expands it into e4m3 -> f16 conversions (F2FP) and f16 HMMAs, and on the H200 the layer took 1.09-1.17x
+// the bf16 stages' time (a wgmma form, Hopper's fp8 tensor-core path, took 1.16-1.54x: docs/KERNELS.md, H19).
+// Off by default until measured on an sm_89 / sm_120 GPU.
 // The block scale cannot ride in the byte as it does in bf16 (e4m3 spans 2^-9 .. 2^8), so it is split: the table
 // of a block holds code * 2^(b - base) with base = (largest scale byte of the row in this round, over the quad)
 // - 13, and the MMA results are scaled by 2^(base - 120) per row and round in fp32. A block more than 12 binades
 // below the round's largest block of its row flushes to zero (weights < 2^-13 of the row's largest there).
 // The B operand is x as two e4m3 planes, hi = e4m3(x s) and lo = e4m3(16 (x s - hi)), under a per-token
 // power-of-two s that puts max |x| in [128, 256): a bf16 x is exact in hi + lo / 16 for elements within 2^13 of
-// the token's largest (the factor 16 moves lo out of e4m3's subnormals: without it only within 2^10, and a token
-// with a 300x outlier lost 2-5e-4 of its w13 result). hi and lo are MMA columns of their own (4 pairs per pass).
+// the token's largest (the factor 16 moves lo out of e4m3's subnormals: without it only within 2^10, which
+// tokens with large outlier channels miss). hi and lo are MMA columns of their own (4 pairs per pass).
 // Each m16n8k32 starts from a zero accumulator and is added in fp32 after one more MMA (k = 64): fp8 tensor cores
 // keep fewer accumulator bits than fp32 (DeepSeek-V3 report, sec. 3.3.2).
 
@@ -620,30 +619,40 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
         sc[1] = make_uint2((v.y >> (16 * (t & 1))) & 0xFFFFu, 0u);
       }
     }
-    if constexpr (F8) {
-      // Per row: the largest scale byte of the quad's round -> table offset, flush bound and fp32 factor.
-      int lo_r[2];
-      uint32_t c_r[2];
-      float f_r[2];
+    // The round's decode state per row: bf16 tables' scale words, or (F8) the largest scale byte of the quad's
+    // round -> table offset, flush bound and fp32 factor.
+    ScaleWord sw[2][2];
+    int lo_r[2];
+    uint32_t c_r[2];
+    float f_r[2];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < 2; ++i) {
+      if constexpr (F8) {
         int mb = int(max_byte(NS == 4 ? __vmaxu4(sc[i].x, sc[i].y) : sc[i].x));
         mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
         mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
         lo_r[i] = mb - 12;                                        // E = hk - mb + 13 >= 1
         c_r[i] = 0x90801000u - uint32_t(mb - 13) * 0x08080808u;  // table = E * 0x08080808 + 0x90801000
         f_r[i] = __uint_as_float(uint32_t(max(mb - 6, 0)) << 23);  // 2^(mb - 133)
+      } else {
+        sw[i][0] = scale_word(sc[i].x);
+        if (NS == 4) sw[i][1] = scale_word(sc[i].y);
       }
-      const uint4* bround = bptr + unsigned(rc) * (NS * 16) + unsigned(t);
+    }
+    // This thread's B of the round: 16-byte unit (j * 8 + wq * 2 + half) * 4 of bround (bf16, b_pos order), or
+    // (j * 4 + wq) * 4 (F8, b8_off order).
+    const uint4* bround = bptr + unsigned(rc) * (NS * (F8 ? 16 : 32)) + unsigned(t);
 #pragma unroll
-      for (int j = 0; j < NS; ++j) {
-        const uint4 c0 = cring[warp][buf][0][j][lane], c1 = cring[warp][buf][1][j][lane];
-        const uint32_t cw0[4] = {c0.x, c0.y, c0.z, c0.w};
-        const uint32_t cw1[4] = {c1.x, c1.y, c1.z, c1.w};
+    for (int j = 0; j < NS; ++j) {
+      const uint4 c0 = cring[warp][buf][0][j][lane], c1 = cring[warp][buf][1][j][lane];
+      const uint32_t cw0[4] = {c0.x, c0.y, c0.z, c0.w};
+      const uint32_t cw1[4] = {c1.x, c1.y, c1.z, c1.w};
+      // Words 0,1 of a piece: its first scale block (byte 2 (j % 2) of the scale word); words 2,3: the second.
 #pragma unroll
-        for (int wq = 0; wq < 4; ++wq) {
+      for (int wq = 0; wq < 4; ++wq) {
+        const int byte = 2 * (j & 1) + (wq >> 1);
+        if constexpr (F8) {
           const uint4 bq = __ldg(bround + (j * 4 + wq) * 4);
-          const int byte = 2 * (j & 1) + (wq >> 1);
           const uint32_t h0 = (((j >> 1) ? sc[0].y : sc[0].x) >> (8 * byte)) & 0xFFu;
           const uint32_t h1 = (((j >> 1) ? sc[1].y : sc[1].x) >> (8 * byte)) & 0xFFu;
           // e4m3 bytes of +1, +4, -1, -4 times 2^(E - 7), E = hk - mb + 13; zero below E = 1
@@ -661,27 +670,9 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
           ac[1] = fmaf(d[1], f_r[0], ac[1]);
           ac[2] = fmaf(d[2], f_r[1], ac[2]);
           ac[3] = fmaf(d[3], f_r[1], ac[3]);
-        }
-      }
-    } else {
-      ScaleWord sw[2][2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        sw[i][0] = scale_word(sc[i].x);
-        if (NS == 4) sw[i][1] = scale_word(sc[i].y);
-      }
-      // This thread's B of the round (b_pos order): 16-byte unit (j * 8 + wq * 2 + half) * 4 of bround.
-      const uint4* bround = bptr + unsigned(rc) * (NS * 32) + unsigned(t);
-#pragma unroll
-      for (int j = 0; j < NS; ++j) {
-        const uint4 c0 = cring[warp][buf][0][j][lane], c1 = cring[warp][buf][1][j][lane];
-        const uint32_t cw0[4] = {c0.x, c0.y, c0.z, c0.w};
-        const uint32_t cw1[4] = {c1.x, c1.y, c1.z, c1.w};
-        const ScaleWord& w0 = sw[0][j >> 1];
-        const ScaleWord& w1 = sw[1][j >> 1];
-        // Words 0,1 of a piece: its first scale block (byte 2 (j % 2) of the scale word); words 2,3: the second.
-#pragma unroll
-        for (int wq = 0; wq < 4; ++wq) {
+        } else {
+          const ScaleWord& w0 = sw[0][j >> 1];
+          const ScaleWord& w1 = sw[1][j >> 1];
           uint32_t bv[8];
           {
             const uint4 u0 = __ldg(bround + (j * 8 + 2 * wq) * 4);
@@ -689,7 +680,6 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
             bv[0] = u0.x; bv[1] = u0.y; bv[2] = u0.z; bv[3] = u0.w;
             bv[4] = u1.x; bv[5] = u1.y; bv[6] = u1.z; bv[7] = u1.w;
           }
-          const int byte = 2 * (j & 1) + (wq >> 1);
           const uint32_t o = 0x04040404u | (uint32_t(byte) * 0x01010101u);
           uint32_t t0, t1;
           switch (byte) {

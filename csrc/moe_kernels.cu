@@ -671,6 +671,23 @@ int64_t gemv_max_pairs() { return GEMV_MAX_PAIRS; }
 int64_t gemv_chunk() { return GEMV_CHUNK; }
 int64_t gemv_max_k() { return GEMV_MAX_K; }
 
+// This GPU's compute capability as 10 * major + minor.
+int compute_capability() {
+  int dev = 0, major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  return 10 * major + minor;
+}
+
+// The fused combine's arrival counters [T, H / 16] (zeroed by xprep / xprep8), or nullptr.
+int* fused_counter(const c10::optional<torch::Tensor>& counter, int T, int H) {
+  if (!counter.has_value()) return nullptr;
+  TORCH_CHECK(counter->scalar_type() == torch::kInt32 && counter->numel() >= int64_t(T) * (H / 16),
+              "counter must be int32 [T, H / 16]");
+  return counter->data_ptr<int>();
+}
+
 // x [T, H] bf16/fp32 -> xp [T, planes, H] bf16 paired (planes = 2 for fp32 x: hi and lo).
 void xprep(torch::Tensor x, torch::Tensor xp, c10::optional<torch::Tensor> counter, bool pdl) {
   CHECK_CUDA_T(x, "x");
@@ -684,12 +701,7 @@ void xprep(torch::Tensor x, torch::Tensor xp, c10::optional<torch::Tensor> count
   auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t groups = int64_t(T) * H / 8;
   if (groups == 0) return;
-  int* cnt = nullptr;
-  if (counter.has_value()) {
-    TORCH_CHECK(counter->scalar_type() == torch::kInt32 && counter->numel() >= int64_t(T) * (H / 16),
-                "counter must be int32 [T, H / 16]");
-    cnt = counter->data_ptr<int>();
-  }
+  int* cnt = fused_counter(counter, T, H);
   const int threads = 256;
   const int blocks = int((groups + threads - 1) / threads);
   auto* out = reinterpret_cast<__nv_bfloat16*>(xp.data_ptr<at::BFloat16>());
@@ -786,13 +798,10 @@ void launch_gemv_ns(const GemvArgs& a, int max_units, cudaStream_t stream, bool 
 bool decode_fp8_available() {
   static int ok = -1;
   if (ok < 0) {
-    int dev = 0, major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     cudaFuncAttributes attr{};
-    if (major * 10 + minor >= 89) C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_stage_kernel<true, true, 4, true>));
-    ok = major * 10 + minor >= 89 && attr.ptxVersion >= 89 ? 1 : 0;
+    const bool cap = compute_capability() >= 89;
+    if (cap) C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_stage_kernel<true, true, 4, true>));
+    ok = cap && attr.ptxVersion >= 89 ? 1 : 0;
   }
   return ok == 1;
 }
@@ -806,12 +815,7 @@ void xprep8(torch::Tensor x, torch::Tensor xp8, torch::Tensor xinv, c10::optiona
   TORCH_CHECK(xp8.scalar_type() == torch::kUInt8 && xp8.numel() == int64_t(T) * 2 * H, "xp8 must be uint8 [T, 2, H]");
   TORCH_CHECK(xinv.scalar_type() == torch::kFloat32 && xinv.numel() == T, "xinv must be float32 [T]");
   if (T == 0) return;
-  int* cnt = nullptr;
-  if (counter.has_value()) {
-    TORCH_CHECK(counter->scalar_type() == torch::kInt32 && counter->numel() >= int64_t(T) * (H / 16),
-                "counter must be int32 [T, H / 16]");
-    cnt = counter->data_ptr<int>();
-  }
+  int* cnt = fused_counter(counter, T, H);
   const at::cuda::CUDAGuard guard(x.device());
   launch(xprep8_kernel, dim3(T), dim3(256), 0, at::cuda::getCurrentCUDAStream(), pdl,
          reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>()), xp8.data_ptr<uint8_t>(),
@@ -972,11 +976,7 @@ int64_t prefill_block_n(bool wgmma) { return wgmma ? WS_BN : PF_BN; }
 // Read from the loaded kernel's register count (without the sm_90a features its body is empty), so the answer needs
 // no kernel launch or host sync and is safe while a CUDA graph is being captured.
 bool prefill_wgmma_available() {
-  int dev = 0, major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (major != 9 || minor != 0) return false;
+  if (compute_capability() != 90) return false;
   cudaFuncAttributes attr{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, prefill_wgmma_kernel<true>));
   return attr.numRegs >= 32;

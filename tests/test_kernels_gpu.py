@@ -468,11 +468,11 @@ def test_e4m3_w13_stage_is_deterministic_and_graph_safe(mod, monkeypatch):
     monkeypatch.setattr(ops, "E4M3_DECODE", True)
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
     x, ids, w, pool, slot_of, lay, _ = _case(7168, 2048, 8, 8, E=64, seed=3)
-    assert ops.use_fp8_w13(mod, x.device, x)
+    assert ops.use_fp8_w13(mod, x)
     a = ops.moe_forward(x, ids, w, pool, slot_of, lay)
     for _ in range(3):
         assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay), a)
     ref = ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
     assert _rel(a.float(), ref) < 8e-3
     # fp32 x keeps the bf16 hi/lo operand (float32-accurate), whatever the switch says.
-    assert not ops.use_fp8_w13(mod, x.device, x.float())
+    assert not ops.use_fp8_w13(mod, x.float())

@@ -577,7 +577,6 @@ def test_e4m3_w13_stage_plumbing(e4m3, x_dtype, monkeypatch):
     # ops.E4M3_DECODE sends bf16 x through xprep8 (e4m3 hi/lo planes + per-token scales) into the w13 stage; fp32 x
     # keeps the bf16 hi/lo operand either way.
     monkeypatch.setattr(ops, "E4M3_DECODE", e4m3)
-    monkeypatch.setattr(ops, "_FP8_CAP", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
     lay2, pool, slot_of, _, ids, w, x = _stand_in_case(3, x_dtype, False)

@@ -48,8 +48,8 @@ FUSED_COMBINE = False
 # True: the decode stages' w13 launch reads the 2-bit codes as an e4m3 A operand (four weights per table lookup,
 # one m16n8k32 MMA per 16 weights) with bf16 x as e4m3 hi/lo planes under a per-token power-of-two scale, on GPUs
 # with e4m3 MMAs (sm_89+) and for bf16 x (fp32 x keeps the bf16 hi/lo operand, float32-accurate). Off: on the
-# H200 (sm_90, where ptxas emulates e4m3 mma.sync with conversions + f16 MMAs) it measured 5-12% slower than the
-# bf16 stage; sm_89 / sm_120 run it on the tensor cores, unmeasured so far (bench decode kernel "gemv+e4m3").
+# H200 (sm_90, where ptxas emulates e4m3 mma.sync with conversions + f16 MMAs) the layer took 1.09-1.17x the
+# bf16 stages' time; sm_89 / sm_120 run it on the tensor cores, unmeasured so far (bench decode kernel "gemv+e4m3").
 # Precision and measurements: docs/KERNELS.md ("e4m3 A operand").
 E4M3_DECODE = False
 
@@ -229,18 +229,11 @@ def use_pdl(dev: torch.device) -> bool:
     return _PDL_CAP[key]
 
 
-_FP8_CAP: dict[str, bool] = {}
-
-
-def use_fp8_w13(mod, dev: torch.device, x: torch.Tensor) -> bool:
+def use_fp8_w13(mod, x: torch.Tensor) -> bool:
     """The e4m3 w13 decode stage takes this step: switched on (E4M3_DECODE), bf16 x, and the kernels can run it
-    on this GPU (sm_89+, built for it)."""
-    if not E4M3_DECODE or x.dtype != torch.bfloat16 or not hasattr(mod, "decode_fp8_available"):
-        return False
-    key = str(dev)
-    if key not in _FP8_CAP:
-        _FP8_CAP[key] = bool(mod.decode_fp8_available())
-    return _FP8_CAP[key]
+    on this GPU (sm_89+, built for it; the extension checks that once per process)."""
+    return (E4M3_DECODE and x.dtype == torch.bfloat16 and hasattr(mod, "decode_fp8_available")
+            and bool(mod.decode_fp8_available()))
 
 
 def _check_residency() -> bool:
@@ -416,7 +409,7 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             # w2 -> partial rows. FP4-resident experts (if any) still take the tiles below.
             # With FUSED_COMBINE and no FP4 experts the w2 stage also does the weighted per-token sum.
             # bf16 x on sm_89+: x as e4m3 hi/lo planes + per-token scales and the e4m3 w13 stage.
-            f8 = use_fp8_w13(mod, dev, xs)
+            f8 = use_fp8_w13(mod, xs)
             split = f8 or xs.dtype == torch.float32
             fused = fp4_pool is None and FUSED_COMBINE
             act_hl = torch.empty(P, 2, ir, dtype=torch.bfloat16, device=dev)
