@@ -6,11 +6,13 @@
 // the fp32 intermediate into bf16 hi/lo in its inner loop. It read 1.0-1.2 TB/s on the H200.
 //
 // Here:
-//   - One launch per stage over all (expert pass, 16-row tile) units of the layer. A warp owns whole units (full
-//     K, no split-K, so no reduction) and streams a contiguous range of them in rounds (NS 16-byte pieces of each
-//     of its two rows per thread, NS = 4 when K is a multiple of 1024); GEMV_ROUNDS rounds of codes + scales are
-//     in flight per warp at all times, across unit boundaries, in a shared-memory ring filled by cp.async. The grid
-//     is sized from the occupancy so that every warp gets the same number of units (balanced to one unit).
+//   - One launch per stage over all (expert pass, 16-row tile) units of the layer, a unit read in rounds (NS
+//     16-byte pieces of each of its two rows per thread, NS = 4 when K is a multiple of 1024). A block takes a
+//     contiguous range of units and its 4 warps split the range's rounds evenly (a unit may straddle two warps:
+//     its parts are summed through shared memory at the end, in warp order), with one block per resident slot,
+//     so every warp slot of the device streams the same number of rounds to one; GEMV_ROUNDS rounds of codes +
+//     scales are in flight per warp at all times, across unit boundaries, in a shared-memory ring filled by
+//     cp.async. (`plain`, forced by the host, gives each warp whole units instead.)
 //   - The routing (unique experts, their pairs, passes of at most NCOL pairs) is built once per block in shared
 //     memory by warp 0 (P <= GEMV_MAX_PAIRS), not per unit.
 //   - A 16-row MMA tile of the w13 stage is 8 gate rows + the 8 matching up rows, so each thread ends with gate
@@ -20,8 +22,9 @@
 //     its B fragments with plain 16-byte loads, a quad's 4 threads 64 contiguous bytes.
 //   - MMA columns carry pairs (bf16 x: 8 pairs per pass) or hi/lo halves of 4 pairs (fp32 x, and the w2 stage's
 //     intermediate): float32-accurate results at no decode cost, since every thread decodes only its own rows.
-// Deterministic: fixed K order per unit, two MMA chains summed in a fixed order, fixed hi + lo order, no atomics
-// on data.
+// Deterministic: fixed K order per unit, two MMA chains summed in a fixed order, a straddling unit's parts in warp
+// order (where units split depends only on the step's routing and the grid), fixed hi + lo order, no atomics on
+// data.
 
 constexpr int GEMV_MAX_PAIRS = 64;  // pairs (T * k) per call that the block-level routing handles
 constexpr int GEMV_CHUNK = 256;     // K granularity of the stages (a row's K must be a multiple of this)
@@ -80,6 +83,7 @@ struct GemvArgs {
   void* out;                   // [T, H]
   int out_kind;                // 0 float32, 1 bfloat16, 2 float16
   int* counter;                // [T, H / 16], zeroed by xprep_kernel
+  int balanced;                // a block's rounds spread evenly over its warps, units may straddle (gemv_plan)
 };
 
 // Unscaled-free 2-bit decode: same table trick as decode_2bit (scale folded into the bf16 exponent), with the
@@ -497,24 +501,41 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   }
   __syncthreads();
   const int n_units = n_ep_s * a.tiles;
-  // Contiguous unit ranges per warp, and the block's warps on neighbouring ranges: units are expert-pass major, so
-  // a block's warps mostly stream tiles of the same pass and read the same B rows, which then stay in the L1
-  // (interleaving warps over blocks gave every warp of an SM its own pass: at 8 tokens the w2 stage's B rows
-  // of 16 passes, 8 KB each, did not fit the ~88 KB of L1 beside the rings; 6% L1 hits, B loads 13% of its
-  // stall samples). The launch sizes the grid so that every warp has units, so no SM is left with idle warps.
-  const int W = gridDim.x * GEMV_WARPS;
-  const int wg = blockIdx.x * GEMV_WARPS + warp;
-  const int u_begin = int(int64_t(wg) * n_units / W), u_end = int(int64_t(wg + 1) * n_units / W);
   const int RPU = a.K / (GEMV_CHUNK * NS);  // rounds per unit
-  const int n_rounds = (u_end - u_begin) * RPU;
+  // This warp's rounds [rb, re) of the layer's (unit, round) sequence (round r of unit u is u * RPU + r).
+  // Plain: contiguous unit ranges per warp, and the block's warps on neighbouring ranges: units are expert-pass
+  // major, so a block's warps mostly stream tiles of the same pass and read the same B rows, which then stay in
+  // the L1 (interleaving warps over blocks gave every warp of an SM its own pass: at 8 tokens the w2 stage's B
+  // rows of 16 passes, 8 KB each, did not fit the ~88 KB of L1 beside the rings; 6% L1 hits, B loads 13% of its
+  // stall samples). The launch sizes the grid so that every warp has units, so no SM is left with idle warps.
+  // Balanced (the default, gemv_plan): a block takes a contiguous unit range and its warps split the range's
+  // rounds evenly, so a unit may straddle warps, and every warp slot of the device streams. At 1 token a
+  // DeepSeek-V4-Flash w13 stage has 1536 units of 4 rounds for 2112 warp slots: plain, 1536 warps stream 4 rounds
+  // each; balanced, 2112 warps stream at most 3. At 8 tokens plain left 64 of the 2112 slots empty. Balanced
+  // measured 0.5-4.6% faster per layer at every shape and 1-8 tokens on the H200 (docs/KERNELS.md, H20). A
+  // straddling unit's parts are summed after the loop, in warp order (deterministic), by the warp that holds its
+  // first round.
+  // First round of warp w of this block (w = GEMV_WARPS: the block's end). Recomputed after the loop rather than
+  // kept live across it (the w2 stage spilled them).
+  auto round_start = [&](int w) -> int {
+    if (a.balanced) {
+      const int ub = int(int64_t(blockIdx.x) * n_units / gridDim.x);
+      const int R = (int(int64_t(blockIdx.x + 1) * n_units / gridDim.x) - ub) * RPU;
+      return ub * RPU + w * R / GEMV_WARPS;
+    }
+    return int(int64_t(blockIdx.x * GEMV_WARPS + w) * n_units / (gridDim.x * GEMV_WARPS)) * RPU;
+  };
+  const int rb = round_start(warp), re = round_start(warp + 1);
+  const int n_rounds = re - rb;
+  const int u_first = rb / RPU, u_last = (re - 1) / RPU;
   const int64_t qrow = a.K / 4, srow = a.K / 32;
 
   // Load cursor: the next round to request (unit lu, round lr of it) and its row pointers (this thread's offset in).
   // An expert without a slot streams the zero page instead (codes 0 under scale byte 0 decode to exact zeros), so
   // the copy path has no branch.
-  int lu = u_begin, lr = 0;
+  int lu = u_first, lr = rb - u_first * RPU;
   const uint8_t *q0 = nullptr, *q1 = nullptr, *s0 = nullptr, *s1 = nullptr;
-  auto set_rows = [&](int u) {
+  auto set_rows = [&](int u, int r) {
     const int ep = u / a.tiles, tile = u - ep * a.tiles;
     const int slot = ep_slot[ep];
     int r0, r1;
@@ -526,15 +547,16 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
       return;
     }
     const uint8_t* row = a.pool + int64_t(slot) * a.stride;
-    q0 = row + a.q_off + r0 * qrow + t * 16 * NS;
-    q1 = row + a.q_off + r1 * qrow + t * 16 * NS;
-    s0 = row + a.s_off + r0 * srow + t * 2 * NS;
-    s1 = row + a.s_off + r1 * srow + t * 2 * NS;
+    const int piece = (r * 4 + t) * NS;  // this thread's first 16-byte piece of round r
+    q0 = row + a.q_off + r0 * qrow + piece * 16;
+    q1 = row + a.q_off + r1 * qrow + piece * 16;
+    s0 = row + a.s_off + r0 * srow + piece * 2;
+    s1 = row + a.s_off + r1 * srow + piece * 2;
   };
   auto advance = [&]() {
     if (++lr == RPU) {
       lr = 0;
-      if (++lu < u_end) set_rows(lu);
+      if (++lu <= u_last) set_rows(lu, 0);
     } else {
       q0 += 64 * NS; q1 += 64 * NS; s0 += 8 * NS; s1 += 8 * NS;
     }
@@ -571,7 +593,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
 #pragma unroll
   for (int i = 0; i < GEMV_ROUNDS; ++i) {
     if (i < n_rounds) {
-      if (i == 0) set_rows(lu);
+      if (i == 0) set_rows(lu, lr);
       issue_round(i);
       advance();
     }
@@ -581,7 +603,9 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   griddep_launch_dependents();
 
   // Consumer state: unit cu, round rc of it.
-  int cu = u_begin, rc = 0;
+  int cu = u_first, rc = rb - u_first * RPU;
+  // Balanced: the parts of straddling units, [warp][first / last unit of the range][v][lane].
+  __shared__ float part_s[GEMV_WARPS][2][4][32];
   const uint4* bptr = nullptr;  // this thread's B row (its MMA column's plane), as 16-byte units
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   float acc2[4] = {0.f, 0.f, 0.f, 0.f};  // odd code words: a second, independent MMA chain
@@ -708,17 +732,48 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
       advance();
     }
     cp_async_commit();
-    if (++rc == RPU) {
-      // Unit done: epilogue, then the next unit's B row.
-      const int ep = cu / a.tiles, tile = cu - ep * a.tiles;
+    const bool unit_end = ++rc == RPU;
+    if (unit_end || r == n_rounds - 1) {
       float v[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) { v[i] = acc[i] + acc2[i]; }
-      gemv_epilogue<W13, SPLIT, NCOL>(a, v, ep, tile, lane, ep_cnt, ep_pair);
+      if (unit_end && cu * RPU >= rb) {
+        // The whole unit was this warp's: epilogue, then the next unit's B row.
+        const int ep = cu / a.tiles, tile = cu - ep * a.tiles;
+        gemv_epilogue<W13, SPLIT, NCOL>(a, v, ep, tile, lane, ep_cnt, ep_pair);
+      } else {
+        const int h = cu == u_first ? 0 : 1;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part_s[warp][h][i][lane] = v[i];
+      }
 #pragma unroll
       for (int i = 0; i < 4; ++i) { acc[i] = 0.f; acc2[i] = 0.f; }
-      rc = 0;
-      if (++cu < u_end) set_b(cu);
+      if (unit_end) {
+        rc = 0;
+        if (++cu <= u_last) set_b(cu);
+      }
+    }
+  }
+  if (a.balanced) {
+    __syncthreads();  // every warp's parts
+    // The unit of this warp's last round, when it goes on past the range and starts in it: this warp's part, then
+    // the next warps' first parts, in warp order.
+    if (n_rounds > 0 && re % RPU != 0 && u_last * RPU >= rb) {
+      float v[4];
+      const int h = u_last == u_first ? 0 : 1;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = part_s[warp][h][i][lane];
+      const int u_end_round = (u_last + 1) * RPU;
+      for (int w = warp + 1; w < GEMV_WARPS; ++w) {
+        const int wb = round_start(w), we = round_start(w + 1);
+        if (wb >= u_end_round) break;
+        if (we > wb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v[i] += part_s[w][0][i][lane];
+        }
+      }
+      const int ep = u_last / a.tiles, tile = u_last - ep * a.tiles;
+      gemv_epilogue<W13, SPLIT, NCOL>(a, v, ep, tile, lane, ep_cnt, ep_pair);
     }
   }
 }

@@ -71,13 +71,17 @@ def _case(H, I, k, T, E=32, fmt_mix=False, dtype=torch.bfloat16, seed=0, limit=N
 SHAPES = [(4096, 2048), (6144, 1024), (7168, 2048), (7168, 512)]
 
 
-@pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused", "gemv+e4m3"])
+@pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused", "gemv+e4m3", "gemv+plain",
+                        "gemv+balanced", "gemv+balanced+fused"])
 def decode_kernel(request, monkeypatch, mod):
     """Every decode path (MOETPLAN_DECODE_KERNEL): the mma.sync streaming stages (gemv), the CUDA-core rowdot stages
     and the first version's tiles; "+fused": with the per-token sum folded into the w2 stage (ops.FUSED_COMBINE);
-    "+e4m3": the gemv stages with the e4m3 w13 stage for bf16 x (ops.E4M3_DECODE)."""
+    "+e4m3": the gemv stages with the e4m3 w13 stage for bf16 x (ops.E4M3_DECODE); "+plain" / "+balanced": the gemv
+    stages' units over warps forced either way (ops.GEMV_BALANCE; without it, gemv_plan's choice)."""
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", request.param.split("+")[0])
     monkeypatch.setattr(ops, "FUSED_COMBINE", request.param.endswith("+fused"))
+    monkeypatch.setattr(ops, "GEMV_BALANCE", True if "+balanced" in request.param else
+                        False if "+plain" in request.param else None)
     e4m3 = request.param.endswith("+e4m3")
     if e4m3 and not mod.decode_fp8_available():
         pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
@@ -390,6 +394,40 @@ def test_rowdot_and_gemv_decode_agree(mod, monkeypatch, T, H, I):
     assert _rel(a, ref) < 1e-5
 
 
+def test_gemv_plan_spreads_rounds_over_warps(mod):
+    # Plain: every warp takes whole units, the same number to one; balanced (the default): a block's units' rounds
+    # spread over its 4 warps, never a longer warp than plain. K = 4096: 4 rounds per unit.
+    assert mod.gemv_plan(True, False, False, 4096, 1, 0) == (False, 1, 4)  # one unit, plain: one warp streams it
+    assert mod.gemv_plan(True, False, False, 4096, 1, -1) == (True, 1, 1)  # balanced: each warp a quarter
+    for units in (1, 100, 1536, 3072, 16384):
+        plain = mod.gemv_plan(True, False, False, 4096, units, 0)
+        bal = mod.gemv_plan(True, False, False, 4096, units, 1)
+        assert mod.gemv_plan(True, False, False, 4096, units, -1) == bal
+        assert not plain[0] and bal[0]
+        assert bal[2] == -(-(-(-units // bal[1]) * 4) // 4)  # ceil(units per block) x 4 rounds over 4 warps
+        assert bal[2] <= plain[2] and bal[1] >= plain[1]
+        assert bal[2] * bal[1] * 4 >= units * 4 and plain[2] * plain[1] * 4 >= units * 4  # every round has a warp
+        assert plain[2] % 4 == 0  # whole units
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 8])
+@pytest.mark.parametrize("H,I", [(4096, 2048), (7168, 512), (2560, 256), (6144, 1024)])
+def test_gemv_balanced_and_plain_agree(mod, monkeypatch, T, H, I):
+    # Balanced stages sum a straddling unit's parts in warp order: the same products as the plain stages, another
+    # float32 summation order, and deterministic run to run (fp32 x: both float32-accurate).
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, dtype=torch.float32, seed=51 + T)
+    monkeypatch.setattr(ops, "GEMV_BALANCE", False)
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    monkeypatch.setattr(ops, "GEMV_BALANCE", True)
+    b = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    b2 = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert torch.equal(b, b2)
+    assert _rel(a, b) < 1e-5
+    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    assert _rel(b, ref) < DECODE_TOL
+
+
 def test_default_decode_kernel_is_valid(mod, monkeypatch):
     monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
     lay = RowLayout.for_expert(7168, 2048)
@@ -415,7 +453,7 @@ def _w13_act(mod, x, ids, pool, slot_of, lay, f8: bool) -> torch.Tensor:
         xp = torch.empty(T, 1, H, dtype=torch.bfloat16, device=dev)
         mod.xprep(x, xp, None, False)
     mod.gemv_stage(True, f8, pool, slot_of, None, lay.w13_q_off, lay.w13_s_off, H, Ir, ids, ids.shape[1], xp, act,
-                   None, None, None, None, 0.0, False, flag, False, xinv)
+                   None, None, None, None, 0.0, False, flag, False, xinv, -1)
     torch.cuda.synchronize()
     assert int(flag.item()) == 0
     return act.float().sum(dim=1)

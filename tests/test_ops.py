@@ -543,8 +543,9 @@ class _FakeGemvExtension(_FakeExtension):
         xp.copy_(_to_paired(planes))
 
     def gemv_stage(self, w13, split, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk, b, act, partial,
-                   weights, out, counter, limit, has_limit, flag, pdl, xinv):
+                   weights, out, counter, limit, has_limit, flag, pdl, xinv, balance):
         self.calls.append(f"gemv{'13' if w13 else '2'}")
+        assert balance == (-1 if ops.GEMV_BALANCE is None else int(ops.GEMV_BALANCE))
         if xinv is not None:  # the e4m3 w13 stage: xprep8's planes
             assert w13 and split and b.dtype == torch.uint8 and b.shape[1] == 2
             f8 = b.view(torch.float8_e4m3fn).float()

@@ -52,6 +52,12 @@ FUSED_COMBINE = False
 # bf16 stages' time; sm_89 / sm_120 run it on the tensor cores, unmeasured so far (bench decode kernel "gemv+e4m3").
 # Precision and measurements: docs/KERNELS.md ("e4m3 A operand").
 E4M3_DECODE = False
+# How the gemv decode stages spread their units over the warps: None = the extension's default (balanced: a
+# block's rounds split evenly over its warps, units may straddle warps, every warp slot streams; 0.5-4.6% faster
+# per layer than plain on the H200 at every shape and 1-8 tokens, docs/KERNELS.md H20); False / True force plain
+# (whole units per warp) / balanced (bench decode kernels "gemv+plain" / "gemv+balanced"). Both deterministic;
+# they differ only in float summation order.
+GEMV_BALANCE: bool | None = None
 
 
 class ResidencyError(MoetplanError):
@@ -423,11 +429,12 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
                 xp = torch.empty(xs.shape[0], 2 if split else 1, H, dtype=torch.bfloat16, device=dev)
                 mod.xprep(xs, xp, counter, pdl)
             stage = mod.gemv_stage
+            balance = -1 if GEMV_BALANCE is None else int(GEMV_BALANCE)
             stage(True, split, pool, slot32, f4slot32, layout.w13_q_off, layout.w13_s_off, H, ir, ids, k,
-                  xp, act_hl, None, None, None, None, lim, swiglu_limit is not None, flag, pdl, xinv)
+                  xp, act_hl, None, None, None, None, lim, swiglu_limit is not None, flag, pdl, xinv, balance)
             stage(False, True, pool, slot32, f4slot32, layout.w2_q_off, layout.w2_s_off, H, ir, ids, k,
                   act_hl, None, partial, weights[t0:t1] if fused else None, out[t0:t1] if fused else None,
-                  counter, lim, swiglu_limit is not None, flag, pdl, None)
+                  counter, lim, swiglu_limit is not None, flag, pdl, None, balance)
             if fused:
                 continue
             todo = fmts[1:]
