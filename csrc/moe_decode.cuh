@@ -512,7 +512,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   // rounds evenly, so a unit may straddle warps, and every warp slot of the device streams. At 1 token a
   // DeepSeek-V4-Flash w13 stage has 1536 units of 4 rounds for 2112 warp slots: plain, 1536 warps stream 4 rounds
   // each; balanced, 2112 warps stream at most 3. At 8 tokens plain left 64 of the 2112 slots empty. Balanced
-  // measured 0.5-4.6% faster per layer at every shape and 1-8 tokens on the H200 (docs/KERNELS.md, H20). A
+  // measured 0.7-6.4% faster per layer on the H200 at every shape and 1-8 tokens but one (DeepSeek-V4-Flash at 1
+  // token: within noise; docs/KERNELS.md, H20). A
   // straddling unit's parts are summed after the loop, in warp order (deterministic), by the warp that holds its
   // first round.
   // First round of warp w of this block (w = GEMV_WARPS: the block's end). Recomputed after the loop rather than

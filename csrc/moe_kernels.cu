@@ -784,8 +784,9 @@ int gemv_max_blocks() {
 // balanced (a contiguous unit range per block, its rounds split evenly over the block's warps; gemv_stage_kernel)
 // or plain (every warp whole units, the same number to one, fewest warps that keep that number minimal). `rounds`
 // is the longest warp's. Balanced is never longer (a block's ceil(units / blocks) units over 4 warps) and uses
-// every warp slot; on the H200 it measured 0.5-4.6% faster per layer than plain at every model shape and 1-8 tokens
-// (bench/results/kernels_h200_balanced.json), so mode -1 (the default) and 1 take it, 0 forces plain.
+// every warp slot; on the H200 plain took 0.7-6.4% longer per layer at every model shape and 1-8 tokens
+// except DeepSeek-V4-Flash at 1 token (-4.4% .. +1.2% over three runs: noise there; docs/KERNELS.md, H20), so mode
+// -1 (the default) and 1 take it, 0 forces plain.
 struct GemvPlan {
   bool balanced;
   int blocks;

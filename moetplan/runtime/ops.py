@@ -53,10 +53,10 @@ FUSED_COMBINE = False
 # Precision and measurements: docs/KERNELS.md ("e4m3 A operand").
 E4M3_DECODE = False
 # How the gemv decode stages spread their units over the warps: None = the extension's default (balanced: a
-# block's rounds split evenly over its warps, units may straddle warps, every warp slot streams; 0.5-4.6% faster
-# per layer than plain on the H200 at every shape and 1-8 tokens, docs/KERNELS.md H20); False / True force plain
-# (whole units per warp) / balanced (bench decode kernels "gemv+plain" / "gemv+balanced"). Both deterministic;
-# they differ only in float summation order.
+# block's rounds split evenly over its warps, units may straddle warps, every warp slot streams; 0.7-6.4% faster per
+# layer than plain on the H200 at every shape and 1-8 tokens but DeepSeek-V4-Flash at 1 token, where it is within
+# noise; docs/KERNELS.md H20); False / True force plain (whole units per warp) / balanced (bench decode kernels
+# "gemv+plain" / "gemv+balanced"). Both deterministic; they differ only in float summation order.
 GEMV_BALANCE: bool | None = None
 
 
