@@ -8,11 +8,12 @@
 // Here:
 //   - One launch per stage over all (expert pass, 16-row tile) units of the layer, a unit read in rounds (NS
 //     16-byte pieces of each of its two rows per thread, NS = 4 when K is a multiple of 1024). A block takes a
-//     contiguous range of units and its 4 warps split the range's rounds evenly (a unit may straddle two warps:
+//     contiguous range of units and its 4 warps split the range's rounds evenly (a unit may straddle warps:
 //     its parts are summed through shared memory at the end, in warp order), with one block per resident slot,
-//     so every warp slot of the device streams the same number of rounds to one; GEMV_ROUNDS rounds of codes +
-//     scales are in flight per warp at all times, across unit boundaries, in a shared-memory ring filled by
-//     cp.async. (`plain`, forced by the host, gives each warp whole units instead.)
+//     so every warp slot of the device streams the same number of rounds to one ("balanced", when the units
+//     outnumber the warp slots); with fewer units each warp takes one whole unit ("plain"). GEMV_ROUNDS rounds of
+//     codes + scales are in flight per warp at all times, across unit boundaries, in a shared-memory ring filled
+//     by cp.async.
 //   - The routing (unique experts, their pairs, passes of at most NCOL pairs) is built once per block in shared
 //     memory by warp 0 (P <= GEMV_MAX_PAIRS), not per unit.
 //   - A 16-row MMA tile of the w13 stage is 8 gate rows + the 8 matching up rows, so each thread ends with gate
@@ -508,12 +509,12 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   // the L1 (interleaving warps over blocks gave every warp of an SM its own pass: at 8 tokens the w2 stage's B
   // rows of 16 passes, 8 KB each, did not fit the ~88 KB of L1 beside the rings; 6% L1 hits, B loads 13% of its
   // stall samples). The launch sizes the grid so that every warp has units, so no SM is left with idle warps.
-  // Balanced (the default, gemv_plan): a block takes a contiguous unit range and its warps split the range's
-  // rounds evenly, so a unit may straddle warps, and every warp slot of the device streams. At 1 token a
-  // DeepSeek-V4-Flash w13 stage has 1536 units of 4 rounds for 2112 warp slots: plain, 1536 warps stream 4 rounds
-  // each; balanced, 2112 warps stream at most 3. At 8 tokens plain left 64 of the 2112 slots empty. Balanced
-  // measured 0.7-6.4% faster per layer on the H200 at every shape and 1-8 tokens but one (DeepSeek-V4-Flash at 1
-  // token: within noise; docs/KERNELS.md, H20). A
+  // Balanced (gemv_plan's choice when the units outnumber the warp slots: 2-8 tokens on the target models): a block
+  // takes a contiguous unit range and its warps split the range's rounds evenly, so a unit may straddle warps, and
+  // every warp slot of the device streams (plain left 64 of the H200's 2112 slots empty at 4-8 tokens, and at 2
+  // tokens gave some warps twice the units of others). Plain took 0.7-6.4% longer per layer there (H200,
+  // docs/KERNELS.md H20). With fewer units than slots (1 token) plain stays: DeepSeek-V4-Flash's w13 stage went
+  // from 4 to 3 rounds per warp balanced and still took longer (more warps contending, parts to sum). A
   // straddling unit's parts are summed after the loop, in warp order (deterministic), by the warp that holds its
   // first round.
   // First round of warp w of this block (w = GEMV_WARPS: the block's end). Recomputed after the loop rather than

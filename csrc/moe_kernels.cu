@@ -783,10 +783,12 @@ int gemv_max_blocks() {
 // How a decode stage spreads its units (at most max_units, of rpu rounds each) over max_blocks resident blocks:
 // balanced (a contiguous unit range per block, its rounds split evenly over the block's warps; gemv_stage_kernel)
 // or plain (every warp whole units, the same number to one, fewest warps that keep that number minimal). `rounds`
-// is the longest warp's. Balanced is never longer (a block's ceil(units / blocks) units over 4 warps) and uses
-// every warp slot; on the H200 plain took 0.7-6.4% longer per layer at every model shape and 1-8 tokens
-// except DeepSeek-V4-Flash at 1 token (-4.4% .. +1.2% over three runs: noise there; docs/KERNELS.md, H20), so mode
-// -1 (the default) and 1 take it, 0 forces plain.
+// is the longest warp's. Balanced is never longer (a block's ceil(units / blocks) units over 4 warps) and fills
+// every warp slot, but with at most one unit per warp slot plain already has no imbalance worth removing, and there
+// balanced's extra warps and straddling parts cost: DeepSeek-V4-Flash at 1 token (1536 units for 2112 slots),
+// Nsight Compute, w13 30.0 vs 28.6 us and w2 20.9 vs 19.1 us. With more units than warp slots plain took 0.7-6.4%
+// longer per layer (H200, every model shape at 2-8 tokens; docs/KERNELS.md, H20). So mode -1 (the default) takes
+// balanced exactly when units outnumber the warp slots; 0 / 1 force plain / balanced.
 struct GemvPlan {
   bool balanced;
   int blocks;
@@ -794,7 +796,7 @@ struct GemvPlan {
 };
 GemvPlan gemv_plan_for(int64_t max_units, int64_t rpu, int64_t max_blocks, int64_t mode) {
   max_units = std::max<int64_t>(max_units, 1);
-  if (mode == 0) {
+  if (mode == 0 || (mode < 0 && max_units <= max_blocks * GEMV_WARPS)) {
     const int64_t wmax = max_blocks * GEMV_WARPS;
     const int64_t per = (max_units + wmax - 1) / wmax;
     const int64_t warps = (max_units + per - 1) / per;

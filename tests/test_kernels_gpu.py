@@ -395,19 +395,21 @@ def test_rowdot_and_gemv_decode_agree(mod, monkeypatch, T, H, I):
 
 
 def test_gemv_plan_spreads_rounds_over_warps(mod):
-    # Plain: every warp takes whole units, the same number to one; balanced (the default): a block's units' rounds
-    # spread over its 4 warps, never a longer warp than plain. K = 4096: 4 rounds per unit.
-    assert mod.gemv_plan(True, False, False, 4096, 1, 0) == (False, 1, 4)  # one unit, plain: one warp streams it
-    assert mod.gemv_plan(True, False, False, 4096, 1, -1) == (True, 1, 1)  # balanced: each warp a quarter
-    for units in (1, 100, 1536, 3072, 16384):
+    # Plain: every warp takes whole units, the same number to one; balanced: a block's units' rounds spread over its
+    # 4 warps, never a longer warp than plain. The default takes balanced exactly when the units outnumber the warp
+    # slots. K = 4096: 4 rounds per unit.
+    slots = 4 * mod.gemv_plan(True, False, False, 4096, 1 << 20, 1)[1]  # balanced: one block per resident slot
+    assert mod.gemv_plan(True, False, False, 4096, 1, -1) == (False, 1, 4)  # one unit: one warp streams it
+    assert mod.gemv_plan(True, False, False, 4096, 1, 1) == (True, 1, 1)  # forced balanced: each warp a quarter
+    for units in (1, 100, slots - 1, slots, slots + 1, 3 * slots + 5, 16384):
         plain = mod.gemv_plan(True, False, False, 4096, units, 0)
         bal = mod.gemv_plan(True, False, False, 4096, units, 1)
-        assert mod.gemv_plan(True, False, False, 4096, units, -1) == bal
+        assert mod.gemv_plan(True, False, False, 4096, units, -1) == (bal if units > slots else plain)
         assert not plain[0] and bal[0]
         assert bal[2] == -(-(-(-units // bal[1]) * 4) // 4)  # ceil(units per block) x 4 rounds over 4 warps
         assert bal[2] <= plain[2] and bal[1] >= plain[1]
         assert bal[2] * bal[1] * 4 >= units * 4 and plain[2] * plain[1] * 4 >= units * 4  # every round has a warp
-        assert plain[2] % 4 == 0  # whole units
+        assert plain[2] == 4 * -(-units // slots)  # whole units, as few per warp as the slots allow
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 8])

@@ -52,11 +52,12 @@ FUSED_COMBINE = False
 # bf16 stages' time; sm_89 / sm_120 run it on the tensor cores, unmeasured so far (bench decode kernel "gemv+e4m3").
 # Precision and measurements: docs/KERNELS.md ("e4m3 A operand").
 E4M3_DECODE = False
-# How the gemv decode stages spread their units over the warps: None = the extension's default (balanced: a
-# block's rounds split evenly over its warps, units may straddle warps, every warp slot streams; 0.7-6.4% faster per
-# layer than plain on the H200 at every shape and 1-8 tokens but DeepSeek-V4-Flash at 1 token, where it is within
-# noise; docs/KERNELS.md H20); False / True force plain (whole units per warp) / balanced (bench decode kernels
-# "gemv+plain" / "gemv+balanced"). Both deterministic; they differ only in float summation order.
+# How the gemv decode stages spread their units over the warps: None = the extension's choice (gemv_plan:
+# "balanced" — a block's rounds split evenly over its warps, units may straddle warps, every warp slot streams —
+# when a stage's units outnumber the warp slots, as at 2-8 tokens, where plain took 0.7-6.4% longer per layer on
+# the H200; "plain" — whole units per warp — below that, as at 1 token, where balanced measured slower for
+# DeepSeek-V4-Flash; docs/KERNELS.md H20). False / True force plain / balanced (bench decode kernels "gemv+plain" /
+# "gemv+balanced"). Both deterministic; they differ only in float summation order.
 GEMV_BALANCE: bool | None = None
 
 
