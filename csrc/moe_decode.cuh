@@ -512,7 +512,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   // Balanced (gemv_plan's choice when the units outnumber the warp slots: 2-8 tokens on the target models): a block
   // takes a contiguous unit range and its warps split the range's rounds evenly, so a unit may straddle warps, and
   // every warp slot of the device streams (plain left 64 of the H200's 2112 slots empty at 4-8 tokens, and at 2
-  // tokens gave some warps twice the units of others). Plain took 0.7-6.4% longer per layer there (H200,
+  // tokens ran DeepSeek-V4-Flash's 3072 w13 units on 1536 warps). Plain took 0.7-6.4% longer per layer there (H200,
   // docs/KERNELS.md H20). With fewer units than slots (1 token) plain stays: DeepSeek-V4-Flash's w13 stage went
   // from 4 to 3 rounds per warp balanced and still took longer (more warps contending, parts to sum). A
   // straddling unit's parts are summed after the loop, in warp order (deterministic), by the warp that holds its
