@@ -94,7 +94,9 @@ def offline(env, checkpoints, tmp_path_factory):
     jobs = {  # run in this order
         "vllm_unquantized": [qwen, None, None],
         "moetplan_2bit_a": [qwen, "moetplan", plans["2bit"]],
-        "moetplan_2bit_nvme": [qwen, "moetplan", plans["nvme"]],
+        # (1.5 s before shutdown: the store KPIs below are read from its run record, which the worker's flusher
+        # writes about once a second besides the exit write)
+        "moetplan_2bit_nvme": [qwen, "moetplan", plans["nvme"], None, 1.5],
         "moetplan_2bit_from_pack": [qwen, "moetplan", plans["from_pack"]],
         # the same expert values stored as FP8 block-128: the FP8 source path must give the same 2-bit rows
         "moetplan_2bit_fp8": [str(checkpoints["tiny-moe-fp8"]), "moetplan",

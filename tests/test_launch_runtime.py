@@ -335,6 +335,35 @@ def test_background_flusher_writes_after_counters_change(tmp_path):
         w.stop_flusher()
 
 
+def test_close_writes_the_last_counts_while_the_flusher_is_mid_write(tmp_path):
+    # The flusher takes a snapshot (1 call) and is still writing it when the worker exits after a second call:
+    # the exit write must wait for it and then write 2, not skip because the lock is held (the file kept the
+    # older snapshot: an offline e2e run ended with no decode step in its record).
+    import threading
+    import time
+
+    st = records.RuntimeStats()
+    path = tmp_path / "r.run.json"
+    in_write = threading.Event()
+
+    def slow_record():
+        rec = records.build_run_record(None, None, st)
+        if threading.current_thread().name == "moetplan-run-record":
+            in_write.set()
+            time.sleep(0.3)
+        return rec
+
+    w = records.RecordWriter(path, slow_record, interval_s=100.0, version=lambda: st.moe_calls)
+    st.on_call(True, 1, 1, False, 0.0)
+    w.start_flusher(period_s=0.01)
+    assert in_write.wait(5.0)
+    st.on_call(True, 1, 1, False, 0.0)
+    assert w.write() is False  # the old exit path: skipped while the flusher writes
+    assert w.close() is True
+    assert json.loads(path.read_text())["runtime"]["moe_calls"] == 2
+    assert not w._flusher.is_alive()
+
+
 # --------------------------------------------------------------------------- plugin and vLLM registration
 
 

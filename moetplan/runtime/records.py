@@ -171,7 +171,8 @@ def build_run_record(
 class RecordWriter:
     """Writes the run record at most every `interval_s` (checked from the MoE hot path), from a background
     flusher when counters changed (the last requests before a stop must reach the file: vLLM workers are
-    terminated without running exit hooks), and at exit where exit hooks do run."""
+    terminated without running exit hooks), and at exit where exit hooks do run (`close`: it waits for a write
+    the flusher has in progress, whose snapshot may predate the last calls, and then writes the final counts)."""
 
     def __init__(self, path: str | os.PathLike[str], make_record: Callable[[], RunRecord], interval_s: float = 2.0,
                  version: Callable[[], Any] | None = None):
@@ -200,14 +201,26 @@ class RecordWriter:
     def stop_flusher(self) -> None:
         self._stop.set()
 
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """The final write: stop the flusher, let a write it has started finish, then write the current counts.
+        (A non-blocking write here lost the last calls whenever the flusher held the lock: its file then kept
+        a snapshot taken before them — an offline run of a few tokens could end with no decode step recorded.)"""
+        self.stop_flusher()
+        if self._flusher is not None and self._flusher is not threading.current_thread():
+            self._flusher.join(timeout_s)
+        return self.write(blocking_s=timeout_s)
+
     def maybe_write(self) -> bool:
         now = time.monotonic()
         if now < self._next:
             return False
         return self.write(now)
 
-    def write(self, now: float | None = None) -> bool:
-        if not self._lock.acquire(blocking=False):
+    def write(self, now: float | None = None, blocking_s: float = 0.0) -> bool:
+        """Write the record now; skipped (False) when another write holds the lock, after waiting up to
+        blocking_s for it."""
+        got = self._lock.acquire(timeout=blocking_s) if blocking_s > 0 else self._lock.acquire(blocking=False)
+        if not got:
             return False
         try:
             self._next = (now if now is not None else time.monotonic()) + self.interval_s

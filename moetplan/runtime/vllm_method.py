@@ -225,7 +225,7 @@ def writer() -> records.RecordWriter | None:
         path = os.environ.get("MOETPLAN_RUN_RECORD") or str(records.run_record_path(s.plan_path, _tp_rank()))
         _WRITER = records.RecordWriter(path, _make_record, s.record_interval_s, version=_record_version)
         _WRITER.start_flusher()
-        atexit.register(_WRITER.write)
+        atexit.register(_WRITER.close)
     return _WRITER
 
 
