@@ -34,21 +34,57 @@ def kernels(path: str) -> Iterator[dict[str, Any]]:
         yield cur
 
 
+def _opcode(src: str) -> str:
+    """The opcode of a SASS line, without its predicate (@P0, @!UP1)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", src).split(" ")[0] if src else "?"
+
+
+def loop_shares(section: dict[str, Any], samples: list[int]) -> tuple[float, float, float] | None:
+    """Shares of the samples before, inside and after the kernel's main loop: the innermost backward branch whose
+    range holds the first MMA instruction. None without an MMA or such a loop."""
+    h = {k: i for i, k in enumerate(section["header"])}
+    addr = [int(r[h["Address"]], 16) for r in section["rows"]]
+    srcs = [r[h["Source"]].strip() for r in section["rows"]]
+    mma = next((a for a, src in zip(addr, srcs) if "MMA" in _opcode(src)), None)
+    if mma is None:
+        return None
+    loops = []
+    for a, src in zip(addr, srcs):
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-fA-F]+)", src)
+        if m and int(m.group(1), 16) <= mma <= a:
+            loops.append((int(m.group(1), 16), a))
+    if not loops:
+        return None
+    lo, hi = min(loops, key=lambda r: r[1] - r[0])
+    n = sum(samples) or 1
+    before = sum(v for a, v in zip(addr, samples) if a < lo)
+    inside = sum(v for a, v in zip(addr, samples) if lo <= a <= hi)
+    return before / n, inside / n, (n - before - inside) / n
+
+
 def summary(section: dict[str, Any], top: int = 8) -> str:
     h = {k: i for i, k in enumerate(section["header"])}
     reasons = [k for k in section["header"] if k.startswith("stall_") and "(Not Issued)" not in k]
     total: collections.Counter[str] = collections.Counter()
     by_op: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    per_row: list[int] = []
     for r in section["rows"]:
         src = r[h["Source"]].strip()
-        op = re.sub(r"^@!?U?P\w+\s+", "", src).split(" ")[0] if src else "?"
+        op = _opcode(src)
+        row = 0
         for k in reasons:
             v = int(r[h[k]] or 0)
             total[k] += v
             by_op[op][k] += v
+            row += v
+        per_row.append(row)
     n = sum(total.values()) or 1
     lines = [f"{section['name']}  ({n} samples)",
              "  " + ", ".join(f"{k[6:]} {100 * v / n:.1f}%" for k, v in total.most_common(10))]
+    shares = loop_shares(section, per_row)
+    if shares is not None:  # where the warps wait: a kernel's prologue can be a large share at few tokens
+        b, i, a = (100 * x for x in shares)
+        lines.append(f"  before the main loop {b:.1f}%, in it {i:.1f}%, after it {a:.1f}%")
     ops = collections.Counter({op: sum(c.values()) for op, c in by_op.items()})
     for op, v in ops.most_common(top):
         why = ", ".join(f"{k[6:]} {100 * c / n:.1f}" for k, c in by_op[op].most_common(3))

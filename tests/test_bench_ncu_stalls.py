@@ -43,3 +43,28 @@ def test_sections_and_shares(tmp_path):
     assert lines[2].split()[:2] == ["HMMA.16816.F32.BF16", "60.0%"]
     assert lines[3].split()[:2] == ["PRMT", "40.0%"]
     assert "barrier 100.0%" in summary(secs[2])
+
+
+def test_samples_before_inside_and_after_the_main_loop(tmp_path):
+    # Prologue 0x0-0x10 (5 samples), main loop 0x20-0x50 (its backward branch at 0x50 holds the HMMA; the outer
+    # branch at 0x70 is not the innermost), epilogue 0x60-0x80 (2 samples).
+    rows = [
+        ["Kernel Name", "void k3(int)"], HEADER,
+        ["0x0", "      LDGSTS.E.BYPASS.128 [R1], [R2.64]", "3", "3", "0", "0", "0"],
+        ["0x10", "      UMOV UR4, 0x400", "2", "0", "0", "2", "0"],
+        ["0x20", "      PRMT R1, R2, R3, R4", "4", "4", "0", "0", "0"],
+        ["0x30", "  @P1 HMMA.16816.F32.BF16 R8, R4, R6, R8", "8", "0", "8", "0", "0"],
+        ["0x40", "      IADD3 R1, R1, 0x1, RZ", "1", "1", "0", "0", "0"],
+        ["0x50", "  @!P0 BRA 0x20", "0", "0", "0", "0", "0"],
+        ["0x60", "      STG.E [R2.64], R8", "1", "1", "0", "0", "0"],
+        ["0x70", "  @!P2 BRA 0x0", "0", "0", "0", "0", "0"],
+        ["0x80", "      EXIT", "1", "0", "0", "1", "0"],
+        ["Kernel Name", "void k4(int)"], HEADER,  # no MMA: no loop line
+        ["0x0", "      BRA 0x0", "1", "1", "0", "0", "0"],
+    ]
+    p = tmp_path / "loop.csv"
+    with open(p, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    k3, k4 = kernels(str(p))
+    assert "before the main loop 25.0%, in it 65.0%, after it 10.0%" in summary(k3)
+    assert "main loop" not in summary(k4)

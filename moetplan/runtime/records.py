@@ -206,7 +206,7 @@ class RecordWriter:
         (A non-blocking write here lost the last calls whenever the flusher held the lock: its file then kept
         a snapshot taken before them — an offline run of a few tokens could end with no decode step recorded.)"""
         self.stop_flusher()
-        if self._flusher is not None and self._flusher is not threading.current_thread():
+        if self._flusher is not None:
             self._flusher.join(timeout_s)
         return self.write(blocking_s=timeout_s)
 
@@ -219,8 +219,7 @@ class RecordWriter:
     def write(self, now: float | None = None, blocking_s: float = 0.0) -> bool:
         """Write the record now; skipped (False) when another write holds the lock, after waiting up to
         blocking_s for it."""
-        got = self._lock.acquire(timeout=blocking_s) if blocking_s > 0 else self._lock.acquire(blocking=False)
-        if not got:
+        if not self._lock.acquire(timeout=blocking_s):  # timeout 0: a non-blocking try
             return False
         try:
             self._next = (now if now is not None else time.monotonic()) + self.interval_s
