@@ -602,7 +602,7 @@ def _b8_pos(i: int) -> int:
     return (i & 8) + (i & 1) * 4 + ((i & 7) >> 1)
 
 
-def _e4m3_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _e4m3_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """xprep8_kernel on the CPU: bf16 x [T, H] -> (uint8 [T, 2, H] hi / 16 * lo planes at _b8_off, xinv [T],
     the permutation)."""
     H = x.shape[1]
