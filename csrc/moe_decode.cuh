@@ -87,9 +87,12 @@ struct GemvArgs {
   int balanced;                // a block's rounds spread evenly over its warps, units may straddle (gemv_plan)
 };
 
-// Unscaled-free 2-bit decode: same table trick as decode_2bit (scale folded into the bf16 exponent), with the
-// selector shifts written as multiplies / high multiplies so that the compiler can issue them on the FMA pipe
-// (IMAD) and keep the integer ALU pipe (LOP3, PRMT) for the rest: the decode is ALU-bound otherwise.
+// Unscaled-free 2-bit decode: same table trick as decode_2bit (scale folded into the bf16 exponent).
+// Right shifts are plain shifts (SHF, integer ALU pipe), left shifts multiplies (IMAD.SHL, FMA pipe). Right shifts
+// used to be high multiplies (`__umulhi(x, 1 << (32 - n))`, IMAD.HI) to keep them off the ALU pipe, which PRMT and
+// LOP3 load; measured on the H200 (docs/KERNELS.md, H21) that made every decode point 2-10% slower: IMAD.HI costs
+// the FMA pipe two issue cycles and ptxas schedules 4 stall cycles behind each one, and the ALU pipe was only a
+// third busy (Nsight Compute), so it is not what binds.
 // (a & m) | o in one LOP3: written out because the compiler splits it into two when m and o are immediates.
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t m, uint32_t o) {
   uint32_t d;
@@ -106,24 +109,24 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
 }
 
 // One selector word serves two registers: its low half selects codes (i, i+4), its high half codes (i+8, i+12).
-// Per 16 weights: 4 LOP3 + 8 PRMT on the ALU pipe, 7 shifts as IMAD / IMAD.HI on the FMA pipe.
+// Per 16 weights: 4 LOP3 + 8 PRMT + 5 SHF on the ALU pipe, 2 IMAD.SHL on the FMA pipe.
 // table: bytes (b>>1), (b>>1)+1, 0x80|(b>>1), 0x80|((b>>1)+1) (the bf16 high byte per code); the low byte
 // (b&1)<<7 is byte `o & 3` of `lw` (prmt's second source), so o = 0x04040404 | byte * 0x01010101.
 __device__ __forceinline__ void decode_2bit_fast(uint32_t w, uint32_t table, uint32_t lw, uint32_t o,
                                                  uint32_t (&r)[8]) {
   const uint32_t m = 0x30303030u;
-  const uint32_t s0 = and_or(w * 16u, m, o);                 // codes 0,4 | 8,12
-  const uint32_t s1 = and_or(w * 4u, m, o);                  // codes 1,5 | 9,13
-  const uint32_t s2 = and_or(w, m, o);                       // codes 2,6 | 10,14
-  const uint32_t s3 = and_or(__umulhi(w, 1u << 30), m, o);   // w >> 2: codes 3,7 | 11,15
+  const uint32_t s0 = and_or(w * 16u, m, o);  // codes 0,4 | 8,12
+  const uint32_t s1 = and_or(w * 4u, m, o);   // codes 1,5 | 9,13
+  const uint32_t s2 = and_or(w, m, o);        // codes 2,6 | 10,14
+  const uint32_t s3 = and_or(w >> 2, m, o);   // codes 3,7 | 11,15
   r[0] = prmt(table, lw, s0);
   r[1] = prmt(table, lw, s1);
   r[2] = prmt(table, lw, s2);
   r[3] = prmt(table, lw, s3);
-  r[4] = prmt(table, lw, __umulhi(s0, 1u << 16));
-  r[5] = prmt(table, lw, __umulhi(s1, 1u << 16));
-  r[6] = prmt(table, lw, __umulhi(s2, 1u << 16));
-  r[7] = prmt(table, lw, __umulhi(s3, 1u << 16));
+  r[4] = prmt(table, lw, s0 >> 16);
+  r[5] = prmt(table, lw, s1 >> 16);
+  r[6] = prmt(table, lw, s2 >> 16);
+  r[7] = prmt(table, lw, s3 >> 16);
 }
 
 // The same with the table built from one scale byte b (rowdot stages).
@@ -137,18 +140,17 @@ struct ScaleWord {
 };
 __device__ __forceinline__ ScaleWord scale_word(uint32_t sw) {
   ScaleWord s;
-  s.h = __umulhi(sw, 1u << 31) & 0x7F7F7F7Fu;
+  s.h = (sw >> 1) & 0x7F7F7F7Fu;
   s.lw = (sw & 0x01010101u) * 128u;
   return s;
 }
 // The decode table of byte k (0..3) of a ScaleWord: bytes h_k, h_k + 1, h_k | 0x80, (h_k + 1) | 0x80 (the
 // rowdot form, (b >> 1) * 0x01010101 + 0x81800100; h_k <= 0x7F, so no carry between bytes below scale byte 254,
-// where the +-4 values overflow anyway). Built with shifts and one multiply-add only: they issue on the FMA pipe,
-// and the decode keeps the integer ALU pipe (PRMT, LOP3: half rate) busy enough (Nsight Compute, w13 stage at
-// 8 tokens: math-pipe throttle and dispatch stalls on PRMT/LOP3 once the B loads stopped missing the L1).
+// where the +-4 values overflow anyway). Byte k of h by one PRMT (zero-extended), then one multiply-add (FMA pipe).
+// (It was a shift and a high multiply on the FMA pipe; the PRMT measured 0-1% faster per layer, H21.)
 template <int K>
 __device__ __forceinline__ uint32_t scale_table(const ScaleWord& s) {
-  const uint32_t hk = __umulhi(K == 3 ? s.h : s.h << (24 - 8 * K), 1u << 8);  // byte k of h, as h >> 24 would
+  const uint32_t hk = prmt(s.h, 0u, 0x4440u + K);
   return hk * 0x01010101u + 0x81800100u;
 }
 
@@ -331,10 +333,19 @@ __device__ __forceinline__ uint32_t max_byte(uint32_t a) {
 // with -1 and an expert without a slot with expert + 1.
 // The three loads per pair form two dependent steps (topk id, then both slot tables at once): this runs before
 // any code byte of the block can be requested, so each step is a global-memory latency on every block's start.
+// Pair q (< GEMV_MAX_PAIRS = 64) lives in lane q % 32 of half q / 32, in registers. Equal ids are found with one
+// match per half and 32 shuffles across the halves, not by scanning shared memory: the scans (a lane compared its
+// id with every earlier pair, then counted and listed the later ones, up to ~190 dependent shared-memory loads at
+// 48-64 pairs) kept the block's other warps at its barrier for 10% of the w2 stage's stall samples at 8 tokens
+// (Nsight Compute, H21).
 template <int NP, typename Args>
-__device__ __forceinline__ int decode_routing(const Args& a, int lane, int* ids_s, int* slot_s, int* ep_slot,
-                                              int* ep_cnt, int (*ep_pair)[NP]) {
-  for (int q = lane; q < GEMV_MAX_PAIRS; q += 32) {
+__device__ __forceinline__ int decode_routing(const Args& a, int lane, int* ep_slot, int* ep_cnt, int (*ep_pair)[NP]) {
+  constexpr unsigned FULL = 0xffffffffu;
+  static_assert(GEMV_MAX_PAIRS == 64, "two halves of 32 pairs");
+  int e_h[2], slot_h[2];  // -1: no pair, an invalid id, or an expert left to the FP4 launch
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int q = h * 32 + lane;
     int e = -1, slot = -1;
     if (q < a.P) {
       e = load_id(a.topk_ids, a.ids64, q);
@@ -346,39 +357,50 @@ __device__ __forceinline__ int decode_routing(const Args& a, int lane, int* ids_
         if (a.fp4_slot_of != nullptr && a.fp4_slot_of[e] >= 0) e = -1;  // computed by the FP4 launch
       }
     }
-    ids_s[q] = e;
-    slot_s[q] = slot;
+    e_h[h] = e;
+    slot_h[h] = slot;
   }
-  __syncwarp();
+  // same[h]: lanes of half h holding this lane's id of half h; cross[0]: lanes of half 1 holding this lane's id of
+  // half 0; cross[1]: lanes of half 0 holding this lane's id of half 1.
+  const unsigned same[2] = {__match_any_sync(FULL, e_h[0]), __match_any_sync(FULL, e_h[1])};
+  unsigned cross[2] = {0u, 0u};
+#pragma unroll 8
+  for (int i = 0; i < 32; ++i) {
+    cross[0] |= unsigned(__shfl_sync(FULL, e_h[1], i) == e_h[0]) << i;
+    cross[1] |= unsigned(__shfl_sync(FULL, e_h[0], i) == e_h[1]) << i;
+  }
+  const unsigned below = (1u << lane) - 1u;
   int base = 0;
-  for (int h = 0; h < GEMV_MAX_PAIRS / 32; ++h) {
-    const int q = h * 32 + lane;
-    const int e = ids_s[q];
-    bool first = e >= 0;
-    for (int r = 0; r < q && first; ++r) first = ids_s[r] != e;
-    int cnt = 0;
-    if (first)
-      for (int r = q; r < a.P && r < GEMV_MAX_PAIRS; ++r) cnt += ids_s[r] == e;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int e = e_h[h];
+    const bool first = e >= 0 && (same[h] & below) == 0u && (h == 0 || cross[1] == 0u);
+    // Its pairs in ascending order: this half's matches, then (half 0) the second half's.
+    const unsigned m_lo = same[h], m_hi = h == 0 ? cross[0] : 0u;
+    const int cnt = __popc(m_lo) + __popc(m_hi);
     const int np = first ? (cnt + NP - 1) / NP : 0;
     int incl = np;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      const int v = __shfl_up_sync(FULL, incl, d);
       if (lane >= d) incl += v;
     }
     if (first) {
       int idx = base + incl - np, c = 0;
-      const int slot = slot_s[q];
+      const int slot = slot_h[h];
       if (slot < 0 && blockIdx.x == 0) atomicExch(a.error_flag, e + 1);
-      for (int r = q; r < a.P && r < GEMV_MAX_PAIRS; ++r) {
-        if (ids_s[r] != e) continue;
-        if (c == 0) ep_slot[idx] = slot;
-        ep_pair[idx][c] = r;
-        if (++c == NP) { ep_cnt[idx] = c; c = 0; ++idx; }
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {
+        for (unsigned m = part == 0 ? m_lo : m_hi; m != 0u; m &= m - 1u) {
+          const int r = (part == 0 ? 32 * h : 32) + __ffs(m) - 1;
+          if (c == 0) ep_slot[idx] = slot;
+          ep_pair[idx][c] = r;
+          if (++c == NP) { ep_cnt[idx] = c; c = 0; ++idx; }
+        }
       }
       if (c) ep_cnt[idx] = c;
     }
-    base += __shfl_sync(0xffffffffu, incl, 31);
+    base += __shfl_sync(FULL, incl, 31);
   }
   return base;
 }
@@ -490,14 +512,12 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   __shared__ int ep_slot[GEMV_MAX_PAIRS];
   __shared__ int ep_cnt[GEMV_MAX_PAIRS];
   __shared__ int ep_pair[GEMV_MAX_PAIRS][NCOL];
-  __shared__ int ids_s[GEMV_MAX_PAIRS];
-  __shared__ int slot_s[GEMV_MAX_PAIRS];
   __shared__ int n_ep_s;
 
   // Routing and code fetches read only what kernels before the previous one wrote (that one triggered its
   // dependents after its own wait): the B operand (xp / act, the previous kernel's output) is read after the wait.
   if (warp == 0) {
-    const int n = decode_routing<NCOL>(a, lane, ids_s, slot_s, ep_slot, ep_cnt, ep_pair);
+    const int n = decode_routing<NCOL>(a, lane, ep_slot, ep_cnt, ep_pair);
     if (lane == 0) n_ep_s = n;
   }
   __syncthreads();
@@ -685,12 +705,12 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
           const uint32_t t0 = int(h0) >= lo_r[0] ? h0 * 0x08080808u + c_r[0] : 0u;
           const uint32_t t1 = int(h1) >= lo_r[1] ? h1 * 0x08080808u + c_r[1] : 0u;
           const uint32_t w0 = cw0[wq], w1 = cw1[wq];
-          const uint32_t ea0 = w0 & 0x33333333u, eb0 = __umulhi(w0, 1u << 30) & 0x33333333u;
-          const uint32_t ea1 = w1 & 0x33333333u, eb1 = __umulhi(w1, 1u << 30) & 0x33333333u;
+          const uint32_t ea0 = w0 & 0x33333333u, eb0 = (w0 >> 2) & 0x33333333u;
+          const uint32_t ea1 = w1 & 0x33333333u, eb1 = (w1 >> 2) & 0x33333333u;
           float d[4] = {0.f, 0.f, 0.f, 0.f};
           mma_e4m3(d, prmt(t0, t0, ea0), prmt(t1, t1, ea1), prmt(t0, t0, eb0), prmt(t1, t1, eb1), bq.x, bq.y);
-          mma_e4m3(d, prmt(t0, t0, __umulhi(ea0, 1u << 16)), prmt(t1, t1, __umulhi(ea1, 1u << 16)),
-                   prmt(t0, t0, __umulhi(eb0, 1u << 16)), prmt(t1, t1, __umulhi(eb1, 1u << 16)), bq.z, bq.w);
+          mma_e4m3(d, prmt(t0, t0, ea0 >> 16), prmt(t1, t1, ea1 >> 16), prmt(t0, t0, eb0 >> 16),
+                   prmt(t1, t1, eb1 >> 16), bq.z, bq.w);
           float(&ac)[4] = (wq & 1) ? acc2 : acc;
           ac[0] = fmaf(d[0], f_r[0], ac[0]);
           ac[1] = fmaf(d[1], f_r[0], ac[1]);

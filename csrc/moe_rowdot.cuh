@@ -70,8 +70,6 @@ __global__ void __launch_bounds__(32 * ROWDOT_WARPS, NP == 1 ? 4 : 3) rowdot_sta
   __shared__ int ep_slot[GEMV_MAX_PAIRS];
   __shared__ int ep_cnt[GEMV_MAX_PAIRS];
   __shared__ int ep_pair[GEMV_MAX_PAIRS][NP];
-  __shared__ int ids_s[GEMV_MAX_PAIRS];
-  __shared__ int slot_s[GEMV_MAX_PAIRS];
   __shared__ int n_ep_s;
 
   // w13 is the op's first kernel: it may read nothing (topk_ids included) before the previous kernel is done.
@@ -84,7 +82,7 @@ __global__ void __launch_bounds__(32 * ROWDOT_WARPS, NP == 1 ? 4 : 3) rowdot_sta
         a.counter[i] = 0;
   }
   if (warp == 0) {
-    const int n = decode_routing<NP>(a, lane, ids_s, slot_s, ep_slot, ep_cnt, ep_pair);
+    const int n = decode_routing<NP>(a, lane, ep_slot, ep_cnt, ep_pair);
     if (lane == 0) n_ep_s = n;
   }
   __syncthreads();
