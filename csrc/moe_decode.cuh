@@ -335,9 +335,9 @@ __device__ __forceinline__ uint32_t max_byte(uint32_t a) {
 // any code byte of the block can be requested, so each step is a global-memory latency on every block's start.
 // Pair q (< GEMV_MAX_PAIRS = 64) lives in lane q % 32 of half q / 32, in registers. Equal ids are found with one
 // match per half and 32 shuffles across the halves, not by scanning shared memory: the scans (a lane compared its
-// id with every earlier pair, then counted and listed the later ones, up to ~190 dependent shared-memory loads at
-// 48-64 pairs) kept the block's other warps at its barrier for 10% of the w2 stage's stall samples at 8 tokens
-// (Nsight Compute, H21).
+// id with every earlier pair, then counted and listed the later ones: up to ~220 dependent shared-memory loads
+// per lane at 64 pairs) kept the block's other warps at its barrier for 10% of the w2 stage's stall samples at
+// 8 tokens (Nsight Compute, H21).
 template <int NP, typename Args>
 __device__ __forceinline__ int decode_routing(const Args& a, int lane, int* ep_slot, int* ep_cnt, int (*ep_pair)[NP]) {
   constexpr unsigned FULL = 0xffffffffu;
