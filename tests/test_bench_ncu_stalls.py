@@ -12,25 +12,27 @@ HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_wait"
           "stall_barrier", "stall_wait (Not Issued)"]
 
 
-def _write(path: Path) -> None:
-    rows = [
-        ["Kernel Name", "void k1(int)"], HEADER,
-        ["0x0", "      PRMT R1, R2, R3, R4", "6", "2", "0", "0", "99"],
-        ["0x10", "  @!P0 PRMT R5, R2, R3, R4", "2", "2", "0", "0", "99"],
-        ["0x20", "      HMMA.16816.F32.BF16 R8, R4, R6, R8", "6", "0", "6", "0", "99"],
-        ["0x30", "      UMOV UR4, 0x0", "", "0", "0", "", "99"],
-        ["Kernel Name", "void k1(int)"], HEADER,  # the same kernel's second launch: skipped by main()
-        ["0x0", "      PRMT R1, R2, R3, R4", "1", "1", "0", "0", "0"],
-        ["Kernel Name", "void k2(int)"], HEADER,
-        ["0x0", "      BAR.SYNC 0x0", "4", "0", "0", "4", "0"],
-    ]
+def _write(path: Path, rows: list[list[str]]) -> Path:
     with open(path, "w", newline="") as f:
         csv.writer(f).writerows(rows)
+    return path
+
+
+TWO_KERNELS = [
+    ["Kernel Name", "void k1(int)"], HEADER,
+    ["0x0", "      PRMT R1, R2, R3, R4", "6", "2", "0", "0", "99"],
+    ["0x10", "  @!P0 PRMT R5, R2, R3, R4", "2", "2", "0", "0", "99"],
+    ["0x20", "      HMMA.16816.F32.BF16 R8, R4, R6, R8", "6", "0", "6", "0", "99"],
+    ["0x30", "      UMOV UR4, 0x0", "", "0", "0", "", "99"],
+    ["Kernel Name", "void k1(int)"], HEADER,  # the same kernel's second launch: skipped by main()
+    ["0x0", "      PRMT R1, R2, R3, R4", "1", "1", "0", "0", "0"],
+    ["Kernel Name", "void k2(int)"], HEADER,
+    ["0x0", "      BAR.SYNC 0x0", "4", "0", "0", "4", "0"],
+]
 
 
 def test_sections_and_shares(tmp_path):
-    p = tmp_path / "sass.csv"
-    _write(p)
+    p = _write(tmp_path / "sass.csv", TWO_KERNELS)
     secs = list(kernels(str(p)))
     assert [s["name"] for s in secs] == ["void k1(int)", "void k1(int)", "void k2(int)"]
     assert len(secs[0]["rows"]) == 4
@@ -62,9 +64,6 @@ def test_samples_before_inside_and_after_the_main_loop(tmp_path):
         ["Kernel Name", "void k4(int)"], HEADER,  # no MMA: no loop line
         ["0x0", "      BRA 0x0", "1", "1", "0", "0", "0"],
     ]
-    p = tmp_path / "loop.csv"
-    with open(p, "w", newline="") as f:
-        csv.writer(f).writerows(rows)
-    k3, k4 = kernels(str(p))
+    k3, k4 = kernels(str(_write(tmp_path / "loop.csv", rows)))
     assert "before the main loop 25.0%, in it 65.0%, after it 10.0%" in summary(k3)
     assert "main loop" not in summary(k4)
