@@ -7,7 +7,7 @@
 //
 // Here:
 //   - One launch per stage over all (expert pass, 16-row tile) units of the layer, a unit read in rounds (NS
-//     16-byte pieces of each of its two rows per thread, NS = 4 when K is a multiple of 1024). A block takes a
+//     16-byte pieces of each of its two rows per thread, NS = gemv_ns(K), 1 since H22). A block takes a
 //     contiguous range of units and its 4 warps split the range's rounds evenly (a unit may straddle warps:
 //     its parts are summed through shared memory at the end, in warp order), with one block per resident slot,
 //     so every warp slot of the device streams the same number of rounds to one ("balanced", when the units
@@ -108,6 +108,16 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
   return d;
 }
 
+// A selector word's high half moved to its low half (all prmt reads) by an fp16x2 multiply with 1.0 on the FMA
+// pipe, instead of a shift on the ALU pipe, which the PRMT and LOP3 of the decode keep busy. Exact because every
+// selector half is a normal fp16: its top byte is 00cc01bb (code cc, byte bb), exponent 0cc01, never 0 or 31.
+__device__ __forceinline__ uint32_t hi_half(uint32_t s) {
+  uint32_t d;
+  asm("{.reg .b16 l, h; .reg .b32 t; mov.b32 {l, h}, %1; mov.b32 t, {h, h}; mul.rn.f16x2 %0, t, %2;}"
+      : "=r"(d) : "r"(s), "r"(0x3C003C00u));
+  return d;
+}
+
 // One selector word serves two registers: its low half selects codes (i, i+4), its high half codes (i+8, i+12).
 // Per 16 weights: 4 LOP3 + 8 PRMT + 5 SHF on the ALU pipe, 2 IMAD.SHL on the FMA pipe.
 // table: bytes (b>>1), (b>>1)+1, 0x80|(b>>1), 0x80|((b>>1)+1) (the bf16 high byte per code); the low byte
@@ -123,10 +133,10 @@ __device__ __forceinline__ void decode_2bit_fast(uint32_t w, uint32_t table, uin
   r[1] = prmt(table, lw, s1);
   r[2] = prmt(table, lw, s2);
   r[3] = prmt(table, lw, s3);
-  r[4] = prmt(table, lw, s0 >> 16);
-  r[5] = prmt(table, lw, s1 >> 16);
-  r[6] = prmt(table, lw, s2 >> 16);
-  r[7] = prmt(table, lw, s3 >> 16);
+  r[4] = prmt(table, lw, hi_half(s0));
+  r[5] = prmt(table, lw, hi_half(s1));
+  r[6] = prmt(table, lw, hi_half(s2));
+  r[7] = prmt(table, lw, hi_half(s3));
 }
 
 // The same with the table built from one scale byte b (rowdot stages).
@@ -157,8 +167,16 @@ __device__ __forceinline__ uint32_t scale_table(const ScaleWord& s) {
 // Position of natural index r (0..7) of a group of 8 in the paired storage order e0,e4,e1,e5,e2,e6,e3,e7.
 __device__ __forceinline__ int paired_pos(int r) { return r < 4 ? 2 * r : 2 * (r - 4) + 1; }
 
-// Pieces per thread and row in a round of the decode stages for contraction length K (csrc: launch_gemv_ns).
-__host__ __device__ __forceinline__ int gemv_ns(int K) { return K % 1024 == 0 ? 4 : K % 512 == 0 ? 2 : 1; }
+// Pieces per thread and row in a round of the decode stages for contraction length K (csrc: launch_gemv_ns), at
+// most GEMV_MAX_NS. One piece (a quad reads 64 contiguous bytes of a row per round) measured 0.83-0.93x the time
+// per layer of four (256 bytes) on the H200 at every point (docs/KERNELS.md, H22), though four is the better DRAM
+// read order: the stages are bound by the L2, which serves the B fragments that miss the L1 (Nsight Compute: L2
+// 77% busy at 37% of DRAM), and the smaller ring leaves more of the SM's 256 KB to the L1 (1.1 KB instead of 4.5 KB
+// of codes per warp and round). Where DRAM order binds instead, raise GEMV_MAX_NS: 2 and 4 are kept and tested.
+constexpr int GEMV_MAX_NS = 1;
+__host__ __device__ __forceinline__ int gemv_ns(int K) {
+  return GEMV_MAX_NS >= 4 && K % 1024 == 0 ? 4 : GEMV_MAX_NS >= 2 && K % 512 == 0 ? 2 : 1;
+}
 
 // The B operand planes (xp, act) are stored in the decode stages' consumption order, so that the 4 threads of a
 // quad read 64 contiguous bytes per load (in K order they would read 4 pieces 64 * NS weights apart: 4 lines per
@@ -490,11 +508,10 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
 // B operand: bf16 planes in the paired order (xprep_kernel's xp for w13, the w13 epilogue's act for w2).
 // SPLIT: 2 planes (hi, lo) and 4 pairs per pass (columns 4..7 = lo of pairs 0..3); else 1 plane, 8 pairs.
 //
-// Access pattern (bench/read_pattern.py on the H200: the previous stages' order read 67% of torch.sum's rate
-// with no compute at all, 52-56% with its 2-byte scale loads; this one 93-96%): a warp streams its units in
-// rounds; in a round every thread reads NS contiguous 16-byte pieces of each of its two rows (NS = 4 when K is a
-// multiple of 1024, so a quad covers 256 contiguous bytes of a row) and the 2*NS scale bytes of those pieces in
-// one load per row. Piece j of round rr of thread t sits at 16-byte index (rr * 4 + t) * NS + j of the row; the
+// Access pattern: a warp streams its units in rounds; in a round every thread reads NS contiguous 16-byte pieces
+// of each of its two rows and the 2*NS scale bytes of those pieces in one load per row. (bench/read_pattern.py on
+// the H200: quads reading 256 contiguous bytes of a row, NS = 4, read 93-96% of torch.sum's rate with no compute,
+// 64 bytes 67%; yet NS = 1 is the faster stage, since the stages wait on the L2, not DRAM: gemv_ns, H22.) Piece j of round rr of thread t sits at 16-byte index (rr * 4 + t) * NS + j of the row; the
 // B operand planes are read at the same K (the K order is free: codes and B agree on it, and within a piece the
 // order is the paired one; the planes are stored in consumption order, b_pos). A round's buffer of the cp.async
 // ring is refilled with round r + GEMV_ROUNDS once its MMAs have consumed it.

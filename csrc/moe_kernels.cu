@@ -814,12 +814,14 @@ GemvPlan gemv_plan_ns(int K, int64_t max_units, int64_t mode) {
 
 template <bool W13, bool SPLIT, bool F8 = false>
 GemvPlan gemv_plan_of(int K, int64_t max_units, int64_t mode) {
-  // Pieces per thread and row in a round: 4 (a quad reads 256 contiguous bytes of a row) when K allows.
-  switch (gemv_ns(K)) {
-    case 4: return gemv_plan_ns<W13, SPLIT, 4, F8>(K, max_units, mode);
-    case 2: return gemv_plan_ns<W13, SPLIT, 2, F8>(K, max_units, mode);
-    default: return gemv_plan_ns<W13, SPLIT, 1, F8>(K, max_units, mode);
+  // Pieces per thread and row in a round (gemv_ns); the widths above GEMV_MAX_NS are not compiled.
+  if constexpr (GEMV_MAX_NS >= 4) {
+    if (gemv_ns(K) == 4) return gemv_plan_ns<W13, SPLIT, 4, F8>(K, max_units, mode);
   }
+  if constexpr (GEMV_MAX_NS >= 2) {
+    if (gemv_ns(K) == 2) return gemv_plan_ns<W13, SPLIT, 2, F8>(K, max_units, mode);
+  }
+  return gemv_plan_ns<W13, SPLIT, 1, F8>(K, max_units, mode);
 }
 
 GemvPlan gemv_plan_any(bool w13, bool split, bool f8, int K, int64_t max_units, int64_t mode) {
@@ -834,11 +836,13 @@ void launch_gemv_ns(GemvArgs a, int64_t max_units, int64_t mode, cudaStream_t st
   const GemvPlan plan = gemv_plan_of<W13, SPLIT, F8>(a.K, max_units, mode);
   a.balanced = plan.balanced ? 1 : 0;
   const dim3 grid(plan.blocks), block(32 * GEMV_WARPS);
-  switch (gemv_ns(a.K)) {
-    case 4: launch(gemv_stage_kernel<W13, SPLIT, 4, F8>, grid, block, 0, stream, pdl, a); break;
-    case 2: launch(gemv_stage_kernel<W13, SPLIT, 2, F8>, grid, block, 0, stream, pdl, a); break;
-    default: launch(gemv_stage_kernel<W13, SPLIT, 1, F8>, grid, block, 0, stream, pdl, a); break;
+  if constexpr (GEMV_MAX_NS >= 4) {
+    if (gemv_ns(a.K) == 4) return launch(gemv_stage_kernel<W13, SPLIT, 4, F8>, grid, block, 0, stream, pdl, a);
   }
+  if constexpr (GEMV_MAX_NS >= 2) {
+    if (gemv_ns(a.K) == 2) return launch(gemv_stage_kernel<W13, SPLIT, 2, F8>, grid, block, 0, stream, pdl, a);
+  }
+  launch(gemv_stage_kernel<W13, SPLIT, 1, F8>, grid, block, 0, stream, pdl, a);
 }
 
 // The plan a decode stage launches with (tests, bench): (balanced, blocks, the longest warp's rounds).
@@ -856,7 +860,7 @@ bool decode_fp8_available() {
   if (ok < 0) {
     cudaFuncAttributes attr{};
     const bool cap = compute_capability() >= 89;
-    if (cap) C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_stage_kernel<true, true, 4, true>));
+    if (cap) C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_stage_kernel<true, true, 1, true>));
     ok = cap && attr.ptxVersion >= 89 ? 1 : 0;
   }
   return ok == 1;

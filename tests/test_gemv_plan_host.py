@@ -73,9 +73,13 @@ def test_balanced_exactly_when_units_outnumber_warp_slots(plan, max_blocks, rpu)
 
 
 def test_deepseek_v4_flash_at_one_token_stays_plain(plan):
-    # H200 (132 SMs x 4 blocks): the w13 stage's 1536 units of 4 rounds fit the 2112 warp slots -> plain (balanced
-    # measured slower there); at 2 tokens 3072 units do not -> balanced, 6 rounds per warp instead of 8.
-    (one,) = plan([(1536, 4, 528, -1)])
-    assert one == (False, 384, 4)
-    (two,) = plan([(3072, 4, 528, -1)])
-    assert two == (True, 528, 6)
+    # H200 (132 SMs x 4 blocks): the w13 stage's 1536 units (K = 4096: 16 rounds of one piece, GEMV_MAX_NS = 1; 4 of
+    # four pieces) fit the 2112 warp slots -> plain (balanced measured slower there); at 2 tokens 3072 units do
+    # not -> balanced, 6 units' rounds over 4 warps instead of 2 whole units per warp.
+    ns = re.search(r"constexpr int GEMV_MAX_NS = (\d+);", (SRC.parent / "moe_decode.cuh").read_text())
+    assert ns
+    rpu = 4096 // (256 * min(int(ns.group(1)), 4))
+    (one,) = plan([(1536, rpu, 528, -1)])
+    assert one == (False, 384, rpu)
+    (two,) = plan([(3072, rpu, 528, -1)])
+    assert two == (True, 528, -(-6 * rpu // 4))

@@ -355,9 +355,9 @@ def test_gemv_and_mma_decode_agree(mod, monkeypatch):
 @pytest.mark.parametrize("T", [1, 3, 8])
 @pytest.mark.parametrize("H,I", [(4096, 256), (2560, 512), (3584, 768), (7168, 2048)])
 def test_gemv_every_round_width(mod, monkeypatch, T, H, I):
-    # A round reads 4, 2 or 1 16-byte pieces per thread and row (K a multiple of 1024, 512, or only 256): here
-    # w13 (K = H) and w2 (K = Ir) cover all three, against the float32 reference and the rowdot stages (both
-    # float32-accurate: hi/lo B operand).
+    # A round reads 4, 2 or 1 16-byte pieces per thread and row (K a multiple of 1024, 512, or only 256; at most
+    # GEMV_MAX_NS, 1 since H22): here w13 (K = H) and w2 (K = Ir) cover all three where the build allows them,
+    # against the float32 reference and the rowdot stages (both float32-accurate: hi/lo B operand).
     x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, dtype=torch.float32, seed=41 + T)
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
     assert ops.use_gemv(mod, ids.numel(), lay, T)
@@ -397,19 +397,22 @@ def test_rowdot_and_gemv_decode_agree(mod, monkeypatch, T, H, I):
 def test_gemv_plan_spreads_rounds_over_warps(mod):
     # Plain: every warp takes whole units, the same number to one; balanced: a block's units' rounds spread over its
     # 4 warps, never a longer warp than plain. The default takes balanced exactly when the units outnumber the warp
-    # slots. K = 4096: 4 rounds per unit.
-    slots = 4 * mod.gemv_plan(True, False, False, 4096, 1 << 20, 1)[1]  # balanced: one block per resident slot
-    assert mod.gemv_plan(True, False, False, 4096, 1, -1) == (False, 1, 4)  # one unit: one warp streams it
-    assert mod.gemv_plan(True, False, False, 4096, 1, 1) == (True, 1, 1)  # forced balanced: each warp a quarter
+    # slots. K = 4096: K / (256 x pieces per round) rounds per unit, pieces 1, 2 or 4 (gemv_ns, GEMV_MAX_NS).
+    K = 4096
+    rpu = mod.gemv_plan(True, False, False, K, 1, -1)[2]  # one unit: one warp streams all of its rounds
+    assert rpu in (K // 256, K // 512, K // 1024)
+    slots = 4 * mod.gemv_plan(True, False, False, K, 1 << 20, 1)[1]  # balanced: one block per resident slot
+    assert mod.gemv_plan(True, False, False, K, 1, -1) == (False, 1, rpu)
+    assert mod.gemv_plan(True, False, False, K, 1, 1) == (True, 1, -(-rpu // 4))  # forced balanced: a quarter each
     for units in (1, 100, slots - 1, slots, slots + 1, 3 * slots + 5, 16384):
-        plain = mod.gemv_plan(True, False, False, 4096, units, 0)
-        bal = mod.gemv_plan(True, False, False, 4096, units, 1)
-        assert mod.gemv_plan(True, False, False, 4096, units, -1) == (bal if units > slots else plain)
+        plain = mod.gemv_plan(True, False, False, K, units, 0)
+        bal = mod.gemv_plan(True, False, False, K, units, 1)
+        assert mod.gemv_plan(True, False, False, K, units, -1) == (bal if units > slots else plain)
         assert not plain[0] and bal[0]
-        assert bal[2] == -(-(-(-units // bal[1]) * 4) // 4)  # ceil(units per block) x 4 rounds over 4 warps
+        assert bal[2] == -(-(-(-units // bal[1]) * rpu) // 4)  # ceil(units per block) x rpu rounds over 4 warps
         assert bal[2] <= plain[2] and bal[1] >= plain[1]
-        assert bal[2] * bal[1] * 4 >= units * 4 and plain[2] * plain[1] * 4 >= units * 4  # every round has a warp
-        assert plain[2] == 4 * -(-units // slots)  # whole units, as few per warp as the slots allow
+        assert bal[2] * bal[1] * 4 >= units * rpu and plain[2] * plain[1] * 4 >= units * rpu  # every round a warp
+        assert plain[2] == rpu * -(-units // slots)  # whole units, as few per warp as the slots allow
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 8])
