@@ -119,7 +119,7 @@ __device__ __forceinline__ uint32_t hi_half(uint32_t s) {
 }
 
 // One selector word serves two registers: its low half selects codes (i, i+4), its high half codes (i+8, i+12).
-// Per 16 weights: 4 LOP3 + 8 PRMT + 5 SHF on the ALU pipe, 2 IMAD.SHL on the FMA pipe.
+// Per 16 weights: 4 LOP3 + 8 PRMT + 1 SHF on the ALU pipe, 2 IMAD.SHL + 4 HMUL2 (hi_half) on the FMA pipe.
 // table: bytes (b>>1), (b>>1)+1, 0x80|(b>>1), 0x80|((b>>1)+1) (the bf16 high byte per code); the low byte
 // (b&1)<<7 is byte `o & 3` of `lw` (prmt's second source), so o = 0x04040404 | byte * 0x01010101.
 __device__ __forceinline__ void decode_2bit_fast(uint32_t w, uint32_t table, uint32_t lw, uint32_t o,
@@ -168,11 +168,12 @@ __device__ __forceinline__ uint32_t scale_table(const ScaleWord& s) {
 __device__ __forceinline__ int paired_pos(int r) { return r < 4 ? 2 * r : 2 * (r - 4) + 1; }
 
 // Pieces per thread and row in a round of the decode stages for contraction length K (csrc: launch_gemv_ns), at
-// most GEMV_MAX_NS. One piece (a quad reads 64 contiguous bytes of a row per round) measured 0.83-0.93x the time
+// most GEMV_MAX_NS. One piece (a quad reads 64 contiguous bytes of a row per round) measured 0.82-0.93x the time
 // per layer of four (256 bytes) on the H200 at every point (docs/KERNELS.md, H22), though four is the better DRAM
 // read order: the stages are bound by the L2, which serves the B fragments that miss the L1 (Nsight Compute: L2
-// 77% busy at 37% of DRAM), and the smaller ring leaves more of the SM's 256 KB to the L1 (1.1 KB instead of 4.5 KB
-// of codes per warp and round). Where DRAM order binds instead, raise GEMV_MAX_NS: 2 and 4 are kept and tested.
+// 77% busy at 37% of DRAM with four, 55% at 40% with one), and the smaller ring (1 KB of codes per warp and round
+// instead of 4) leaves the L1 more of the SM. Where DRAM order binds instead, raise GEMV_MAX_NS: the 2- and
+// 4-piece code paths stay in the source and are compiled (and then covered by the GPU tests) only under the cap.
 constexpr int GEMV_MAX_NS = 1;
 __host__ __device__ __forceinline__ int gemv_ns(int K) {
   return GEMV_MAX_NS >= 4 && K % 1024 == 0 ? 4 : GEMV_MAX_NS >= 2 && K % 512 == 0 ? 2 : 1;
@@ -511,9 +512,10 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
 // Access pattern: a warp streams its units in rounds; in a round every thread reads NS contiguous 16-byte pieces
 // of each of its two rows and the 2*NS scale bytes of those pieces in one load per row. (bench/read_pattern.py on
 // the H200: quads reading 256 contiguous bytes of a row, NS = 4, read 93-96% of torch.sum's rate with no compute,
-// 64 bytes 67%; yet NS = 1 is the faster stage, since the stages wait on the L2, not DRAM: gemv_ns, H22.) Piece j of round rr of thread t sits at 16-byte index (rr * 4 + t) * NS + j of the row; the
-// B operand planes are read at the same K (the K order is free: codes and B agree on it, and within a piece the
-// order is the paired one; the planes are stored in consumption order, b_pos). A round's buffer of the cp.async
+// 64 bytes 67%; yet NS = 1 is the faster stage, since the stages wait on the L2, not DRAM: gemv_ns, H22.)
+// Piece j of round rr of thread t sits at 16-byte index (rr * 4 + t) * NS + j of the row; the B operand planes
+// are read at the same K (the K order is free: codes and B agree on it, and within a piece the order is the
+// paired one; the planes are stored in consumption order, b_pos). A round's buffer of the cp.async
 // ring is refilled with round r + GEMV_ROUNDS once its MMAs have consumed it.
 // F8 (w13, sm_89+): the e4m3 A operand and hi/lo e4m3 B planes (above); same units, rounds and ring.
 template <bool W13, bool SPLIT, int NS, bool F8 = false>
