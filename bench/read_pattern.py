@@ -2,8 +2,10 @@
 the same bytes in the order the decode stages do, against a tile-major order and torch.sum, in one run.
 
     python3 bench/read_pattern.py --out bench/results/read_pattern_h200.json
+    python3 bench/read_pattern.py --patterns ring_gemv,ring_tile --warps 16 --out bench/results/read_pattern_ring_h200.json
 
-Per pattern and row length (1024 B = K 4096 2-bit codes, 512 B = K 2048): GB/s over a 4 GiB buffer in one launch,
+The ring_* patterns replay the decode stages' memory side as built (a per-warp cp.async ring, no decode), in their
+row-major order and in a tile-major one (docs/KERNELS.md, H23). Per pattern and row length (1024 B = K 4096 2-bit codes, 512 B = K 2048): GB/s over a 4 GiB buffer in one launch,
 and over slices of a decode step's size (back to back in one CUDA graph), as a share of torch.sum's rate.
 """
 from __future__ import annotations
@@ -18,14 +20,23 @@ from torch.utils.cpp_extension import load
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernels import GIB, MIB, atomic_write_json, capture, machine_info, time_events  # noqa: E402
 
-PATTERNS = {0: "tile_linear", 1: "gemv", 2: "quad256", 3: "gemv+scales"}
+PATTERNS = {0: "tile_linear", 1: "gemv", 2: "quad256", 3: "gemv+scales", 4: "ring_gemv", 5: "ring_tile",
+            6: "ring_gemv+pf", 7: "ring_gemv+pfn", 8: "ring_gemv+pf4"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--gib", type=float, default=4.0)
+    ap.add_argument("--patterns", default=",".join(PATTERNS.values()),
+                    help=f"comma-separated subset of {', '.join(PATTERNS.values())}")
+    ap.add_argument("--warps", default="16,32", help="warps per SM to run each pattern at (comma-separated)")
     args = ap.parse_args()
+    chosen = [x for x in args.patterns.split(",") if x]
+    unknown = sorted(set(chosen) - set(PATTERNS.values()))
+    if unknown:
+        raise SystemExit(f"read_pattern: unknown pattern(s) {unknown}; choose from {list(PATTERNS.values())}")
+    warps = [int(w) for w in args.warps.split(",") if w]
     mod = load("moetplan_read_pattern", [str(Path(__file__).parent / "cuda" / "read_pattern.cu")],
                extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)
     n = int(args.gib * GIB)
@@ -36,12 +47,15 @@ def main() -> None:
     t = time_events(lambda: torch.sum(f32, dim=0, out=o), reps=10)
     sum_gbps = n / (t["median_ms"] * 1e-3) / 1e9
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    res = {"machine": machine_info(), "torch_sum_gbps": sum_gbps, "patterns": []}
+    res = {"machine": machine_info(), "command": "python3 " + " ".join(sys.argv), "torch_sum_gbps": sum_gbps,
+           "patterns": []}
     print(f"torch.sum {sum_gbps:.0f} GB/s", flush=True)
     out = torch.empty(sms * 16 * 128, dtype=torch.int32, device="cuda")
     for rb in (1024, 512):
         for mode, name in PATTERNS.items():
-            for wps in (16, 32):
+            if name not in chosen:
+                continue
+            for wps in warps:
                 blocks = sms * wps // 4
                 tw = time_events(lambda: mod.read_pattern(mode, buf, scales, rb, blocks, out), reps=5)
                 whole = n / (tw["median_ms"] * 1e-3) / 1e9

@@ -8,6 +8,17 @@
 //                    (a quad covers 64 bytes of a row per chunk; 16 rows 1 row-length apart per instruction);
 //   2 "quad256":     thread (g, t) reads 64 contiguous bytes (4 x 16) of rows g and g + 8 at t * 64 + 256 * c;
 //   3 "gemv+scales": pattern 1 plus the 2-byte scale loads of the gemv stages (scales region after the codes).
+// The rest replay the gemv stages' memory side as built since H22 (a per-warp cp.async ring of 2 rounds, read
+// back from shared memory, no decode), to separate what the read order costs from what the compute costs:
+//   4 "ring_gemv":   a round = 16 B of rows g and g + 8 per thread at (round * 4 + t) * 16 (16 rows x 64 B per
+//                    warp round, cp.async.cg) plus each row's 4 aligned scale bytes (cp.async.ca), as the stages;
+//   5 "ring_tile":   ring_gemv's ring and bytes per round, but a round's 1 KB of codes is contiguous (a tile-major
+//                    storage order: round r of a tile at r * 1 KB) and its 128 scale bytes too (8 x 16 B, .cg).
+//   6 "ring_gemv+pf": ring_gemv plus an L2 bulk prefetch of each tile's codes (two 8 KB halves, as a w13 tile's
+//                    gate and up rows) and scales when its first round is issued (sm_90+);
+//   7 "ring_gemv+pfn": as 6, one tile ahead: the next tile is prefetched when half the current one is issued;
+//   8 "ring_gemv+pf4": ring_gemv plus, every 4th round, an L2 bulk prefetch of the next 4 rounds' 256 bytes of
+//                    each of the tile's 16 rows and their 32 scale bytes (rounds 0-3 at the tile's first round);
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cstdint>
@@ -17,6 +28,82 @@ __device__ __forceinline__ uint4 ldnc(const void* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
+}
+
+__device__ __forceinline__ void cpa16(void* smem, const void* g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(unsigned(__cvta_generic_to_shared(smem))), "l"(g));
+}
+__device__ __forceinline__ void cpa4(void* smem, const void* g) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(unsigned(__cvta_generic_to_shared(smem))), "l"(g));
+}
+
+// Modes 4 and 5: the warp's tiles as one sequence of 1 KB rounds (rb / 64 per tile), 2 in flight.
+template <int MODE>
+__device__ __forceinline__ uint32_t ring_read(const uint8_t* buf, const uint8_t* scales, int64_t t0, int64_t t1,
+                                              int rb, int lane, uint4 (*cr)[2][32], uint4 (*sr)[32]) {
+  const int g = lane >> 2, t = lane & 3;
+  const int rpt = rb / 64;  // rounds per tile
+  const int64_t n = (t1 - t0) * rpt;
+  const int64_t tb = int64_t(rb) * 16;
+  auto prefetch_tile = [&](int64_t tile) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (lane == 0 && tile < t1) {
+      const uint8_t* c = buf + tile * tb;
+      const unsigned half = unsigned(tb / 2);
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(half) : "memory");
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c + half), "r"(half) : "memory");
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(scales + tile * 16 * (rb / 8)),
+                   "r"(unsigned(2 * rb)) : "memory");
+    }
+#endif
+  };
+  // Mode 8: rounds q .. q + 3 of a tile, lanes 0-15 a row's 256 code bytes, lanes 16-31 its 32 scale bytes.
+  auto prefetch_4 = [&](int64_t tile, int q) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int row = lane & 15;
+    const uint8_t* p = lane < 16 ? buf + tile * tb + int64_t(row) * rb + q * 64
+                                 : scales + (tile * 16 + row) * (rb / 8) + q * 8;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(lane < 16 ? 256u : 32u) : "memory");
+#endif
+  };
+  auto issue = [&](int64_t r, int buf_i) {
+    const int64_t tile = t0 + r / rpt;
+    const int rr = int(r % rpt);
+    if (MODE == 8 && rr == 0) prefetch_4(tile, 0);
+    if (MODE == 8 && rr % 4 == 0 && rr + 4 < rpt) prefetch_4(tile, rr + 4);
+    if (MODE == 6 && rr == 0) prefetch_tile(tile);
+    if (MODE == 7 && r == 0) prefetch_tile(tile);
+    if (MODE == 7 && rr == rpt / 2) prefetch_tile(tile + 1);
+    if (MODE != 5) {
+      const uint8_t* r0 = buf + tile * tb + int64_t(g) * rb + (rr * 4 + t) * 16;
+      cpa16(&cr[buf_i][0][lane], r0);
+      cpa16(&cr[buf_i][1][lane], r0 + 8 * int64_t(rb));
+      const uint8_t* s0 = scales + (tile * 16 + g) * (rb / 8) + rr * 8 + (t >> 1) * 4;
+      cpa4(&sr[buf_i][lane].x, s0);
+      cpa4(&sr[buf_i][lane].y, s0 + 8 * (rb / 8));
+    } else {
+      const uint8_t* c = buf + tile * tb + int64_t(rr) * 1024 + lane * 16;
+      cpa16(&cr[buf_i][0][lane], c);
+      cpa16(&cr[buf_i][1][lane], c + 512);
+      if (lane < 8) cpa16(&sr[buf_i][lane], scales + tile * 16 * (rb / 8) + int64_t(rr) * 128 + lane * 16);
+    }
+  };
+  uint32_t acc = 0;
+  for (int i = 0; i < 2; ++i) {
+    if (i < n) issue(i, i);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const int b = int(r & 1);
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    __syncwarp();
+    const uint4 a = cr[b][0][lane], c = cr[b][1][lane], s = sr[b][lane];
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ c.x ^ c.y ^ c.z ^ c.w ^ s.x ^ s.y;
+    __syncwarp();
+    if (r + 2 < n) issue(r + 2, b);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  return acc;
 }
 
 template <int MODE>
@@ -29,6 +116,13 @@ __global__ void __launch_bounds__(128) read_kernel(const uint8_t* buf, const uin
   const int64_t t0 = wg * n_tiles / W, t1 = (wg + 1) * n_tiles / W;
   const int64_t tb = int64_t(rb) * 16;
   uint32_t acc = 0;
+  if constexpr (MODE >= 4) {
+    __shared__ uint4 cr[4][2][2][32];
+    __shared__ uint4 sr[4][2][32];
+    acc = ring_read<MODE>(buf, scales, t0, t1, rb, lane, cr[warp], sr[warp]);
+    out[int64_t(blockIdx.x) * blockDim.x + threadIdx.x] = acc;
+    return;
+  }
   for (int64_t tile = t0; tile < t1; ++tile) {
     const uint8_t* base = buf + tile * tb;
     if (MODE == 0) {
@@ -89,7 +183,13 @@ void read_pattern(int64_t mode, torch::Tensor buf, torch::Tensor scales, int64_t
     case 0: read_kernel<0><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
     case 1: read_kernel<1><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
     case 2: read_kernel<2><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
-    default: read_kernel<3><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
+    case 3: read_kernel<3><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
+    case 4: read_kernel<4><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
+    case 6: read_kernel<6><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
+    case 7: read_kernel<7><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
+    case 8: read_kernel<8><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
+    case 5: read_kernel<5><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
+    default: TORCH_CHECK(false, "read_pattern: unknown mode ", mode, " (bench/read_pattern.py PATTERNS)");
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
