@@ -19,9 +19,23 @@
 //   7 "ring_gemv+pfn": as 6, one tile ahead: the next tile is prefetched when half the current one is issued;
 //   8 "ring_gemv+pf4": ring_gemv plus, every 4th round, an L2 bulk prefetch of the next 4 rounds' 256 bytes of
 //                    each of the tile's 16 rows and their 32 scale bytes (rounds 0-3 at the tile's first round);
+// PDL (read_pattern's `pdl`, sm_90+): launched with programmatic stream serialization, every kernel issues its
+// first two rounds (ring modes; the other modes nothing), then waits for the previous kernel (griddepcontrol.wait)
+// and lets the next one launch (griddepcontrol.launch_dependents), as the decode stages do, so back-to-back
+// launches overlap a kernel's start with its predecessor's tail. `smem_pad` bytes of dynamic shared memory per
+// block cap how many blocks fit per SM: without it the next kernel's blocks would co-reside with the running
+// ones, which the stages (4 blocks of 4 warps per SM at 128 registers) cannot.
 #include <torch/extension.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cstdint>
+
+__device__ __forceinline__ void griddep_wait_and_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ uint4 ldnc(const void* p) {
   uint4 r;
@@ -93,6 +107,7 @@ __device__ __forceinline__ uint32_t ring_read(const uint8_t* buf, const uint8_t*
     if (i < n) issue(i, i);
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
+  griddep_wait_and_release();  // no-op without PDL
   for (int64_t r = 0; r < n; ++r) {
     const int b = int(r & 1);
     asm volatile("cp.async.wait_group 1;" ::: "memory");
@@ -123,6 +138,7 @@ __global__ void __launch_bounds__(128) read_kernel(const uint8_t* buf, const uin
     out[int64_t(blockIdx.x) * blockDim.x + threadIdx.x] = acc;
     return;
   }
+  griddep_wait_and_release();
   for (int64_t tile = t0; tile < t1; ++tile) {
     const uint8_t* base = buf + tile * tb;
     if (MODE == 0) {
@@ -171,27 +187,72 @@ __global__ void __launch_bounds__(128) read_kernel(const uint8_t* buf, const uin
   out[int64_t(blockIdx.x) * blockDim.x + threadIdx.x] = acc;
 }
 
+// Launch with programmatic stream serialization when `pdl`, and `smem_pad` bytes of dynamic shared memory (above
+// 48 KB only after smem_pad() raised the kernel's limit: no attribute calls here, they may be captured in a graph).
+template <int MODE>
+void launch(int64_t blocks, cudaStream_t s, bool pdl, int64_t smem_pad, const uint8_t* b, const uint8_t* sc,
+            int64_t n_tiles, int rb, uint32_t* o) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(blocks));
+  cfg.blockDim = dim3(128);
+  cfg.dynamicSmemBytes = size_t(smem_pad);
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, read_kernel<MODE>, b, sc, n_tiles, rb, o));
+}
+
+// Dynamic shared memory per block that leaves room for at most `per_sm` blocks of a mode's kernel on an SM
+// (the SM's shared memory split evenly, less the driver's reservation and the kernel's static rings).
+int64_t smem_pad(int64_t mode, int64_t per_sm) {
+  TORCH_CHECK(per_sm >= 1, "read_pattern: blocks per SM must be >= 1, got ", per_sm);
+  using K = void (*)(const uint8_t*, const uint8_t*, int64_t, int, uint32_t*);
+  const K kernels[] = {read_kernel<0>, read_kernel<1>, read_kernel<2>, read_kernel<3>, read_kernel<4>,
+                       read_kernel<5>, read_kernel<6>, read_kernel<7>, read_kernel<8>};
+  TORCH_CHECK(mode >= 0 && mode < int64_t(sizeof(kernels) / sizeof(K)), "read_pattern: unknown mode ", mode);
+  cudaFuncAttributes fa;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernels[mode]));
+  int dev = 0, per_sm_bytes = 0, reserved = 0, optin = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm_bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const int64_t pad = int64_t(per_sm_bytes) / per_sm - reserved - int64_t(fa.sharedSizeBytes);
+  TORCH_CHECK(pad >= 0 && pad + int64_t(fa.sharedSizeBytes) <= optin, "read_pattern: ", per_sm,
+              " blocks per SM cannot be forced through shared memory on this device (", pad, " bytes of padding)");
+  if (pad > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernels[mode], cudaFuncAttributeMaxDynamicSharedMemorySize, int(pad)));
+  return pad;
+}
+
 void read_pattern(int64_t mode, torch::Tensor buf, torch::Tensor scales, int64_t rb, int64_t blocks,
-                  torch::Tensor out) {
+                  torch::Tensor out, bool pdl, int64_t smem_pad) {
   const int64_t n_tiles = buf.numel() / (rb * 16);
   auto s = c10::cuda::getCurrentCUDAStream();
   const uint8_t* b = buf.data_ptr<uint8_t>();
   const uint8_t* sc = scales.data_ptr<uint8_t>();
   uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   TORCH_CHECK(out.numel() >= blocks * 128, "out too small");
+  TORCH_CHECK(smem_pad >= 0, "read_pattern: smem_pad must be >= 0, got ", smem_pad);
+  const int r = int(rb);
   switch (mode) {
-    case 0: read_kernel<0><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
-    case 1: read_kernel<1><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
-    case 2: read_kernel<2><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
-    case 3: read_kernel<3><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
-    case 4: read_kernel<4><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
-    case 6: read_kernel<6><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
-    case 7: read_kernel<7><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
-    case 8: read_kernel<8><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
-    case 5: read_kernel<5><<<blocks, 128, 0, s>>>(b, sc, n_tiles, int(rb), o); break;
+    case 0: launch<0>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
+    case 1: launch<1>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
+    case 2: launch<2>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
+    case 3: launch<3>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
+    case 4: launch<4>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
+    case 5: launch<5>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
+    case 6: launch<6>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
+    case 7: launch<7>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
+    case 8: launch<8>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
     default: TORCH_CHECK(false, "read_pattern: unknown mode ", mode, " (bench/read_pattern.py PATTERNS)");
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("read_pattern", &read_pattern); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("read_pattern", &read_pattern);
+  m.def("smem_pad", &smem_pad);
+}
