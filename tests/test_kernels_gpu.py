@@ -5,6 +5,9 @@ weights, hi/lo split operands, fp32 accumulation) and <= 1e-2 on the prefill pat
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -394,24 +397,30 @@ def test_rowdot_and_gemv_decode_agree(mod, monkeypatch, T, H, I):
     assert _rel(a, ref) < 1e-5
 
 
+def _gemv_warps() -> int:
+    """Warps per decode-stage block, as csrc/moe_decode.cuh compiles them (GEMV_WARPS)."""
+    src = (Path(__file__).resolve().parents[1] / "csrc" / "moe_decode.cuh").read_text()
+    return int(re.search(r"constexpr int GEMV_WARPS = (\d+);", src).group(1))
+
+
 def test_gemv_plan_spreads_rounds_over_warps(mod):
     # Plain: every warp takes whole units, the same number to one; balanced: a block's units' rounds spread over its
-    # 4 warps, never a longer warp than plain. The default takes balanced exactly when the units outnumber the warp
+    # W warps, never a longer warp than plain. The default takes balanced exactly when the units outnumber the warp
     # slots. K = 4096: K / (256 x pieces per round) rounds per unit, pieces 1, 2 or 4 (gemv_ns, GEMV_MAX_NS).
-    K = 4096
+    K, W = 4096, _gemv_warps()
     rpu = mod.gemv_plan(True, False, False, K, 1, -1)[2]  # one unit: one warp streams all of its rounds
     assert rpu in (K // 256, K // 512, K // 1024)
-    slots = 4 * mod.gemv_plan(True, False, False, K, 1 << 20, 1)[1]  # balanced: one block per resident slot
+    slots = W * mod.gemv_plan(True, False, False, K, 1 << 20, 1)[1]  # balanced: one block per resident slot
     assert mod.gemv_plan(True, False, False, K, 1, -1) == (False, 1, rpu)
-    assert mod.gemv_plan(True, False, False, K, 1, 1) == (True, 1, -(-rpu // 4))  # forced balanced: a quarter each
+    assert mod.gemv_plan(True, False, False, K, 1, 1) == (True, 1, -(-rpu // W))  # forced balanced: a share each
     for units in (1, 100, slots - 1, slots, slots + 1, 3 * slots + 5, 16384):
         plain = mod.gemv_plan(True, False, False, K, units, 0)
         bal = mod.gemv_plan(True, False, False, K, units, 1)
         assert mod.gemv_plan(True, False, False, K, units, -1) == (bal if units > slots else plain)
         assert not plain[0] and bal[0]
-        assert bal[2] == -(-(-(-units // bal[1]) * rpu) // 4)  # ceil(units per block) x rpu rounds over 4 warps
+        assert bal[2] == -(-(-(-units // bal[1]) * rpu) // W)  # ceil(units per block) x rpu rounds over W warps
         assert bal[2] <= plain[2] and bal[1] >= plain[1]
-        assert bal[2] * bal[1] * 4 >= units * rpu and plain[2] * plain[1] * 4 >= units * rpu  # every round a warp
+        assert bal[2] * bal[1] * W >= units * rpu and plain[2] * plain[1] * W >= units * rpu  # every round a warp
         assert plain[2] == rpu * -(-units // slots)  # whole units, as few per warp as the slots allow
 
 
