@@ -2,8 +2,10 @@
 
 The main loop is the innermost backward branch whose range holds the kernel's first MMA instruction (the rule
 bench/ncu_stalls.py uses on Nsight Compute's SASS page). Printed: the loop's instruction count and opcode mix,
-and its round body up to the first cp.async copy (LDGSTS) in it, which is where the decode stages refill their
-ring: instructions there per MMA give the per-weight cost of a round (a decode-stage MMA is 8 weights per lane).
+and its round body up to the first refill instruction in it — a cp.async copy (LDGSTS), or for a TMA / bulk-copy
+ring the mbarrier arrive that announces the copies' bytes (SYNCS.ARRIVE.TRANS64) or the copy itself (UTMALDG,
+UBLKCP) — which is where the decode stages refill their ring: instructions there per MMA give the per-weight cost
+of a round (a decode-stage MMA is 8 weights per lane).
 
     moetplan build-kernels --arch 9.0 && cuobjdump -sass $MOETPLAN_KERNEL_CACHE/moetplan_moe-*/moetplan_moe*.so > k.sass
     python3 bench/sass_loop.py k.sass gemv_stage_kernelILb1ELb0ELi1ELb0E
@@ -46,13 +48,26 @@ def main_loop(insns: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return [(a, s) for a, s in insns if lo <= a <= hi]
 
 
+REFILL = ("LDGSTS", "UTMALDG", "UBLKCP")
+
+
+def refill_marker(insn: str) -> str | None:
+    """The refill kind an instruction starts, if any: a copy opcode, or SYNCS.ARRIVE.TRANS64 (expect_tx)."""
+    op = opcode(insn)
+    if op in REFILL:
+        return op
+    if re.sub(r"^@!?U?P\w+\s+", "", insn).startswith("SYNCS.ARRIVE.TRANS64"):
+        return "SYNCS.ARRIVE.TRANS64"
+    return None
+
+
 def report(insns: list[tuple[int, str]]) -> dict:
     loop = main_loop(insns)
-    first_copy = next((i for i, (_, s) in enumerate(loop) if opcode(s) == "LDGSTS"), len(loop))
-    body = loop[:first_copy]
+    first = next(((i, m) for i, (_, s) in enumerate(loop) if (m := refill_marker(s))), (len(loop), None))
+    body = loop[:first[0]]
     mmas = sum("MMA" in opcode(s) for _, s in body)
     return {"loop_instructions": len(loop), "loop_mix": collections.Counter(opcode(s) for _, s in loop),
-            "round_body_instructions": len(body), "round_body_mma": mmas,
+            "round_body_instructions": len(body), "round_body_mma": mmas, "round_body_end": first[1],
             "round_body_per_mma": len(body) / mmas if mmas else None}
 
 
@@ -65,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"main loop: {r['loop_instructions']} instructions; " +
           ", ".join(f"{k} {v}" for k, v in r["loop_mix"].most_common(16)))
     if r["round_body_mma"]:
-        print(f"round body (up to the first LDGSTS): {r['round_body_instructions']} instructions, "
-              f"{r['round_body_mma']} MMA, {r['round_body_per_mma']:.1f} per MMA")
+        print(f"round body (up to the first {r['round_body_end'] or 'end of the loop'}): "
+              f"{r['round_body_instructions']} instructions, {r['round_body_mma']} MMA, "
+              f"{r['round_body_per_mma']:.1f} per MMA")
     return 0
 
 

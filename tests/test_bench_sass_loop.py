@@ -41,6 +41,26 @@ def test_innermost_loop_around_the_first_mma_and_its_round_body(tmp_path, capsys
     assert "round body (up to the first LDGSTS): 5 instructions, 2 MMA, 2.5 per MMA" in capsys.readouterr().out
 
 
+TMA_SASS = """
+        Function : _ZN4moet17gemv_stage_kernelILb1ELb0ELi1ELb0ELb1EEEvNS_8GemvArgsE
+        /*0000*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R11+URZ], R3 ;  /* 0x0 */
+        /*0010*/                   LDS.128 R4, [R9] ;                                  /* 0x0 */
+        /*0020*/                   HMMA.16816.F32.BF16 R12, R8, R4, R12 ;              /* 0x0 */
+        /*0030*/                   HMMA.16816.F32.BF16 R12, R9, R4, R12 ;              /* 0x0 */
+        /*0040*/                   FENCE.VIEW.ASYNC.S ;                                /* 0x0 */
+        /*0050*/               @P2 SYNCS.ARRIVE.TRANS64 RZ, [R11+URZ+0x8], R6 ;        /* 0x0 */
+        /*0060*/               @P3 R2UR UR8, R7 ;                                      /* 0x0 */
+        /*0070*/                   UTMALDG.4D [UR8], [UR16] ;                          /* 0x0 */
+        /*0080*/               @P1 BRA 0x0 ;                                           /* 0x0 */
+"""
+
+
+def test_tma_ring_round_body_ends_at_the_expect_tx():
+    r = report(function_body(TMA_SASS, "gemv_stage"))
+    assert r["loop_instructions"] == 9 and r["loop_mix"]["UTMALDG"] == 1
+    assert (r["round_body_instructions"], r["round_body_mma"], r["round_body_end"]) == (5, 2, "SYNCS.ARRIVE.TRANS64")
+
+
 def test_clear_errors():
     with pytest.raises(SystemExit, match="no function matching 'nope'"):
         function_body(SASS, "nope")
