@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moetplan.plan.schema import atomic_write_text  # noqa: E402
 
 
 def parse_spec(spec: str) -> tuple[str, str, list[str]]:
@@ -83,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("specs", nargs="+", help="label[@patch]=run.json[,run.json...]; the first label is the baseline")
     a = ap.parse_args(argv)
     exp = build([parse_spec(s) for s in a.specs], a.base, a.note)
-    tmp = a.out + ".tmp"
-    Path(tmp).write_text(json.dumps(exp, indent=1))
-    os.replace(tmp, a.out)
+    atomic_write_text(a.out, json.dumps(exp, indent=1))
     print(table(exp))
     return 0
 

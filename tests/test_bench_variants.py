@@ -46,4 +46,4 @@ def test_main_writes_one_file_and_prints_the_range(tmp_path, capsys):
     assert main(["--out", str(out), "--base", "c0ffee", "a=" + a, "s1@x.patch=" + b]) == 0
     assert "0.830-0.830x" in capsys.readouterr().out
     assert json.loads(out.read_text())["runs"][1]["code"] == "c0ffee + x.patch"
-    assert not (tmp_path / "exp.json.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json", "exp.json"]  # no temp file left

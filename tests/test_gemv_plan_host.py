@@ -8,11 +8,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+from csrc_source import CSRC, decode_constant
 
-SRC = Path(__file__).resolve().parents[1] / "csrc" / "moe_kernels.cu"
+SRC = CSRC / "moe_kernels.cu"
 
 
 def _function_text() -> str:
@@ -20,9 +20,7 @@ def _function_text() -> str:
     struct = re.search(r"struct GemvPlan \{.*?\n\};", src, re.S)
     fn = re.search(r"GemvPlan gemv_plan_for\(.*?\n\}", src, re.S)
     assert struct and fn, "gemv_plan_for / GemvPlan not found in csrc/moe_kernels.cu"
-    warps = re.search(r"constexpr int GEMV_WARPS = (\d+);", (SRC.parent / "moe_decode.cuh").read_text())
-    assert warps
-    return f"constexpr int GEMV_WARPS = {warps.group(1)};\n{struct.group(0)}\n{fn.group(0)}\n"
+    return f"constexpr int GEMV_WARPS = {decode_constant('GEMV_WARPS')};\n{struct.group(0)}\n{fn.group(0)}\n"
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +74,7 @@ def test_deepseek_v4_flash_at_one_token_stays_plain(plan):
     # H200 (132 SMs x 4 blocks): the w13 stage's 1536 units (K = 4096: 16 rounds of one piece, GEMV_MAX_NS = 1; 4 of
     # four pieces) fit the 2112 warp slots -> plain (balanced measured slower there); at 2 tokens 3072 units do
     # not -> balanced, 6 units' rounds over 4 warps instead of 2 whole units per warp.
-    ns = re.search(r"constexpr int GEMV_MAX_NS = (\d+);", (SRC.parent / "moe_decode.cuh").read_text())
-    assert ns
-    rpu = 4096 // (256 * min(int(ns.group(1)), 4))
+    rpu = 4096 // (256 * min(decode_constant("GEMV_MAX_NS"), 4))
     (one,) = plan([(1536, rpu, 528, -1)])
     assert one == (False, 384, rpu)
     (two,) = plan([(3072, rpu, 528, -1)])

@@ -5,11 +5,9 @@ weights, hi/lo split operands, fp32 accumulation) and <= 1e-2 on the prefill pat
 """
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
+from csrc_source import decode_constant
 
 from moetplan.errors import UsageError
 from moetplan.runtime import kernels, ops
@@ -397,17 +395,11 @@ def test_rowdot_and_gemv_decode_agree(mod, monkeypatch, T, H, I):
     assert _rel(a, ref) < 1e-5
 
 
-def _gemv_warps() -> int:
-    """Warps per decode-stage block, as csrc/moe_decode.cuh compiles them (GEMV_WARPS)."""
-    src = (Path(__file__).resolve().parents[1] / "csrc" / "moe_decode.cuh").read_text()
-    return int(re.search(r"constexpr int GEMV_WARPS = (\d+);", src).group(1))
-
-
 def test_gemv_plan_spreads_rounds_over_warps(mod):
     # Plain: every warp takes whole units, the same number to one; balanced: a block's units' rounds spread over its
     # W warps, never a longer warp than plain. The default takes balanced exactly when the units outnumber the warp
     # slots. K = 4096: K / (256 x pieces per round) rounds per unit, pieces 1, 2 or 4 (gemv_ns, GEMV_MAX_NS).
-    K, W = 4096, _gemv_warps()
+    K, W = 4096, decode_constant("GEMV_WARPS")
     rpu = mod.gemv_plan(True, False, False, K, 1, -1)[2]  # one unit: one warp streams all of its rounds
     assert rpu in (K // 256, K // 512, K // 1024)
     slots = W * mod.gemv_plan(True, False, False, K, 1 << 20, 1)[1]  # balanced: one block per resident slot

@@ -187,34 +187,25 @@ __global__ void __launch_bounds__(128) read_kernel(const uint8_t* buf, const uin
   out[int64_t(blockIdx.x) * blockDim.x + threadIdx.x] = acc;
 }
 
-// Launch with programmatic stream serialization when `pdl`, and `smem_pad` bytes of dynamic shared memory (above
-// 48 KB only after smem_pad() raised the kernel's limit: no attribute calls here, they may be captured in a graph).
-template <int MODE>
-void launch(int64_t blocks, cudaStream_t s, bool pdl, int64_t smem_pad, const uint8_t* b, const uint8_t* sc,
-            int64_t n_tiles, int rb, uint32_t* o) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(blocks));
-  cfg.blockDim = dim3(128);
-  cfg.dynamicSmemBytes = size_t(smem_pad);
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, read_kernel<MODE>, b, sc, n_tiles, rb, o));
+using ReadKernel = void (*)(const uint8_t*, const uint8_t*, int64_t, int, uint32_t*);
+
+// The kernel of a mode (bench/read_pattern.py PATTERNS: its keys are this table's indices).
+ReadKernel kernel_of(int64_t mode) {
+  static const ReadKernel kernels[] = {read_kernel<0>, read_kernel<1>, read_kernel<2>, read_kernel<3>, read_kernel<4>,
+                                       read_kernel<5>, read_kernel<6>, read_kernel<7>, read_kernel<8>};
+  TORCH_CHECK(mode >= 0 && mode < int64_t(sizeof(kernels) / sizeof(kernels[0])), "read_pattern: unknown mode ", mode,
+              " (bench/read_pattern.py PATTERNS)");
+  return kernels[mode];
 }
 
 // Dynamic shared memory per block that leaves room for at most `per_sm` blocks of a mode's kernel on an SM
-// (the SM's shared memory split evenly, less the driver's reservation and the kernel's static rings).
+// (the SM's shared memory split evenly, less the driver's reservation and the kernel's static rings). Raises the
+// kernel's limit where needed here, not at launch: launches may be captured in a graph.
 int64_t smem_pad(int64_t mode, int64_t per_sm) {
   TORCH_CHECK(per_sm >= 1, "read_pattern: blocks per SM must be >= 1, got ", per_sm);
-  using K = void (*)(const uint8_t*, const uint8_t*, int64_t, int, uint32_t*);
-  const K kernels[] = {read_kernel<0>, read_kernel<1>, read_kernel<2>, read_kernel<3>, read_kernel<4>,
-                       read_kernel<5>, read_kernel<6>, read_kernel<7>, read_kernel<8>};
-  TORCH_CHECK(mode >= 0 && mode < int64_t(sizeof(kernels) / sizeof(K)), "read_pattern: unknown mode ", mode);
+  const ReadKernel k = kernel_of(mode);
   cudaFuncAttributes fa;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernels[mode]));
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, k));
   int dev = 0, per_sm_bytes = 0, reserved = 0, optin = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm_bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
@@ -223,33 +214,30 @@ int64_t smem_pad(int64_t mode, int64_t per_sm) {
   const int64_t pad = int64_t(per_sm_bytes) / per_sm - reserved - int64_t(fa.sharedSizeBytes);
   TORCH_CHECK(pad >= 0 && pad + int64_t(fa.sharedSizeBytes) <= optin, "read_pattern: ", per_sm,
               " blocks per SM cannot be forced through shared memory on this device (", pad, " bytes of padding)");
-  if (pad > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernels[mode], cudaFuncAttributeMaxDynamicSharedMemorySize, int(pad)));
+  if (pad > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pad)));
   return pad;
 }
 
+// One launch of a mode's kernel: with programmatic stream serialization when `pdl`, and `smem_pad` bytes of
+// dynamic shared memory (above 48 KB only after smem_pad() raised the kernel's limit).
 void read_pattern(int64_t mode, torch::Tensor buf, torch::Tensor scales, int64_t rb, int64_t blocks,
                   torch::Tensor out, bool pdl, int64_t smem_pad) {
-  const int64_t n_tiles = buf.numel() / (rb * 16);
-  auto s = c10::cuda::getCurrentCUDAStream();
-  const uint8_t* b = buf.data_ptr<uint8_t>();
-  const uint8_t* sc = scales.data_ptr<uint8_t>();
-  uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   TORCH_CHECK(out.numel() >= blocks * 128, "out too small");
   TORCH_CHECK(smem_pad >= 0, "read_pattern: smem_pad must be >= 0, got ", smem_pad);
-  const int r = int(rb);
-  switch (mode) {
-    case 0: launch<0>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
-    case 1: launch<1>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
-    case 2: launch<2>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
-    case 3: launch<3>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
-    case 4: launch<4>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
-    case 5: launch<5>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
-    case 6: launch<6>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
-    case 7: launch<7>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
-    case 8: launch<8>(blocks, s, pdl, smem_pad, b, sc, n_tiles, r, o); break;
-    default: TORCH_CHECK(false, "read_pattern: unknown mode ", mode, " (bench/read_pattern.py PATTERNS)");
-  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(blocks));
+  cfg.blockDim = dim3(128);
+  cfg.dynamicSmemBytes = size_t(smem_pad);
+  cfg.stream = c10::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel_of(mode), static_cast<const uint8_t*>(buf.data_ptr<uint8_t>()),
+                                    static_cast<const uint8_t*>(scales.data_ptr<uint8_t>()),
+                                    int64_t(buf.numel() / (rb * 16)), int(rb),
+                                    reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>())));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
