@@ -38,7 +38,7 @@ def w13_act(mod, x, ids, pool, slot_of, lay, f8: bool) -> torch.Tensor:
         xp = torch.empty(T, 1, H, dtype=torch.bfloat16, device="cuda")
         mod.xprep(x, xp, None, False)
     mod.gemv_stage(True, f8, pool, slot_of, None, lay.w13_q_off, lay.w13_s_off, H, lay.inter_per_rank, ids,
-                   ids.shape[1], xp, act, None, None, None, None, 0.0, False, flag, False, xinv, -1)
+                   ids.shape[1], xp, act, None, None, None, None, 0.0, False, flag, False, xinv, -1, -1)
     torch.cuda.synchronize()
     if int(flag.item()) != 0:
         raise RuntimeError(f"stage error flag {int(flag.item())}")

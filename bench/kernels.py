@@ -214,22 +214,27 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
 
         res["gemv_plan"] = {"w13": plan(True, -1), "w2": plan(False, -1),
                             "w13_plain": plan(True, 0), "w2_plain": plan(False, 0)}
+    if hasattr(mod, "gemv_ring"):  # the ring the default gemv stages take (TMA on sm_90+ for K % 512 == 0)
+        res["gemv_ring"] = {"w13": mod.gemv_ring(H), "w2": mod.gemv_ring(I)}
     # The same step per decode kernel (MOETPLAN_DECODE_KERNEL), each with and without programmatic dependent
     # launch between the op's kernels (sm_90+); outputs of layer 0 are compared across the variants.
     variants: dict[str, Any] = {}
     outs0: dict[str, torch.Tensor] = {}
     d0 = layers[0]
-    fused_default, e4m3_default, balance_default = ops.FUSED_COMBINE, ops.E4M3_DECODE, ops.GEMV_BALANCE
+    fused_default, e4m3_default, balance_default, ring_default = (ops.FUSED_COMBINE, ops.E4M3_DECODE,
+                                                                   ops.GEMV_BALANCE, ops.DECODE_RING)
     for i, dk in enumerate(decode_kernels):
         # Suffixes: "+fused" the per-token sum folded into the w2 launch (ops.FUSED_COMBINE); "+e4m3" / "+bf16" the
         # w13 stage's A operand (ops.E4M3_DECODE); "+plain" / "+balanced" how the gemv stages spread units over
-        # warps (ops.GEMV_BALANCE); "+l2" rows from the L2 (above). Without one, the op's defaults.
+        # warps (ops.GEMV_BALANCE); "+cp.async" / "+tma" the gemv stages' ring (ops.DECODE_RING); "+l2" rows from
+        # the L2 (above). Without one, the op's defaults.
         base, *suffixes = dk.split("+")
         src = l2_layers if "l2" in suffixes else layers
         os.environ["MOETPLAN_DECODE_KERNEL"] = base
         ops.FUSED_COMBINE = "fused" in suffixes
         ops.E4M3_DECODE = True if "e4m3" in suffixes else False if "bf16" in suffixes else e4m3_default
         ops.GEMV_BALANCE = True if "balanced" in suffixes else False if "plain" in suffixes else balance_default
+        ops.DECODE_RING = next((r for r in ("cp.async", "tma") if r in suffixes), ring_default)
         # Both launch modes for the headline kernel; the others with the default (PDL on sm_90+).
         for pdl_name, env in ((("pdl", "1"), ("no_pdl", "0")) if i == 0 else (("pdl", "1"),)):
             name = f"{dk}_{pdl_name}"
@@ -251,7 +256,8 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
                               "share_of_read_bw": bytes_step / (t["median_ms"] * 1e-3) / 1e9 / ref_gbps}
     os.environ.pop("MOETPLAN_PDL", None)
     os.environ.pop("MOETPLAN_DECODE_KERNEL", None)
-    ops.FUSED_COMBINE, ops.E4M3_DECODE, ops.GEMV_BALANCE = fused_default, e4m3_default, balance_default
+    ops.FUSED_COMBINE, ops.E4M3_DECODE, ops.GEMV_BALANCE, ops.DECODE_RING = (fused_default, e4m3_default,
+                                                                             balance_default, ring_default)
     # Deterministic across launch modes (bit-identical), and the decode kernels agree with each other and with
     # the float32 torch reference on layer 0.
     res["pdl_equals_no_pdl"] = {dk: bool(torch.equal(outs0[f"{dk}_pdl"], outs0[f"{dk}_no_pdl"]))
@@ -454,7 +460,8 @@ def main() -> int:
     ap.add_argument("--decode-kernels", default="gemv,mma,rowdot",
                     help="MOETPLAN_DECODE_KERNEL values to time, suffixes '+fused' (the per-token sum folded into the "
                          "w2 launch), '+e4m3' / '+bf16' (the w13 stage's A operand, ops.E4M3_DECODE), '+plain' / "
-                         "'+balanced' (units over warps, ops.GEMV_BALANCE), '+l2' (every routed expert of a layer read "
+                         "'+balanced' (units over warps, ops.GEMV_BALANCE), '+cp.async' / '+tma' (the gemv stages' ring, "
+                         "ops.DECODE_RING), '+l2' (every routed expert of a layer read "
                          "from one slot: the stages' speed with their rows in the L2); the first (the default path) "
                          "is the headline figure")
     ap.add_argument("--prefill-kernels", default="auto,tiled:2,wgmma,warp",

@@ -55,7 +55,68 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// ---- TMA ring (sm_90+, K a multiple of 512; the default there since H25) ----------------------------------------
+// A round is 512 weights of each of the tile's 16 rows: 128 contiguous code bytes and 16 scale bytes per row,
+// brought by the TMA engine as one box each of the pool's code and scale bytes (tensor maps a.tm_q, a.tm_s:
+// [slot][half][row][byte], half = gate / up rows of w13, one half of H rows for w2; a box is 16 rows or 2 x 8),
+// issued by lane 0 and completing on the stage's mbarrier; GEMV_BULK_STAGES rounds in flight per warp. Against
+// the cp.async ring: 128-byte contiguous row reads instead of 64 (read_pattern: a quad's 256 contiguous bytes reach
+// 93-96% of torch.sum, 64 B 55-69%), up to 3x the bytes in flight, and one thread issuing 2 copies per 512 weights
+// instead of every thread four per 256. (One cp.async.bulk per row and lane instead compiles into an ELECT loop
+// that issues the 32 copies one by one, ~9 instructions each: ~290 warp instructions per round, more than the
+// decode of half of it; a copy's operands must be warp-uniform, so even lane 0's two cost ~11 each.) A missing expert's
+// boxes are addressed past the last slot: the TMA engine fills them with zeros (codes 0 under scale byte 0).
+// The consumer reads a round as two of the one-piece rounds (same K order: b_pos with ns = 1), so xprep and the
+// w13 epilogue are unchanged. Stage layout: the box order, 16 rows x 128 code bytes, then 16 rows x 16 scale
+// bytes (a quarter-warp's LDS.128 of rows g and g + 1 meets 2-way bank conflicts there: 4 of the round's ~500
+// instructions).
+constexpr int GEMV_BULK_STAGES = 3;  // 4 measured 1.00-1.02x the time of 3 at every decode point (H25)
+constexpr int GEMV_BULK_CODES = 16 * 128;
+constexpr int GEMV_BULK_STAGE = GEMV_BULK_CODES + 16 * 16;  // 2304 = 18 x 128: every box lands 128-byte aligned
+constexpr int GEMV_BULK_TX = GEMV_BULK_STAGE;             // bytes per round (out-of-range boxes count in full)
+
+// mbarrier and bulk-copy (TMA engine) helpers, sm_90+ (no-ops below: their callers run only there).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define MOET_SM90_ASM(...)
+#else
+#define MOET_SM90_ASM(...) asm volatile(__VA_ARGS__)
+#endif
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  MOET_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Release: this thread's earlier shared-memory writes (and, after fence_proxy_async, their async-proxy view) are
+// visible to whoever observes the phase complete.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  MOET_SM90_ASM("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Until the phase with this parity has completed (acquire).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  MOET_SM90_ASM(
+      "{\n.reg .pred p;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// Arrive and expect `bytes` more of asynchronous copies in the current phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  MOET_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Box of a 4-D tensor map at (c0, c1, c2, c3) -> shared memory (TMA engine), completing its bytes on the mbarrier.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, int c0, int c1, int c2, int c3,
+                                            uint32_t bar) {
+  MOET_SM90_ASM("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
+                "%4, %5}], [%6];\n" ::"r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+// Bulk copy global -> shared (TMA engine), completing `bytes` on the mbarrier.
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  MOET_SM90_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+
 struct GemvArgs {
+  CUtensorMap tm_q;            // TMA ring: the stage's code rows [slot][half][row][K / 4 bytes], boxes of 128 B
+  CUtensorMap tm_s;            // and scale rows [slot][half][row][K / 32 bytes], boxes of 16 B (16 rows or 2 x 8)
+  int n_slots;                 // a missing expert's boxes are addressed at slot n_slots (zero-filled)
   const uint8_t* pool;
   int64_t stride;
   const int32_t* slot_of;
@@ -518,11 +579,15 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
 // paired one; the planes are stored in consumption order, b_pos). A round's buffer of the cp.async
 // ring is refilled with round r + GEMV_ROUNDS once its MMAs have consumed it.
 // F8 (w13, sm_89+): the e4m3 A operand and hi/lo e4m3 B planes (above); same units, rounds and ring.
-template <bool W13, bool SPLIT, int NS, bool F8 = false>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs a) {
+template <bool W13, bool SPLIT, int NS, bool F8 = false, bool BULK = false>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __grid_constant__ GemvArgs a) {
   static_assert(!F8 || (W13 && SPLIT), "F8: the w13 stage, hi and lo as columns of their own");
+  static_assert(!BULK || (NS == 1 && !F8), "bulk ring: one-piece consumer rounds, bf16 A operand");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
   if constexpr (F8) return;  // no e4m3 MMA before sm_89 (the host checks decode_fp8_available first)
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (BULK) return;  // no bulk copies before sm_90 (the host checks decode_bulk_available first)
 #endif
   constexpr int NCOL = SPLIT ? 4 : 8;  // pairs per pass
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -541,7 +606,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   }
   __syncthreads();
   const int n_units = n_ep_s * a.tiles;
-  const int RPU = a.K / (GEMV_CHUNK * NS);  // rounds per unit
+  const int RPU = a.K / (BULK ? 512 : GEMV_CHUNK * NS);  // rounds per unit
   // This warp's rounds [rb, re) of the layer's (unit, round) sequence (round r of unit u is u * RPU + r).
   // Plain: contiguous unit ranges per warp, and the block's warps on neighbouring ranges: units are expert-pass
   // major, so a block's warps mostly stream tiles of the same pass and read the same B rows, which then stay in
@@ -594,10 +659,24 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
     s0 = row + a.s_off + r0 * srow + piece * 2;
     s1 = row + a.s_off + r1 * srow + piece * 2;
   };
+  // TMA ring: the next round's box coordinates (byte offset of the round, first row, slot), lane 0's business.
+  int b_row = 0, b_slot = 0, b_r = 0;
+  auto set_rows_bulk = [&](int u, int r) {
+    const int ep = u / a.tiles, tile = u - ep * a.tiles;
+    const int slot = ep_slot[ep];
+    b_row = W13 ? tile * 8 : tile * 16;
+    b_slot = slot < 0 ? a.n_slots : slot;
+    b_r = r;
+  };
   auto advance = [&]() {
     if (++lr == RPU) {
       lr = 0;
-      if (++lu <= u_last) set_rows(lu, 0);
+      if (++lu <= u_last) {
+        if constexpr (BULK) set_rows_bulk(lu, 0);
+        else set_rows(lu, 0);
+      }
+    } else if constexpr (BULK) {
+      ++b_r;
     } else {
       q0 += 64 * NS; q1 += 64 * NS; s0 += 8 * NS; s1 += 8 * NS;
     }
@@ -610,8 +689,19 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   // quad's 16 bytes per row (thread 0 row 0, thread 1 row 1). NS = 1 (K not a multiple of 512, so the rows'
   // scales are not 16-byte aligned): each thread copies the aligned 4 bytes of each row (.x row 0, .y row 1).
   // A buffer is refilled after the MMAs that used its bytes, behind a __syncwarp (lanes read their neighbours').
-  __shared__ uint4 cring[GEMV_WARPS][GEMV_ROUNDS][2][NS][32];
-  __shared__ uint4 sring[GEMV_WARPS][GEMV_ROUNDS][32];
+  // One shared buffer for either ring (the cp.async ring's codes and scales too): with two __shared__ arrays ptxas
+  // rebuilt the ring addresses every round (S2R, LEA, IMAD: w13 round body 248 instructions on sm_90a, 229 from one
+  // base; bench/sass_local.sh), 2-4% of a layer's time on the H200 (H25).
+  constexpr int RING_BYTES = BULK ? GEMV_WARPS * GEMV_BULK_STAGES * GEMV_BULK_STAGE
+                                  : GEMV_WARPS * GEMV_ROUNDS * (2 * NS + 1) * 32 * 16;
+  __shared__ __align__(128) uint8_t ring_raw[RING_BYTES];
+  __shared__ __align__(8) uint64_t bulk_bar[BULK ? GEMV_WARPS * GEMV_BULK_STAGES : 1];
+  auto cring = reinterpret_cast<uint4 (*)[GEMV_ROUNDS][2][NS][32]>(ring_raw);
+  auto sring = reinterpret_cast<uint4 (*)[GEMV_ROUNDS][32]>(ring_raw + GEMV_WARPS * GEMV_ROUNDS * 2 * NS * 32 * 16);
+  const uint32_t bstage0 =
+      static_cast<uint32_t>(__cvta_generic_to_shared(ring_raw)) + warp * GEMV_BULK_STAGES * GEMV_BULK_STAGE;
+  const uint32_t bbar0 =
+      static_cast<uint32_t>(__cvta_generic_to_shared(bulk_bar)) + (BULK ? warp * GEMV_BULK_STAGES * 8 : 0);
   auto issue_round = [&](int buf) {
 #pragma unroll
     for (int j = 0; j < NS; ++j) {
@@ -629,16 +719,42 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
       cp_async_small<4>(&sring[warp][buf][lane].y, a1);
     }
   };
+  auto issue_bulk = [&](int buf) {
+    if (lane != 0) return;
+    const uint32_t bar = bbar0 + buf * 8, st = bstage0 + buf * GEMV_BULK_STAGE;
+    mbar_arrive_expect_tx(bar, GEMV_BULK_TX);
+    // One box of codes and one of scales: [halves][rows][bytes] (w13: the 8 gate rows, then the 8 up rows).
+    tma_load_4d(st, &a.tm_q, b_r * 128, b_row, 0, b_slot, bar);
+    tma_load_4d(st + GEMV_BULK_CODES, &a.tm_s, b_r * 16, b_row, 0, b_slot, bar);
+  };
 
-  // Prologue: the first GEMV_ROUNDS rounds (one commit group each, empty past the end: uniform group counts).
+  // Prologue: the first GEMV_ROUNDS rounds (one commit group each, empty past the end: uniform group counts); bulk:
+  // the warp's stage barriers, then its first GEMV_BULK_STAGES rounds.
+  if constexpr (BULK) {
+    if (lane == 0) {
 #pragma unroll
-  for (int i = 0; i < GEMV_ROUNDS; ++i) {
-    if (i < n_rounds) {
-      if (i == 0) set_rows(lu, lr);
-      issue_round(i);
-      advance();
+      for (int i = 0; i < GEMV_BULK_STAGES; ++i) mbar_init(bbar0 + i * 8, 1);
+      MOET_SM90_ASM("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    cp_async_commit();
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < GEMV_BULK_STAGES; ++i) {
+      if (i < n_rounds) {
+        if (i == 0) set_rows_bulk(lu, lr);
+        issue_bulk(i);
+        advance();
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < GEMV_ROUNDS; ++i) {
+      if (i < n_rounds) {
+        if (i == 0) set_rows(lu, lr);
+        issue_round(i);
+        advance();
+      }
+      cp_async_commit();
+    }
   }
   griddep_wait();
   griddep_launch_dependents();
@@ -665,114 +781,145 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(GemvArgs
   if (n_rounds > 0) set_b(cu);
 
   for (int r = 0; r < n_rounds; ++r) {
-    const int buf = r % GEMV_ROUNDS;
-    cp_async_wait<GEMV_ROUNDS - 1>();  // this round's group has landed (this thread's copies)
-    if (NS > 1) __syncwarp();          // and the neighbours' scale copies
-    uint2 sc[2];  // this thread's scale bytes of the round per row (pieces 0, 1 in .x; 2, 3 in .y)
-    {
-      if (NS == 4) {
-        const uint4 v0 = sring[warp][buf][lane & ~1], v1 = sring[warp][buf][lane | 1];
-        sc[0] = (t & 1) ? make_uint2(v0.z, v0.w) : make_uint2(v0.x, v0.y);
-        sc[1] = (t & 1) ? make_uint2(v1.z, v1.w) : make_uint2(v1.x, v1.y);
-      } else if (NS == 2) {
-        const uint4 v0 = sring[warp][buf][lane & ~3], v1 = sring[warp][buf][(lane & ~3) | 1];
-        sc[0] = make_uint2(t == 0 ? v0.x : t == 1 ? v0.y : t == 2 ? v0.z : v0.w, 0u);
-        sc[1] = make_uint2(t == 0 ? v1.x : t == 1 ? v1.y : t == 2 ? v1.z : v1.w, 0u);
-      } else {
-        const uint4 v = sring[warp][buf][lane];
-        sc[0] = make_uint2((v.x >> (16 * (t & 1))) & 0xFFFFu, 0u);
-        sc[1] = make_uint2((v.y >> (16 * (t & 1))) & 0xFFFFu, 0u);
-      }
+    const int buf = BULK ? r % GEMV_BULK_STAGES : r % GEMV_ROUNDS;
+    if constexpr (BULK) {
+      mbar_wait(bbar0 + buf * 8, uint32_t(r / GEMV_BULK_STAGES) & 1u);  // the round's 2304 bytes have landed
+    } else {
+      cp_async_wait<GEMV_ROUNDS - 1>();  // this round's group has landed (this thread's copies)
+      if (NS > 1) __syncwarp();          // and the neighbours' scale copies
     }
-    // The round's decode state per row: bf16 tables' scale words, or (F8) the largest scale byte of the quad's
-    // round -> table offset, flush bound and fp32 factor.
-    ScaleWord sw[2][2];
-    int lo_r[2];
-    uint32_t c_r[2];
-    float f_r[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if constexpr (F8) {
-        int mb = int(max_byte(NS == 4 ? __vmaxu4(sc[i].x, sc[i].y) : sc[i].x));
-        mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
-        mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
-        lo_r[i] = mb - 12;                                        // E = hk - mb + 13 >= 1
-        c_r[i] = 0x90801000u - uint32_t(mb - 13) * 0x08080808u;  // table = E * 0x08080808 + 0x90801000
-        f_r[i] = __uint_as_float(uint32_t(max(mb - 6, 0)) << 23);  // 2^(mb - 133)
+    for (int half = 0; half < (BULK ? 2 : 1); ++half) {  // bulk: a round is two one-piece rounds
+      uint2 sc[2];  // this thread's scale bytes of the round per row (pieces 0, 1 in .x; 2, 3 in .y)
+      uint4 bc0, bc1;  // bulk: this thread's codes of rows g and g + 8
+      if constexpr (BULK) {
+        const uint32_t st = bstage0 + buf * GEMV_BULK_STAGE;
+        const int piece = half * 4 + t;
+        uint32_t w0, w1;
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(bc0.x), "=r"(bc0.y), "=r"(bc0.z), "=r"(bc0.w)
+                     : "r"(st + g * 128 + piece * 16));
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(bc1.x), "=r"(bc1.y), "=r"(bc1.z), "=r"(bc1.w)
+                     : "r"(st + (g + 8) * 128 + piece * 16));
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w0) : "r"(st + GEMV_BULK_CODES + g * 16 + (piece >> 1) * 4));
+        asm volatile("ld.shared.u32 %0, [%1];"
+                     : "=r"(w1) : "r"(st + GEMV_BULK_CODES + (g + 8) * 16 + (piece >> 1) * 4));
+        sc[0] = make_uint2((w0 >> (16 * (t & 1))) & 0xFFFFu, 0u);
+        sc[1] = make_uint2((w1 >> (16 * (t & 1))) & 0xFFFFu, 0u);
       } else {
-        sw[i][0] = scale_word(sc[i].x);
-        if (NS == 4) sw[i][1] = scale_word(sc[i].y);
-      }
-    }
-    // This thread's B of the round: 16-byte unit (j * 8 + wq * 2 + half) * 4 of bround (bf16, b_pos order), or
-    // (j * 4 + wq) * 4 (F8, b8_off order).
-    const uint4* bround = bptr + unsigned(rc) * (NS * (F8 ? 16 : 32)) + unsigned(t);
-#pragma unroll
-    for (int j = 0; j < NS; ++j) {
-      const uint4 c0 = cring[warp][buf][0][j][lane], c1 = cring[warp][buf][1][j][lane];
-      const uint32_t cw0[4] = {c0.x, c0.y, c0.z, c0.w};
-      const uint32_t cw1[4] = {c1.x, c1.y, c1.z, c1.w};
-      // Words 0,1 of a piece: its first scale block (byte 2 (j % 2) of the scale word); words 2,3: the second.
-#pragma unroll
-      for (int wq = 0; wq < 4; ++wq) {
-        const int byte = 2 * (j & 1) + (wq >> 1);
-        if constexpr (F8) {
-          const uint4 bq = __ldg(bround + (j * 4 + wq) * 4);
-          const uint32_t h0 = (((j >> 1) ? sc[0].y : sc[0].x) >> (8 * byte)) & 0xFFu;
-          const uint32_t h1 = (((j >> 1) ? sc[1].y : sc[1].x) >> (8 * byte)) & 0xFFu;
-          // e4m3 bytes of +1, +4, -1, -4 times 2^(E - 7), E = hk - mb + 13; zero below E = 1
-          const uint32_t t0 = int(h0) >= lo_r[0] ? h0 * 0x08080808u + c_r[0] : 0u;
-          const uint32_t t1 = int(h1) >= lo_r[1] ? h1 * 0x08080808u + c_r[1] : 0u;
-          const uint32_t w0 = cw0[wq], w1 = cw1[wq];
-          const uint32_t ea0 = w0 & 0x33333333u, eb0 = (w0 >> 2) & 0x33333333u;
-          const uint32_t ea1 = w1 & 0x33333333u, eb1 = (w1 >> 2) & 0x33333333u;
-          float d[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_e4m3(d, prmt(t0, t0, ea0), prmt(t1, t1, ea1), prmt(t0, t0, eb0), prmt(t1, t1, eb1), bq.x, bq.y);
-          mma_e4m3(d, prmt(t0, t0, ea0 >> 16), prmt(t1, t1, ea1 >> 16), prmt(t0, t0, eb0 >> 16),
-                   prmt(t1, t1, eb1 >> 16), bq.z, bq.w);
-          float(&ac)[4] = (wq & 1) ? acc2 : acc;
-          ac[0] = fmaf(d[0], f_r[0], ac[0]);
-          ac[1] = fmaf(d[1], f_r[0], ac[1]);
-          ac[2] = fmaf(d[2], f_r[1], ac[2]);
-          ac[3] = fmaf(d[3], f_r[1], ac[3]);
+        if (NS == 4) {
+          const uint4 v0 = sring[warp][buf][lane & ~1], v1 = sring[warp][buf][lane | 1];
+          sc[0] = (t & 1) ? make_uint2(v0.z, v0.w) : make_uint2(v0.x, v0.y);
+          sc[1] = (t & 1) ? make_uint2(v1.z, v1.w) : make_uint2(v1.x, v1.y);
+        } else if (NS == 2) {
+          const uint4 v0 = sring[warp][buf][lane & ~3], v1 = sring[warp][buf][(lane & ~3) | 1];
+          sc[0] = make_uint2(t == 0 ? v0.x : t == 1 ? v0.y : t == 2 ? v0.z : v0.w, 0u);
+          sc[1] = make_uint2(t == 0 ? v1.x : t == 1 ? v1.y : t == 2 ? v1.z : v1.w, 0u);
         } else {
-          const ScaleWord& w0 = sw[0][j >> 1];
-          const ScaleWord& w1 = sw[1][j >> 1];
-          uint32_t bv[8];
-          {
-            const uint4 u0 = __ldg(bround + (j * 8 + 2 * wq) * 4);
-            const uint4 u1 = __ldg(bround + (j * 8 + 2 * wq + 1) * 4);
-            bv[0] = u0.x; bv[1] = u0.y; bv[2] = u0.z; bv[3] = u0.w;
-            bv[4] = u1.x; bv[5] = u1.y; bv[6] = u1.z; bv[7] = u1.w;
-          }
-          const uint32_t o = 0x04040404u | (uint32_t(byte) * 0x01010101u);
-          uint32_t t0, t1;
-          switch (byte) {
-            case 0: t0 = scale_table<0>(w0); t1 = scale_table<0>(w1); break;
-            case 1: t0 = scale_table<1>(w0); t1 = scale_table<1>(w1); break;
-            case 2: t0 = scale_table<2>(w0); t1 = scale_table<2>(w1); break;
-            default: t0 = scale_table<3>(w0); t1 = scale_table<3>(w1); break;
-          }
-          uint32_t r0[8], r1[8];
-          decode_2bit_fast(cw0[wq], t0, w0.lw, o, r0);
-          decode_2bit_fast(cw1[wq], t1, w1.lw, o, r1);
+          const uint4 v = sring[warp][buf][lane];
+          sc[0] = make_uint2((v.x >> (16 * (t & 1))) & 0xFFFFu, 0u);
+          sc[1] = make_uint2((v.y >> (16 * (t & 1))) & 0xFFFFu, 0u);
+        }
+      }
+      // The round's decode state per row: bf16 tables' scale words, or (F8) the largest scale byte of the quad's
+      // round -> table offset, flush bound and fp32 factor.
+      ScaleWord sw[2][2];
+      int lo_r[2];
+      uint32_t c_r[2];
+      float f_r[2];
 #pragma unroll
-          for (int st = 0; st < 4; ++st) {
-            if (wq & 1)
-              mma_bf16(acc2, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
-            else
-              mma_bf16(acc, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
+      for (int i = 0; i < 2; ++i) {
+        if constexpr (F8) {
+          int mb = int(max_byte(NS == 4 ? __vmaxu4(sc[i].x, sc[i].y) : sc[i].x));
+          mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
+          mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
+          lo_r[i] = mb - 12;                                        // E = hk - mb + 13 >= 1
+          c_r[i] = 0x90801000u - uint32_t(mb - 13) * 0x08080808u;  // table = E * 0x08080808 + 0x90801000
+          f_r[i] = __uint_as_float(uint32_t(max(mb - 6, 0)) << 23);  // 2^(mb - 133)
+        } else {
+          sw[i][0] = scale_word(sc[i].x);
+          if (NS == 4) sw[i][1] = scale_word(sc[i].y);
+        }
+      }
+      // This thread's B of the round: 16-byte unit (j * 8 + wq * 2 + half) * 4 of bround (bf16, b_pos order), or
+      // (j * 4 + wq) * 4 (F8, b8_off order).
+      const uint4* bround = BULK ? bptr + unsigned(2 * rc + half) * 32 + unsigned(t)
+                                 : bptr + unsigned(rc) * (NS * (F8 ? 16 : 32)) + unsigned(t);
+#pragma unroll
+      for (int j = 0; j < NS; ++j) {
+        const uint4 c0 = BULK ? bc0 : cring[warp][buf][0][j][lane], c1 = BULK ? bc1 : cring[warp][buf][1][j][lane];
+        const uint32_t cw0[4] = {c0.x, c0.y, c0.z, c0.w};
+        const uint32_t cw1[4] = {c1.x, c1.y, c1.z, c1.w};
+        // Words 0,1 of a piece: its first scale block (byte 2 (j % 2) of the scale word); words 2,3: the second.
+#pragma unroll
+        for (int wq = 0; wq < 4; ++wq) {
+          const int byte = 2 * (j & 1) + (wq >> 1);
+          if constexpr (F8) {
+            const uint4 bq = __ldg(bround + (j * 4 + wq) * 4);
+            const uint32_t h0 = (((j >> 1) ? sc[0].y : sc[0].x) >> (8 * byte)) & 0xFFu;
+            const uint32_t h1 = (((j >> 1) ? sc[1].y : sc[1].x) >> (8 * byte)) & 0xFFu;
+            // e4m3 bytes of +1, +4, -1, -4 times 2^(E - 7), E = hk - mb + 13; zero below E = 1
+            const uint32_t t0 = int(h0) >= lo_r[0] ? h0 * 0x08080808u + c_r[0] : 0u;
+            const uint32_t t1 = int(h1) >= lo_r[1] ? h1 * 0x08080808u + c_r[1] : 0u;
+            const uint32_t w0 = cw0[wq], w1 = cw1[wq];
+            const uint32_t ea0 = w0 & 0x33333333u, eb0 = (w0 >> 2) & 0x33333333u;
+            const uint32_t ea1 = w1 & 0x33333333u, eb1 = (w1 >> 2) & 0x33333333u;
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_e4m3(d, prmt(t0, t0, ea0), prmt(t1, t1, ea1), prmt(t0, t0, eb0), prmt(t1, t1, eb1), bq.x, bq.y);
+            mma_e4m3(d, prmt(t0, t0, ea0 >> 16), prmt(t1, t1, ea1 >> 16), prmt(t0, t0, eb0 >> 16),
+                     prmt(t1, t1, eb1 >> 16), bq.z, bq.w);
+            float(&ac)[4] = (wq & 1) ? acc2 : acc;
+            ac[0] = fmaf(d[0], f_r[0], ac[0]);
+            ac[1] = fmaf(d[1], f_r[0], ac[1]);
+            ac[2] = fmaf(d[2], f_r[1], ac[2]);
+            ac[3] = fmaf(d[3], f_r[1], ac[3]);
+          } else {
+            const ScaleWord& w0 = sw[0][j >> 1];
+            const ScaleWord& w1 = sw[1][j >> 1];
+            uint32_t bv[8];
+            {
+              const uint4 u0 = __ldg(bround + (j * 8 + 2 * wq) * 4);
+              const uint4 u1 = __ldg(bround + (j * 8 + 2 * wq + 1) * 4);
+              bv[0] = u0.x; bv[1] = u0.y; bv[2] = u0.z; bv[3] = u0.w;
+              bv[4] = u1.x; bv[5] = u1.y; bv[6] = u1.z; bv[7] = u1.w;
+            }
+            const uint32_t o = 0x04040404u | (uint32_t(byte) * 0x01010101u);
+            uint32_t t0, t1;
+            switch (byte) {
+              case 0: t0 = scale_table<0>(w0); t1 = scale_table<0>(w1); break;
+              case 1: t0 = scale_table<1>(w0); t1 = scale_table<1>(w1); break;
+              case 2: t0 = scale_table<2>(w0); t1 = scale_table<2>(w1); break;
+              default: t0 = scale_table<3>(w0); t1 = scale_table<3>(w1); break;
+            }
+            uint32_t r0[8], r1[8];
+            decode_2bit_fast(cw0[wq], t0, w0.lw, o, r0);
+            decode_2bit_fast(cw1[wq], t1, w1.lw, o, r1);
+#pragma unroll
+            for (int st = 0; st < 4; ++st) {
+              if (wq & 1)
+                mma_bf16(acc2, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
+              else
+                mma_bf16(acc, r0[2 * st], r1[2 * st], r0[2 * st + 1], r1[2 * st + 1], bv[2 * st], bv[2 * st + 1]);
+            }
           }
         }
       }
-    }
+    }  // half
     // The round's bytes are consumed (the MMAs above used them): refill the buffer with round r + GEMV_ROUNDS.
-    if (NS > 1) __syncwarp();  // every lane has read the scales it takes from this buffer
-    if (r + GEMV_ROUNDS < n_rounds) {
-      issue_round(buf);
-      advance();
+    if constexpr (BULK) {
+      __syncwarp();  // every lane has read its bytes of this stage (into registers: the LDS are complete)
+      MOET_SM90_ASM("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before the async writes
+      if (r + GEMV_BULK_STAGES < n_rounds) {
+        issue_bulk(buf);
+        advance();
+      }
+    } else {
+      if (NS > 1) __syncwarp();  // every lane has read the scales it takes from this buffer
+      if (r + GEMV_ROUNDS < n_rounds) {
+        issue_round(buf);
+        advance();
+      }
+      cp_async_commit();
     }
-    cp_async_commit();
     const bool unit_end = ++rc == RPU;
     if (unit_end || r == n_rounds - 1) {
       float v[4];

@@ -28,11 +28,32 @@
 #include <cuda_fp8.h>
 #include <type_traits>
 #include <cuda_runtime.h>
+#include <cuda.h>         // CUtensorMap (the decode stages' TMA ring)
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cstdint>
 #include <algorithm>
+#include <string>
 #include <tuple>
 
 namespace moet {
+
+// Host-side checks build their message with std::to_string and hand TORCH_CHECK one std::string, never numbers:
+// on the lent H200 (torch 2.11 + CUDA 13, g++ 13) a TORCH_CHECK formatting a number from this nvcc-compiled file
+// segfaulted inside std::ostream::_M_insert<long> instead of raising, while string-only messages raised
+// (docs/KERNELS.md H25; bench/extension_errors/probe.py checks a machine for it). MOET_CHECK(cond, parts...) takes
+// the same parts as TORCH_CHECK: string literals, strings, integers, floats.
+inline void msg_part(std::string& s, const char* v) { s += v; }
+inline void msg_part(std::string& s, const std::string& v) { s += v; }
+inline void msg_part(std::string& s, bool v) { s += v ? "true" : "false"; }
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T> && !std::is_same_v<T, bool>, int> = 0>
+inline void msg_part(std::string& s, T v) { s += std::to_string(v); }
+template <typename... A>
+std::string check_msg(const A&... parts) {
+  std::string s;
+  (msg_part(s, parts), ...);
+  return s;
+}
+#define MOET_CHECK(cond, ...) TORCH_CHECK(cond, ::moet::check_msg(__VA_ARGS__))
 
 constexpr int FMT_2BIT = 0;
 constexpr int FMT_FP4 = 1;
@@ -533,7 +554,7 @@ __global__ void combine_kernel(const float* partial, const float* w, T* out, int
 #include "moe_prefill_wgmma.cuh"
 
 // ---------------------------------------------------------------------------------------------------------- host
-#define CHECK_CUDA_T(x, what) TORCH_CHECK((x).is_cuda(), what " must be a CUDA tensor")
+#define CHECK_CUDA_T(x, what) MOET_CHECK((x).is_cuda(), what " must be a CUDA tensor")
 
 // Launch with programmatic stream serialization when `pdl`: the kernel may start while the previous one drains
 // and waits for it with griddepcontrol.wait before touching its outputs.
@@ -578,7 +599,7 @@ void dispatch_fmt(const StageArgs& a, bool w13, int tiles, int gy, bool routed, 
   switch (bt) {  // float16 x is widened to float32 by the op layer (one instantiation less per variant)
     case torch::kBFloat16: return dispatch_stage<FMT, true, __nv_bfloat16>(a, tiles, gy, routed, stream);
     case torch::kFloat32: return dispatch_stage<FMT, true, float>(a, tiles, gy, routed, stream);
-    default: TORCH_CHECK(false, "x must be bfloat16 or float32 here (the op layer widens float16)");
+    default: MOET_CHECK(false, "x must be bfloat16 or float32 here (the op layer widens float16)");
   }
 }
 
@@ -586,7 +607,7 @@ void route(torch::Tensor topk_ids, torch::Tensor slot_of, c10::optional<torch::T
            torch::Tensor order, torch::Tensor seg_expert, torch::Tensor seg_off, torch::Tensor seg_cnt,
            torch::Tensor nseg, torch::Tensor error_flag) {
   CHECK_CUDA_T(topk_ids, "topk_ids");
-  TORCH_CHECK((topk_ids.scalar_type() == torch::kInt64 || topk_ids.scalar_type() == torch::kInt32) &&
+  MOET_CHECK((topk_ids.scalar_type() == torch::kInt64 || topk_ids.scalar_type() == torch::kInt32) &&
                   topk_ids.is_contiguous(), "topk_ids: contiguous int32/int64");
   const int P = int(topk_ids.numel());
   const int E = int(slot_of.numel());
@@ -595,7 +616,7 @@ void route(torch::Tensor topk_ids, torch::Tensor slot_of, c10::optional<torch::T
   auto stream = at::cuda::getCurrentCUDAStream();
   const size_t smem = size_t(4) * 2 * 2 * E;
   if (smem > 48 * 1024) {
-    TORCH_CHECK(cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) ==
+    MOET_CHECK(cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) ==
                     cudaSuccess, "route: too many experts for shared memory");
   }
   route_kernel<<<1, 1024, smem, stream>>>(
@@ -617,14 +638,14 @@ void stage(int64_t fmt, bool w13, torch::Tensor pool, torch::Tensor slot_of,
            c10::optional<torch::Tensor> order, int64_t topk, torch::Tensor b, c10::optional<torch::Tensor> act,
            c10::optional<torch::Tensor> partial, double limit, bool has_limit, torch::Tensor error_flag, bool pdl) {
   CHECK_CUDA_T(pool, "pool");
-  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1,
+  MOET_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1,
               "pool must be uint8 [S, stride] with contiguous rows");
-  TORCH_CHECK(pool.stride(0) % 16 == 0, "pool row stride must be a multiple of 16 bytes");
-  TORCH_CHECK(K % 32 == 0 && N % 32 == 0, "K and N must be multiples of 32");
-  TORCH_CHECK((K / (fmt == FMT_2BIT ? 4 : 2)) % 16 == 0,
+  MOET_CHECK(pool.stride(0) % 16 == 0, "pool row stride must be a multiple of 16 bytes");
+  MOET_CHECK(K % 32 == 0 && N % 32 == 0, "K and N must be multiples of 32");
+  MOET_CHECK((K / (fmt == FMT_2BIT ? 4 : 2)) % 16 == 0,
               "a row of codes must be a multiple of 16 bytes (K % 64 == 0 for 2-bit, K % 32 for FP4)");
-  TORCH_CHECK(b.is_contiguous() && b.size(-1) == K, "B operand must be contiguous [rows, K]");
-  TORCH_CHECK(slot_of.scalar_type() == torch::kInt32 && topk_ids.is_contiguous() &&
+  MOET_CHECK(b.is_contiguous() && b.size(-1) == K, "B operand must be contiguous [rows, K]");
+  MOET_CHECK(slot_of.scalar_type() == torch::kInt32 && topk_ids.is_contiguous() &&
                   (topk_ids.scalar_type() == torch::kInt64 || topk_ids.scalar_type() == torch::kInt32),
               "slot_of int32, topk_ids contiguous int32/int64");
   const at::cuda::CUDAGuard guard(pool.device());
@@ -649,7 +670,7 @@ void stage(int64_t fmt, bool w13, torch::Tensor pool, torch::Tensor slot_of,
     a.nseg = nseg->data_ptr<int32_t>();
     a.order = order->data_ptr<int32_t>();
   } else {
-    TORCH_CHECK(a.P <= SCAN_MAX_PAIRS, "scan mode takes at most ", SCAN_MAX_PAIRS, " pairs; route them first");
+    MOET_CHECK(a.P <= SCAN_MAX_PAIRS, "scan mode takes at most ", SCAN_MAX_PAIRS, " pairs; route them first");
   }
   a.b = b.data_ptr();
   a.b_by_token = w13 ? 1 : 0;
@@ -659,8 +680,8 @@ void stage(int64_t fmt, bool w13, torch::Tensor pool, torch::Tensor slot_of,
   a.has_limit = has_limit ? 1 : 0;
   a.error_flag = error_flag.data_ptr<int>();
   a.pdl = pdl ? 1 : 0;
-  TORCH_CHECK(!w13 || a.act != nullptr, "w13 stage needs the act output");
-  TORCH_CHECK(w13 || (a.partial != nullptr && b.scalar_type() == torch::kFloat32), "w2 stage: fp32 act in, partial out");
+  MOET_CHECK(!w13 || a.act != nullptr, "w13 stage needs the act output");
+  MOET_CHECK(w13 || (a.partial != nullptr && b.scalar_type() == torch::kFloat32), "w2 stage: fp32 act in, partial out");
   const int tiles = int(N / 32);  // w13: 16 gate + 16 up rows; w2: 32 rows
   const int gy = routed ? int(seg_expert->numel()) : a.P;
   if (gy == 0) return;
@@ -684,7 +705,7 @@ int compute_capability() {
 // The fused combine's arrival counters [T, H / 16] (zeroed by xprep / xprep8), or nullptr.
 int* fused_counter(const c10::optional<torch::Tensor>& counter, int T, int H) {
   if (!counter.has_value()) return nullptr;
-  TORCH_CHECK(counter->scalar_type() == torch::kInt32 && counter->numel() >= int64_t(T) * (H / 16),
+  MOET_CHECK(counter->scalar_type() == torch::kInt32 && counter->numel() >= int64_t(T) * (H / 16),
               "counter must be int32 [T, H / 16]");
   return counter->data_ptr<int>();
 }
@@ -692,11 +713,11 @@ int* fused_counter(const c10::optional<torch::Tensor>& counter, int T, int H) {
 // x [T, H] bf16/fp32 -> xp [T, planes, H] bf16 paired (planes = 2 for fp32 x: hi and lo).
 void xprep(torch::Tensor x, torch::Tensor xp, c10::optional<torch::Tensor> counter, bool pdl) {
   CHECK_CUDA_T(x, "x");
-  TORCH_CHECK(x.is_contiguous() && xp.is_contiguous() && x.dim() == 2 && x.size(1) % GEMV_CHUNK == 0,
+  MOET_CHECK(x.is_contiguous() && xp.is_contiguous() && x.dim() == 2 && x.size(1) % GEMV_CHUNK == 0,
               "x: contiguous [T, H] with H a multiple of ", GEMV_CHUNK);
   const int T = int(x.size(0)), H = int(x.size(1));
   const bool split = x.scalar_type() == torch::kFloat32;
-  TORCH_CHECK(xp.scalar_type() == torch::kBFloat16 && xp.numel() == int64_t(T) * H * (split ? 2 : 1),
+  MOET_CHECK(xp.scalar_type() == torch::kBFloat16 && xp.numel() == int64_t(T) * H * (split ? 2 : 1),
               "xp must be bf16 [T, planes, H]");
   const at::cuda::CUDAGuard guard(x.device());
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -710,7 +731,7 @@ void xprep(torch::Tensor x, torch::Tensor xp, c10::optional<torch::Tensor> count
     launch(xprep_kernel<float>, dim3(blocks), dim3(threads), 0, stream, pdl,
            static_cast<const float*>(x.data_ptr<float>()), out, T, H, cnt);
   } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16 or float32 here");
+    MOET_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16 or float32 here");
     launch(xprep_kernel<__nv_bfloat16>, dim3(blocks), dim3(threads), 0, stream, pdl,
            static_cast<const __nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>())),
            out, T, H, cnt);
@@ -721,14 +742,14 @@ void xprep(torch::Tensor x, torch::Tensor xp, c10::optional<torch::Tensor> count
 void check_decode_inputs(const torch::Tensor& pool, const torch::Tensor& slot_of, const torch::Tensor& topk_ids,
                          int64_t H, int64_t Ir, const char* what) {
   CHECK_CUDA_T(pool, "pool");
-  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1 &&
+  MOET_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1 &&
                   pool.stride(0) % 16 == 0, "pool must be uint8 [S, stride] with 16-byte aligned rows");
-  TORCH_CHECK(H % GEMV_CHUNK == 0 && Ir % GEMV_CHUNK == 0, what, " stages need H and Ir multiples of ",
+  MOET_CHECK(H % GEMV_CHUNK == 0 && Ir % GEMV_CHUNK == 0, what, " stages need H and Ir multiples of ",
               GEMV_CHUNK);
-  TORCH_CHECK(slot_of.scalar_type() == torch::kInt32 && topk_ids.is_contiguous() &&
+  MOET_CHECK(slot_of.scalar_type() == torch::kInt32 && topk_ids.is_contiguous() &&
                   (topk_ids.scalar_type() == torch::kInt64 || topk_ids.scalar_type() == torch::kInt32),
               "slot_of int32, topk_ids contiguous int32/int64");
-  TORCH_CHECK(topk_ids.numel() <= GEMV_MAX_PAIRS, what, " stages take at most ", GEMV_MAX_PAIRS, " pairs");
+  MOET_CHECK(topk_ids.numel() <= GEMV_MAX_PAIRS, what, " stages take at most ", GEMV_MAX_PAIRS, " pairs");
 }
 
 template <typename Args>
@@ -760,20 +781,20 @@ int out_kind_of(const torch::Tensor& out) {
     case torch::kFloat32: return 0;
     case torch::kBFloat16: return 1;
     case torch::kFloat16: return 2;
-    default: TORCH_CHECK(false, "out dtype must be float32, bfloat16 or float16");
+    default: MOET_CHECK(false, "out dtype must be float32, bfloat16 or float16");
   }
   return 0;
 }
 
 // Blocks of a decode stage instantiation that fit on the device at once (one device type per process).
-template <bool W13, bool SPLIT, int NS, bool F8>
+template <bool W13, bool SPLIT, int NS, bool F8, bool BULK = false>
 int gemv_max_blocks() {
   static int blocks = -1;
   if (blocks < 0) {
     int dev = 0, sms = 0, per_sm = 0;
     C10_CUDA_CHECK(cudaGetDevice(&dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_stage_kernel<W13, SPLIT, NS, F8>,
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_stage_kernel<W13, SPLIT, NS, F8, BULK>,
                                                                  32 * GEMV_WARPS, 0));
     blocks = std::max(per_sm, 1) * sms;
   }
@@ -812,8 +833,29 @@ GemvPlan gemv_plan_ns(int K, int64_t max_units, int64_t mode) {
   return gemv_plan_for(max_units, K / (GEMV_CHUNK * NS), gemv_max_blocks<W13, SPLIT, NS, F8>(), mode);
 }
 
+bool decode_bulk_available();
+
+// Which ring brings a decode stage's rounds (gemv_stage's and gemv_plan's `ring`): -1 the default (the TMA ring
+// wherever it can run, else the cp.async ring), 0 the cp.async ring, 1 the TMA ring (an error where it cannot run).
+// The TMA ring (gemv_stage_kernel's BULK form) takes a stage on sm_90+ with K a multiple of its 512-weight rounds
+// and 16-byte aligned rows (a.pool etc.; the plan query passes none and asks only about the device and K).
+bool gemv_bulk_ok(int K, bool f8, int64_t ring, const GemvArgs* a = nullptr) {
+  MOET_CHECK(ring >= -1 && ring <= 1, "decode ring: -1 (the default), 0 (cp.async) or 1 (TMA), got ", ring);
+  if (ring == 0 || f8) return false;  // the e4m3 w13 stage has no TMA form: it always takes the cp.async ring
+  const bool ok = K % 512 == 0 && decode_bulk_available() &&
+                  (a == nullptr || ((reinterpret_cast<uintptr_t>(a->pool) | uintptr_t(a->q_off) |
+                                     uintptr_t(a->s_off) | uintptr_t(a->stride)) % 16 == 0));
+  MOET_CHECK(ok || ring < 0, "decode ring 1 (TMA) needs an sm_90+ GPU, K a multiple of 512 "
+              "(got ", K, ") and 16-byte aligned pool rows; pass ring -1 to fall back to the cp.async ring");
+  return ok;
+}
+
 template <bool W13, bool SPLIT, bool F8 = false>
-GemvPlan gemv_plan_of(int K, int64_t max_units, int64_t mode) {
+GemvPlan gemv_plan_of(int K, int64_t max_units, int64_t mode, int64_t ring, const GemvArgs* a = nullptr) {
+  if constexpr (!F8) {
+    if (gemv_bulk_ok(K, F8, ring, a))
+      return gemv_plan_for(max_units, K / 512, gemv_max_blocks<W13, SPLIT, 1, false, true>(), mode);
+  }
   // Pieces per thread and row in a round (gemv_ns); the widths above GEMV_MAX_NS are not compiled.
   if constexpr (GEMV_MAX_NS >= 4) {
     if (gemv_ns(K) == 4) return gemv_plan_ns<W13, SPLIT, 4, F8>(K, max_units, mode);
@@ -824,18 +866,53 @@ GemvPlan gemv_plan_of(int K, int64_t max_units, int64_t mode) {
   return gemv_plan_ns<W13, SPLIT, 1, F8>(K, max_units, mode);
 }
 
-GemvPlan gemv_plan_any(bool w13, bool split, bool f8, int K, int64_t max_units, int64_t mode) {
-  if (f8) return gemv_plan_of<true, true, true>(K, max_units, mode);
-  if (w13 && split) return gemv_plan_of<true, true>(K, max_units, mode);
-  if (w13) return gemv_plan_of<true, false>(K, max_units, mode);
-  return gemv_plan_of<false, true>(K, max_units, mode);
+GemvPlan gemv_plan_any(bool w13, bool split, bool f8, int K, int64_t max_units, int64_t mode, int64_t ring) {
+  if (f8) return gemv_plan_of<true, true, true>(K, max_units, mode, ring);
+  if (w13 && split) return gemv_plan_of<true, true>(K, max_units, mode, ring);
+  if (w13) return gemv_plan_of<true, false>(K, max_units, mode, ring);
+  return gemv_plan_of<false, true>(K, max_units, mode, ring);
+}
+
+// The TMA ring's tensor maps of a stage: the pool's code and scale rows as [slot][half][row][byte], boxes of one
+// round (128 code bytes, 16 scale bytes) by 2 x 8 rows (w13: gate and up) or 16 rows (w2). The driver's encoder is
+// reached through the runtime (no link against libcuda).
+void encode_stage_maps(GemvArgs& a, bool w13) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult q{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode),
+                                                    12000, cudaEnableDefault, &q));
+    MOET_CHECK(q == cudaDriverEntryPointSuccess && encode != nullptr, "decode TMA ring: no cuTensorMapEncodeTiled");
+  }
+  // w13: [slot][gate | up][Ir rows][bytes], box 2 x 8 rows; w2: [slot][1][H rows][bytes], box 16 rows.
+  const cuuint64_t rows = cuuint64_t(w13 ? a.Ir : a.H), halves = w13 ? 2 : 1;
+  const cuuint32_t box_rows = w13 ? 8 : 16;
+  const cuuint32_t estr[4] = {1, 1, 1, 1};
+  for (int m = 0; m < 2; ++m) {
+    const cuuint64_t row_bytes = cuuint64_t(m == 0 ? a.K / 4 : a.K / 32);
+    const cuuint64_t dims[4] = {row_bytes, rows, halves, cuuint64_t(a.n_slots)};
+    const cuuint64_t strides[3] = {row_bytes, rows * row_bytes, cuuint64_t(a.stride)};
+    const cuuint32_t box[4] = {m == 0 ? 128u : 16u, box_rows, cuuint32_t(halves), 1u};
+    void* base = const_cast<uint8_t*>(a.pool) + (m == 0 ? a.q_off : a.s_off);
+    const CUresult r = encode(m == 0 ? &a.tm_q : &a.tm_s, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, base, dims, strides, box,
+                              estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    MOET_CHECK(r == CUDA_SUCCESS, "decode TMA ring: cuTensorMapEncodeTiled failed (", int(r), ") for the ",
+                m == 0 ? "code" : "scale", " rows");
+  }
 }
 
 template <bool W13, bool SPLIT, bool F8 = false>
-void launch_gemv_ns(GemvArgs a, int64_t max_units, int64_t mode, cudaStream_t stream, bool pdl) {
-  const GemvPlan plan = gemv_plan_of<W13, SPLIT, F8>(a.K, max_units, mode);
+void launch_gemv_ns(GemvArgs a, int64_t max_units, int64_t mode, int64_t ring, cudaStream_t stream, bool pdl) {
+  const GemvPlan plan = gemv_plan_of<W13, SPLIT, F8>(a.K, max_units, mode, ring, &a);
   a.balanced = plan.balanced ? 1 : 0;
   const dim3 grid(plan.blocks), block(32 * GEMV_WARPS);
+  if constexpr (!F8) {
+    if (gemv_bulk_ok(a.K, F8, ring, &a)) {
+      encode_stage_maps(a, W13);
+      return launch(gemv_stage_kernel<W13, SPLIT, 1, false, true>, grid, block, 0, stream, pdl, a);
+    }
+  }
   if constexpr (GEMV_MAX_NS >= 4) {
     if (gemv_ns(a.K) == 4) return launch(gemv_stage_kernel<W13, SPLIT, 4, F8>, grid, block, 0, stream, pdl, a);
   }
@@ -847,11 +924,14 @@ void launch_gemv_ns(GemvArgs a, int64_t max_units, int64_t mode, cudaStream_t st
 
 // The plan a decode stage launches with (tests, bench): (balanced, blocks, the longest warp's rounds).
 std::tuple<bool, int64_t, int64_t> gemv_plan(bool w13, bool split, bool f8, int64_t K, int64_t max_units,
-                                             int64_t mode) {
-  TORCH_CHECK(K > 0 && K % GEMV_CHUNK == 0, "gemv_plan: K must be a positive multiple of ", GEMV_CHUNK);
-  const GemvPlan p = gemv_plan_any(w13, split, f8, int(K), max_units, mode);
+                                             int64_t mode, int64_t ring) {
+  MOET_CHECK(K > 0 && K % GEMV_CHUNK == 0, "gemv_plan: K must be a positive multiple of ", GEMV_CHUNK);
+  const GemvPlan p = gemv_plan_any(w13, split, f8, int(K), max_units, mode, ring);
   return {p.balanced, p.blocks, p.rounds};
 }
+
+// The ring a stage of contraction K takes (bf16 A operand, aligned pool rows): the bench records it per point.
+std::string gemv_ring(int64_t K, int64_t ring) { return gemv_bulk_ok(int(K), false, ring) ? "tma" : "cp.async"; }
 
 // The e4m3 w13 stage runs here: an sm_89+ GPU, and its kernel compiled for one (not JIT-compiled from older PTX).
 // Checked once per process (one device type per process, as the launchers' occupancy).
@@ -866,14 +946,26 @@ bool decode_fp8_available() {
   return ok == 1;
 }
 
+// The bulk-copy ring runs here: an sm_90+ GPU, and its kernel compiled for one. Once per process.
+bool decode_bulk_available() {
+  static int ok = -1;
+  if (ok < 0) {
+    cudaFuncAttributes attr{};
+    const bool cap = compute_capability() >= 90;
+    if (cap) C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_stage_kernel<true, false, 1, false, true>));
+    ok = cap && attr.ptxVersion >= 90 ? 1 : 0;
+  }
+  return ok == 1;
+}
+
 // x [T, H] bf16 -> xp8 [T, 2, H] uint8 (e4m3 hi, lo planes in the F8 w13 stage's order), xinv [T] float32.
 void xprep8(torch::Tensor x, torch::Tensor xp8, torch::Tensor xinv, c10::optional<torch::Tensor> counter, bool pdl) {
   CHECK_CUDA_T(x, "x");
-  TORCH_CHECK(x.is_contiguous() && xp8.is_contiguous() && x.dim() == 2 && x.size(1) % GEMV_CHUNK == 0 &&
+  MOET_CHECK(x.is_contiguous() && xp8.is_contiguous() && x.dim() == 2 && x.size(1) % GEMV_CHUNK == 0 &&
                   x.scalar_type() == torch::kBFloat16, "x: contiguous bf16 [T, H] with H a multiple of ", GEMV_CHUNK);
   const int T = int(x.size(0)), H = int(x.size(1));
-  TORCH_CHECK(xp8.scalar_type() == torch::kUInt8 && xp8.numel() == int64_t(T) * 2 * H, "xp8 must be uint8 [T, 2, H]");
-  TORCH_CHECK(xinv.scalar_type() == torch::kFloat32 && xinv.numel() == T, "xinv must be float32 [T]");
+  MOET_CHECK(xp8.scalar_type() == torch::kUInt8 && xp8.numel() == int64_t(T) * 2 * H, "xp8 must be uint8 [T, 2, H]");
+  MOET_CHECK(xinv.scalar_type() == torch::kFloat32 && xinv.numel() == T, "xinv must be float32 [T]");
   if (T == 0) return;
   int* cnt = fused_counter(counter, T, H);
   const at::cuda::CUDAGuard guard(x.device());
@@ -890,13 +982,13 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
                 c10::optional<torch::Tensor> partial, c10::optional<torch::Tensor> weights,
                 c10::optional<torch::Tensor> out, c10::optional<torch::Tensor> counter, double limit,
                 bool has_limit, torch::Tensor error_flag, bool pdl, c10::optional<torch::Tensor> xinv,
-                int64_t balance) {
+                int64_t balance, int64_t ring) {
   check_decode_inputs(pool, slot_of, topk_ids, H, Ir, "decode");
   const bool f8 = xinv.has_value();  // the e4m3 w13 stage: b = xprep8's planes, xinv its scales
-  TORCH_CHECK(b.is_contiguous() && b.scalar_type() == (f8 ? torch::kUInt8 : torch::kBFloat16),
+  MOET_CHECK(b.is_contiguous() && b.scalar_type() == (f8 ? torch::kUInt8 : torch::kBFloat16),
               "B operand: contiguous bf16 planes (uint8 e4m3 planes with xinv)");
-  TORCH_CHECK(w13 || split, "the w2 stage reads the hi/lo intermediate");
-  TORCH_CHECK(!f8 || (w13 && split && decode_fp8_available()),
+  MOET_CHECK(w13 || split, "the w2 stage reads the hi/lo intermediate");
+  MOET_CHECK(!f8 || (w13 && split && decode_fp8_available()),
               "e4m3 decode: the w13 stage on an sm_89+ GPU with kernels built for it");
   const at::cuda::CUDAGuard guard(pool.device());
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -904,23 +996,24 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
   decode_args_common(a, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, topk_ids, topk, b, limit, has_limit,
                      error_flag, w13);
   a.tiles = int(w13 ? Ir / 8 : H / 16);
+  a.n_slots = int(pool.size(0));
   if (f8) {
-    TORCH_CHECK(xinv->scalar_type() == torch::kFloat32 && xinv->numel() * 2 * H == b.numel(), "xinv: float32 [T]");
+    MOET_CHECK(xinv->scalar_type() == torch::kFloat32 && xinv->numel() * 2 * H == b.numel(), "xinv: float32 [T]");
     a.xinv = xinv->data_ptr<float>();
   }
-  TORCH_CHECK(a.K <= GEMV_MAX_K, "decode stage: contraction length ", a.K, " above ", GEMV_MAX_K);
+  MOET_CHECK(a.K <= GEMV_MAX_K, "decode stage: contraction length ", a.K, " above ", GEMV_MAX_K);
   if (w13) {
-    TORCH_CHECK(act.has_value() && act->scalar_type() == torch::kBFloat16 && act->numel() >= int64_t(a.P) * 2 * Ir,
+    MOET_CHECK(act.has_value() && act->scalar_type() == torch::kBFloat16 && act->numel() >= int64_t(a.P) * 2 * Ir,
                 "w13 decode stage needs act bf16 [P, 2, Ir]");
     a.act = reinterpret_cast<__nv_bfloat16*>(act->data_ptr<at::BFloat16>());
   } else {
-    TORCH_CHECK(partial.has_value() && partial->scalar_type() == torch::kFloat32, "w2 stage needs partial fp32");
+    MOET_CHECK(partial.has_value() && partial->scalar_type() == torch::kFloat32, "w2 stage needs partial fp32");
     a.partial = partial->data_ptr<float>();
     if (weights.has_value()) {  // fused combine
-      TORCH_CHECK(out.has_value() && counter.has_value() && out->is_contiguous() &&
+      MOET_CHECK(out.has_value() && counter.has_value() && out->is_contiguous() &&
                       weights->scalar_type() == torch::kFloat32 && weights->is_contiguous() &&
                       counter->scalar_type() == torch::kInt32, "fused combine: weights f32, out, counter int32");
-      TORCH_CHECK(out->numel() * a.topk == int64_t(a.P) * H && counter->numel() >= out->numel() / 16,
+      MOET_CHECK(out->numel() * a.topk == int64_t(a.P) * H && counter->numel() >= out->numel() / 16,
                   "fused combine: out [T, H] and counter [T, H/16] for this step");
       a.weights = weights->data_ptr<float>();
       a.out = out->data_ptr();
@@ -929,12 +1022,12 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
     }
   }
   if (a.P == 0) return;
-  TORCH_CHECK(balance >= -1 && balance <= 1, "balance: -1 (the default), 0 (plain) or 1 (balanced)");
+  MOET_CHECK(balance >= -1 && balance <= 1, "balance: -1 (the default), 0 (plain) or 1 (balanced)");
   const int64_t max_units = int64_t(std::min(a.P, a.E)) * a.tiles;
-  if (f8) launch_gemv_ns<true, true, true>(a, max_units, balance, stream, pdl);
-  else if (w13 && split) launch_gemv_ns<true, true>(a, max_units, balance, stream, pdl);
-  else if (w13) launch_gemv_ns<true, false>(a, max_units, balance, stream, pdl);
-  else launch_gemv_ns<false, true>(a, max_units, balance, stream, pdl);
+  if (f8) launch_gemv_ns<true, true, true>(a, max_units, balance, ring, stream, pdl);
+  else if (w13 && split) launch_gemv_ns<true, true>(a, max_units, balance, ring, stream, pdl);
+  else if (w13) launch_gemv_ns<true, false>(a, max_units, balance, ring, stream, pdl);
+  else launch_gemv_ns<false, true>(a, max_units, balance, ring, stream, pdl);
 }
 
 template <bool W13, int NP, typename XT>
@@ -975,8 +1068,8 @@ void rowdot_stage(bool w13, int64_t np, torch::Tensor pool, torch::Tensor slot_o
                   c10::optional<torch::Tensor> out, c10::optional<torch::Tensor> counter, double limit,
                   bool has_limit, torch::Tensor error_flag, bool pdl) {
   check_decode_inputs(pool, slot_of, topk_ids, H, Ir, "rowdot");
-  TORCH_CHECK(np == 1 || np == 2, "rowdot: 1 or 2 pairs per pass");
-  TORCH_CHECK(b.is_contiguous() && b.data_ptr() != nullptr && reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0,
+  MOET_CHECK(np == 1 || np == 2, "rowdot: 1 or 2 pairs per pass");
+  MOET_CHECK(b.is_contiguous() && b.data_ptr() != nullptr && reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0,
               "B operand: contiguous, 16-byte aligned");
   const at::cuda::CUDAGuard guard(pool.device());
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -987,25 +1080,25 @@ void rowdot_stage(bool w13, int64_t np, torch::Tensor pool, torch::Tensor slot_o
   a.rows_per_unit = ROWDOT_R * 32 / a.lpr;
   a.units_per_ep = w13 ? int(Ir / (a.rows_per_unit / 2)) : int(H / a.rows_per_unit);
   if (counter.has_value()) {
-    TORCH_CHECK(counter->scalar_type() == torch::kInt32 && counter->is_contiguous(), "counter: int32");
+    MOET_CHECK(counter->scalar_type() == torch::kInt32 && counter->is_contiguous(), "counter: int32");
     a.counter = counter->data_ptr<int>();
     a.n_counter = int(counter->numel());
   }
   if (w13) {
-    TORCH_CHECK(b.dim() == 2 && b.size(1) == H && (b.scalar_type() == torch::kFloat32 ||
+    MOET_CHECK(b.dim() == 2 && b.size(1) == H && (b.scalar_type() == torch::kFloat32 ||
                 b.scalar_type() == torch::kBFloat16), "w13 rowdot stage: x float32 or bfloat16 [T, H]");
-    TORCH_CHECK(act.has_value() && act->scalar_type() == torch::kFloat32 && act->is_contiguous() &&
+    MOET_CHECK(act.has_value() && act->scalar_type() == torch::kFloat32 && act->is_contiguous() &&
                     act->numel() >= int64_t(a.P) * Ir, "w13 rowdot stage needs act float32 [P, Ir]");
     a.act = act->data_ptr<float>();
   } else {
-    TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() >= int64_t(a.P) * Ir, "w2 rowdot: act f32 [P, Ir]");
-    TORCH_CHECK(partial.has_value() && partial->scalar_type() == torch::kFloat32, "w2 stage needs partial fp32");
+    MOET_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() >= int64_t(a.P) * Ir, "w2 rowdot: act f32 [P, Ir]");
+    MOET_CHECK(partial.has_value() && partial->scalar_type() == torch::kFloat32, "w2 stage needs partial fp32");
     a.partial = partial->data_ptr<float>();
     if (weights.has_value()) {  // fused combine
-      TORCH_CHECK(out.has_value() && a.counter != nullptr && out->is_contiguous() &&
+      MOET_CHECK(out.has_value() && a.counter != nullptr && out->is_contiguous() &&
                       weights->scalar_type() == torch::kFloat32 && weights->is_contiguous(),
                   "fused combine: weights f32, out, counter int32");
-      TORCH_CHECK(out->numel() * a.topk == int64_t(a.P) * H &&
+      MOET_CHECK(out->numel() * a.topk == int64_t(a.P) * H &&
                       a.n_counter >= out->size(0) * a.units_per_ep,
                   "fused combine: out [T, H] and counter [T, H / rows_per_unit] for this step");
       a.weights = weights->data_ptr<float>();
@@ -1047,7 +1140,7 @@ bool prefill_wgmma_available() {
 // x [T, H] bf16/fp32 -> xp [T, H] bf16 in the prefill stages' paired K order.
 void pair_x(torch::Tensor x, torch::Tensor xp, bool pdl) {
   CHECK_CUDA_T(x, "x");
-  TORCH_CHECK(x.is_contiguous() && xp.is_contiguous() && x.dim() == 2 && x.size(1) % PF_BK == 0 &&
+  MOET_CHECK(x.is_contiguous() && xp.is_contiguous() && x.dim() == 2 && x.size(1) % PF_BK == 0 &&
                   xp.scalar_type() == torch::kBFloat16 && xp.numel() == x.numel(),
               "pair_x: contiguous x [T, H] (H % ", PF_BK, " == 0) and bf16 xp of the same size");
   const at::cuda::CUDAGuard guard(x.device());
@@ -1060,7 +1153,7 @@ void pair_x(torch::Tensor x, torch::Tensor xp, bool pdl) {
   if (x.scalar_type() == torch::kFloat32) {
     launch(pair_kernel<float>, dim3(blocks), dim3(threads), 0, stream, pdl, x.data_ptr<float>(), out, groups);
   } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16 or float32 here");
+    MOET_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16 or float32 here");
     launch(pair_kernel<__nv_bfloat16>, dim3(blocks), dim3(threads), 0, stream, pdl,
            reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>()), out, groups);
   }
@@ -1072,7 +1165,7 @@ void prefill_tile_b(torch::Tensor x, torch::Tensor order, torch::Tensor seg_off,
                     torch::Tensor out, bool pdl) {
   CHECK_CUDA_T(x, "x");
   const int64_t H = x.size(1), gy = tile_seg.numel();
-  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && H % PF_BK == 0 && out.scalar_type() == torch::kBFloat16 &&
+  MOET_CHECK(x.is_contiguous() && x.dim() == 2 && H % PF_BK == 0 && out.scalar_type() == torch::kBFloat16 &&
                   out.is_contiguous() && out.numel() >= gy * WS_BN * H,
               "prefill_tile_b: contiguous x [T, H] (H % ", PF_BK, " == 0) and bf16 out of >= passes x ", WS_BN, " x H");
   const at::cuda::CUDAGuard guard(x.device());
@@ -1086,7 +1179,7 @@ void prefill_tile_b(torch::Tensor x, torch::Tensor order, torch::Tensor seg_off,
            seg_off.data_ptr<int32_t>(), seg_cnt.data_ptr<int32_t>(), tile_seg.data_ptr<int32_t>(),
            tile_start.data_ptr<int32_t>(), ntiles.data_ptr<int32_t>(), int(topk), int(H), o);
   } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16 or float32 here");
+    MOET_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bfloat16 or float32 here");
     launch(tile_b_kernel<__nv_bfloat16>, grid, dim3(256), 0, stream, pdl,
            reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>()), ord, seg_off.data_ptr<int32_t>(),
            seg_cnt.data_ptr<int32_t>(), tile_seg.data_ptr<int32_t>(), tile_start.data_ptr<int32_t>(),
@@ -1097,7 +1190,7 @@ void prefill_tile_b(torch::Tensor x, torch::Tensor order, torch::Tensor seg_off,
 // Passes of PF_BN pairs over the 2-bit segments: tile_seg / tile_start [>= ceil(P/bn) + segments], ntiles [1].
 void prefill_tiles(torch::Tensor seg_cnt, torch::Tensor nseg, torch::Tensor tile_seg,
                    torch::Tensor tile_start, torch::Tensor ntiles, int64_t bn, bool pdl) {
-  TORCH_CHECK(bn > 0 && bn <= WS_BN, "prefill_tiles: pass size ", bn, " out of range");
+  MOET_CHECK(bn > 0 && bn <= WS_BN, "prefill_tiles: pass size ", bn, " out of range");
   CHECK_CUDA_T(seg_cnt, "seg_cnt");
   const at::cuda::CUDAGuard guard(seg_cnt.device());
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -1131,7 +1224,7 @@ int prefill_stages() {
 template <bool W13, int MT>
 void launch_prefill(const PrefillArgs& a, int gx, int gy, cudaStream_t stream, bool pdl) {
   const int stages = prefill_stages<W13, MT>();
-  TORCH_CHECK(stages > 0, "tiled prefill: the block tiles do not fit this GPU's shared memory");
+  MOET_CHECK(stages > 0, "tiled prefill: the block tiles do not fit this GPU's shared memory");
   if (stages == 4)
     launch(prefill_stage_kernel<W13, MT, 4>, dim3(gx, gy), dim3(32 * PF_WARPS), prefill_smem_bytes<4>(), stream,
            pdl, a);
@@ -1149,12 +1242,12 @@ void prefill_stage(bool w13, torch::Tensor pool, torch::Tensor slot_of, int64_t 
                    c10::optional<torch::Tensor> partial, double limit, bool has_limit, torch::Tensor error_flag,
                    bool wgmma, int64_t variant, bool pdl) {
   CHECK_CUDA_T(pool, "pool");
-  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1 &&
+  MOET_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 2 && pool.stride(1) == 1 &&
                   pool.stride(0) % 16 == 0, "pool must be uint8 [S, stride] with 16-byte aligned rows");
-  TORCH_CHECK(H % PF_BM == 0 && Ir % PF_BK == 0 && H % PF_BK == 0,
+  MOET_CHECK(H % PF_BM == 0 && Ir % PF_BK == 0 && H % PF_BK == 0,
               "tiled prefill stages need H and Ir multiples of ", PF_BK);
-  TORCH_CHECK(q_off % 16 == 0 && s_off % 4 == 0, "row sections must be aligned (docs/FORMAT.md)");
-  TORCH_CHECK(b.scalar_type() == torch::kBFloat16 && b.is_contiguous() && b.size(-1) == (w13 ? H : Ir),
+  MOET_CHECK(q_off % 16 == 0 && s_off % 4 == 0, "row sections must be aligned (docs/FORMAT.md)");
+  MOET_CHECK(b.scalar_type() == torch::kBFloat16 && b.is_contiguous() && b.size(-1) == (w13 ? H : Ir),
               "B operand: contiguous paired bf16 [rows, K]");
   const at::cuda::CUDAGuard guard(pool.device());
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -1179,21 +1272,21 @@ void prefill_stage(bool w13, torch::Tensor pool, torch::Tensor slot_of, int64_t 
   a.has_limit = has_limit ? 1 : 0;
   a.error_flag = error_flag.data_ptr<int>();
   if (w13) {
-    TORCH_CHECK(act.has_value() && act->scalar_type() == torch::kBFloat16 && act->numel() >= order.numel() * Ir,
+    MOET_CHECK(act.has_value() && act->scalar_type() == torch::kBFloat16 && act->numel() >= order.numel() * Ir,
                 "w13 prefill stage needs act bf16 [P, Ir]");
     a.act = reinterpret_cast<__nv_bfloat16*>(act->data_ptr<at::BFloat16>());
   } else {
-    TORCH_CHECK(partial.has_value() && partial->scalar_type() == torch::kFloat32 &&
+    MOET_CHECK(partial.has_value() && partial->scalar_type() == torch::kFloat32 &&
                     partial->numel() >= order.numel() * H, "w2 prefill stage needs partial fp32 [P, H]");
     a.partial = partial->data_ptr<float>();
   }
   const int gy = int(tile_seg.numel());
-  TORCH_CHECK(gy < 65536, "too many prefill passes in one call (", gy, "); chunk the tokens");
+  MOET_CHECK(gy < 65536, "too many prefill passes in one call (", gy, "); chunk the tokens");
   if (gy == 0) return;
   const int gx = int(a.N / PF_BM);
   if (wgmma) {
-    TORCH_CHECK(prefill_wgmma_available(), "wgmma prefill stages: needs an sm_90 GPU and kernels built for sm_90a");
-    TORCH_CHECK(b.numel() >= int64_t(gy) * WS_BN * a.K && (!w13 || act->numel() >= int64_t(gy) * WS_BN * Ir),
+    MOET_CHECK(prefill_wgmma_available(), "wgmma prefill stages: needs an sm_90 GPU and kernels built for sm_90a");
+    MOET_CHECK(b.numel() >= int64_t(gy) * WS_BN * a.K && (!w13 || act->numel() >= int64_t(gy) * WS_BN * Ir),
                 "wgmma prefill stages: B (and the w13 output) must be tiled [>= passes, ", WS_BN, ", K] bf16");
     static bool attr = false;
     if (!attr) {
@@ -1214,7 +1307,7 @@ void prefill_stage(bool w13, torch::Tensor pool, torch::Tensor slot_of, int64_t 
     return;
   }
   // variant: m16 tiles per warp of the mma.sync stages (1 or 2).
-  TORCH_CHECK(variant == 1 || variant == 2, "tiled prefill variant: 1 or 2 m tiles per warp");
+  MOET_CHECK(variant == 1 || variant == 2, "tiled prefill variant: 1 or 2 m tiles per warp");
   if (w13 && variant == 1) launch_prefill<true, 1>(a, gx, gy, stream, pdl);
   else if (w13) launch_prefill<true, 2>(a, gx, gy, stream, pdl);
   else if (variant == 1) launch_prefill<false, 1>(a, gx, gy, stream, pdl);
@@ -1229,8 +1322,8 @@ void combine(torch::Tensor partial, torch::Tensor weights, torch::Tensor out, in
   const int threads = 256;
   const int blocks = int((n + threads - 1) / threads);
   if (n == 0) return;
-  TORCH_CHECK(weights.scalar_type() == torch::kFloat32 && weights.is_contiguous(), "weights: contiguous float32");
-  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  MOET_CHECK(weights.scalar_type() == torch::kFloat32 && weights.is_contiguous(), "weights: contiguous float32");
+  MOET_CHECK(out.is_contiguous(), "out must be contiguous");
   switch (out.scalar_type()) {
     case torch::kFloat32:
       launch(combine_kernel<float>, dim3(blocks), dim3(threads), 0, stream, pdl,
@@ -1248,7 +1341,7 @@ void combine(torch::Tensor partial, torch::Tensor weights, torch::Tensor out, in
              reinterpret_cast<__half*>(out.data_ptr<at::Half>()), Tn, int(topk), H);
       break;
     default:
-      TORCH_CHECK(false, "out dtype must be float32, bfloat16 or float16");
+      MOET_CHECK(false, "out dtype must be float32, bfloat16 or float16");
   }
 }
 
@@ -1265,7 +1358,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_fp8_available", &moet::decode_fp8_available, "the e4m3 w13 decode stage runs on this GPU");
   m.def("gemv_plan", &moet::gemv_plan,
         "how a decode stage spreads max_units units: (balanced, blocks, longest warp's rounds); mode -1 default, "
-        "0 plain, 1 balanced");
+        "0 plain, 1 balanced; ring -1 default, 0 cp.async, 1 TMA",
+        py::arg("w13"), py::arg("split"), py::arg("f8"), py::arg("K"), py::arg("max_units"), py::arg("mode"),
+        py::arg("ring") = -1);
+  m.def("decode_bulk_available", &moet::decode_bulk_available, "the decode stages' TMA ring runs on this GPU");
+  m.def("gemv_ring", &moet::gemv_ring, "the ring a decode stage of contraction K runs: 'tma' or 'cp.async'",
+        py::arg("K"), py::arg("ring") = -1);
   m.def("gemv_max_pairs", &moet::gemv_max_pairs, "largest pair count of the decode stages");
   m.def("gemv_chunk", &moet::gemv_chunk, "the decode stages' K granularity: H and Ir must be multiples of it");
   m.def("gemv_max_k", &moet::gemv_max_k, "the decode stages' largest H and Ir");

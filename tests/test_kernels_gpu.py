@@ -5,6 +5,10 @@ weights, hi/lo split operands, fp32 accumulation) and <= 1e-2 on the prefill pat
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from csrc_source import decode_constant
@@ -73,12 +77,13 @@ SHAPES = [(4096, 2048), (6144, 1024), (7168, 2048), (7168, 512)]
 
 
 @pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused", "gemv+e4m3", "gemv+plain",
-                        "gemv+balanced", "gemv+balanced+fused"])
+                        "gemv+balanced", "gemv+balanced+fused", "gemv+cp.async"])
 def decode_kernel(request, monkeypatch, mod):
     """Every decode path (MOETPLAN_DECODE_KERNEL): the mma.sync streaming stages (gemv), the CUDA-core rowdot stages
     and the first version's tiles; "+fused": with the per-token sum folded into the w2 stage (ops.FUSED_COMBINE);
     "+e4m3": the gemv stages with the e4m3 w13 stage for bf16 x (ops.E4M3_DECODE); "+plain" / "+balanced": the gemv
-    stages' units over warps forced either way (ops.GEMV_BALANCE; without it, gemv_plan's choice)."""
+    stages' units over warps forced either way (ops.GEMV_BALANCE; without it, gemv_plan's choice); "+cp.async": the
+    gemv stages' cp.async ring where the default takes the TMA ring (sm_90+: ops.DECODE_RING; what sm_80-89 run)."""
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", request.param.split("+")[0])
     monkeypatch.setattr(ops, "FUSED_COMBINE", request.param.endswith("+fused"))
     monkeypatch.setattr(ops, "GEMV_BALANCE", True if "+balanced" in request.param else
@@ -87,6 +92,7 @@ def decode_kernel(request, monkeypatch, mod):
     if e4m3 and not mod.decode_fp8_available():
         pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
     monkeypatch.setattr(ops, "E4M3_DECODE", e4m3)
+    monkeypatch.setattr(ops, "DECODE_RING", "cp.async" if request.param.endswith("+cp.async") else None)
     return request.param
 
 
@@ -434,6 +440,65 @@ def test_gemv_balanced_and_plain_agree(mod, monkeypatch, T, H, I):
     assert _rel(b, ref) < DECODE_TOL
 
 
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("H,I", [(4096, 2048), (7168, 512), (6144, 1024)])
+def test_tma_and_cp_async_rings_agree(mod, monkeypatch, T, H, I):
+    # Same K order, same MMAs: with whole units per warp the two rings give the same sums; balanced splits a unit's
+    # rounds (512 weights on the TMA ring, 256 on the cp.async ring) at other places: another fp32 summation order.
+    if not mod.decode_bulk_available():
+        pytest.skip("the TMA ring needs an sm_90+ GPU")
+    assert mod.gemv_ring(H) == mod.gemv_ring(I) == "tma" and mod.gemv_ring(H, 0) == "cp.async"
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, dtype=torch.bfloat16, seed=61 + T)
+    out = {}
+    for balance in (False, None):
+        monkeypatch.setattr(ops, "GEMV_BALANCE", balance)
+        for ring in ("tma", "cp.async"):
+            monkeypatch.setattr(ops, "DECODE_RING", ring)
+            out[balance, ring] = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert _rel(out[False, "tma"], out[False, "cp.async"]) < 1e-6
+    assert _rel(out[None, "tma"], out[None, "cp.async"]) < 1e-5
+
+
+def test_tma_ring_refuses_what_it_cannot_run(mod, monkeypatch):
+    # Forced on a K that is not a multiple of its 512-weight rounds: a clear error, not a silent other ring.
+    if not mod.decode_bulk_available():
+        pytest.skip("the TMA ring needs an sm_90+ GPU")
+    assert mod.gemv_ring(4096 + 256) == "cp.async" and mod.gemv_ring(4096 + 256, 0) == "cp.async"
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    monkeypatch.setattr(ops, "DECODE_RING", "tma")
+    x, ids, w, pool, slot_of, lay, _ = _case(4096 + 256, 2048, 8, 1, seed=71)
+    with pytest.raises(UsageError, match=r"w13 \(K = 4352\) stage.*multiple of 512"):
+        ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    monkeypatch.setattr(ops, "DECODE_RING", None)  # the default takes the cp.async ring for w13, TMA for w2
+    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    assert _rel(ops.moe_forward(x, ids, w, pool, slot_of, lay), ref) < DECODE_TOL
+
+
+def test_extension_errors_raise_with_their_numbers(mod):
+    # The extension's checks reach Python as RuntimeError naming the numbers (H25: TORCH_CHECK formatting a number
+    # from the nvcc-compiled source segfaulted on the H200; MOET_CHECK formats them itself). In a child process,
+    # so that a crash fails this test instead of ending the run.
+    code = textwrap.dedent("""
+        from moetplan.runtime import kernels
+        mod = kernels.get_module()
+        for args, want in (((True, False, False, 100, 1, -1), "positive multiple of 256"),
+                           ((True, False, False, 4096 + 256, 1, -1, 1), "multiple of 512 (got 4352)"),
+                           ((True, False, False, 4096, 1, -1, 2), "got 2")):
+            try:
+                mod.gemv_plan(*args)
+            except RuntimeError as e:
+                assert want in str(e), (want, str(e))
+            else:
+                raise AssertionError(f"gemv_plan{args} did not raise")
+        print("ok")
+    """)
+    if not mod.decode_bulk_available():
+        code = code.replace("((True, False, False, 4096 + 256, 1, -1, 1), \"multiple of 512 (got 4352)\"),", "")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+
+
 def test_default_decode_kernel_is_valid(mod, monkeypatch):
     monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
     lay = RowLayout.for_expert(7168, 2048)
@@ -459,7 +524,7 @@ def _w13_act(mod, x, ids, pool, slot_of, lay, f8: bool) -> torch.Tensor:
         xp = torch.empty(T, 1, H, dtype=torch.bfloat16, device=dev)
         mod.xprep(x, xp, None, False)
     mod.gemv_stage(True, f8, pool, slot_of, None, lay.w13_q_off, lay.w13_s_off, H, Ir, ids, ids.shape[1], xp, act,
-                   None, None, None, None, 0.0, False, flag, False, xinv, -1)
+                   None, None, None, None, 0.0, False, flag, False, xinv, -1, -1)
     torch.cuda.synchronize()
     assert int(flag.item()) == 0
     return act.float().sum(dim=1)

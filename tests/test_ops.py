@@ -517,6 +517,10 @@ def _stage_pairs(w13, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk
 class _FakeGemvExtension(_FakeExtension):
     """Adds the streaming decode stages (xprep / gemv_stage) with their buffer layouts, on the CPU."""
 
+    def __init__(self):
+        super().__init__()
+        self.rings: list[int] = []  # each gemv_stage call's ring argument
+
     def gemv_max_pairs(self) -> int:
         return 64
 
@@ -543,9 +547,10 @@ class _FakeGemvExtension(_FakeExtension):
         xp.copy_(_to_paired(planes))
 
     def gemv_stage(self, w13, split, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk, b, act, partial,
-                   weights, out, counter, limit, has_limit, flag, pdl, xinv, balance):
+                   weights, out, counter, limit, has_limit, flag, pdl, xinv, balance, ring):
         self.calls.append(f"gemv{'13' if w13 else '2'}")
         assert balance == (-1 if ops.GEMV_BALANCE is None else int(ops.GEMV_BALANCE))
+        self.rings.append(ring)
         if xinv is not None:  # the e4m3 w13 stage: xprep8's planes
             assert w13 and split and b.dtype == torch.uint8 and b.shape[1] == 2
             f8 = b.view(torch.float8_e4m3fn).float()
@@ -734,6 +739,23 @@ def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, fused, monke
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "fast")
     with pytest.raises(UsageError, match="MOETPLAN_DECODE_KERNEL"):
         ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+
+
+@pytest.mark.parametrize("ring,code", [(None, -1), ("cp.async", 0), ("tma", 1)])
+def test_decode_ring_reaches_both_stages(ring, code, monkeypatch):
+    monkeypatch.setattr(ops, "DECODE_RING", ring)
+    lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(3, torch.bfloat16, False)
+    fake = _FakeGemvExtension()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
+    ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    assert fake.rings == [code, code]  # the w13 and the w2 launch
+
+
+def test_unknown_decode_ring_is_a_usage_error(monkeypatch):
+    monkeypatch.setattr(ops, "DECODE_RING", "bulk")
+    with pytest.raises(UsageError, match="DECODE_RING.*'cp.async' or 'tma'"):
+        ops.decode_ring_code()
 
 
 def test_gemv_takes_only_small_aligned_steps(monkeypatch):

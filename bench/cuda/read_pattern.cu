@@ -214,12 +214,14 @@ int64_t smem_pad(int64_t mode, int64_t per_sm) {
   const int64_t pad = int64_t(per_sm_bytes) / per_sm - reserved - int64_t(fa.sharedSizeBytes);
   TORCH_CHECK(pad >= 0 && pad + int64_t(fa.sharedSizeBytes) <= optin, "read_pattern: ", per_sm,
               " blocks per SM cannot be forced through shared memory on this device (", pad, " bytes of padding)");
-  if (pad > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pad)));
+  // Static plus dynamic above 48 KB needs the opt-in, even where the dynamic part alone is below it.
+  if (pad + int64_t(fa.sharedSizeBytes) > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pad)));
   return pad;
 }
 
 // One launch of a mode's kernel: with programmatic stream serialization when `pdl`, and `smem_pad` bytes of
-// dynamic shared memory (above 48 KB only after smem_pad() raised the kernel's limit).
+// dynamic shared memory (static + dynamic above 48 KB only after smem_pad() raised the kernel's limit).
 void read_pattern(int64_t mode, torch::Tensor buf, torch::Tensor scales, int64_t rb, int64_t blocks,
                   torch::Tensor out, bool pdl, int64_t smem_pad) {
   TORCH_CHECK(out.numel() >= blocks * 128, "out too small");
