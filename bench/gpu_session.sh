@@ -3,7 +3,7 @@
 # the probe reference profile, the GPU tests of the store/probe/kernels, the tier and kernel benchmarks.
 # Usage (on the GPU machine, repo root):  OUT=/path bash bench/gpu_session.sh [probe] [tests] [tiers] [kernels]
 #                                                                          [pattern] [ncu] [ncu-prefill]
-#                                                                          [timeline] [e4m3]
+#                                                                          [timeline] [e4m3] [errors]
 set -u
 OUT=${OUT:-/tmp/moetplan-gpu}
 mkdir -p "$OUT"
@@ -15,6 +15,9 @@ for s in $steps; do
   case $s in
     probe)   timeout 240 bash -c "$(declare -f mp); mp probe --pack-dir /tmp/mp-packs --out $OUT/hw_h200_probe.json" \
                > "$OUT/probe.log" 2>&1; echo "probe rc=$?"; tail -40 "$OUT/probe.log" ;;
+    errors)  # do errors raised in extension code reach Python here, or crash the process (docs/KERNELS.md H25)
+             timeout 300 python3 bench/extension_errors/probe.py --out "$OUT/extension_errors_h200.json" \
+               > "$OUT/errors.log" 2>&1; echo "errors rc=$?"; cat "$OUT/errors.log" ;;
     tests)   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ > "$OUT/pytest_gpu.log" 2>&1
              echo "pytest rc=$?"; tail -25 "$OUT/pytest_gpu.log" ;;
     tiers)   timeout 200 python3 bench/tiers.py --out "$OUT/tiers_h200.json" > "$OUT/tiers.log" 2>&1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -66,18 +67,18 @@ def main() -> int:
     if args.child:
         run_case(args.child)
         return 0
-    from bench.kernels import atomic_write_json, machine_info
-
-    import platform
-
     import torch
+
+    from bench.kernels import atomic_write_json, machine_info
 
     machine = machine_info() if torch.cuda.is_available() else {"gpu": None, "torch": torch.__version__,
                                                                "host": platform.node()}
     res = {"machine": machine, "command": "python3 " + " ".join(sys.argv), "cases": []}
-    for case in [c for c in args.cases.split(",") if c]:
-        if case not in CASES:
-            raise SystemExit(f"probe: unknown case {case!r}; choose from {CASES}")
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"probe: unknown case {unknown[0]!r}; choose from {CASES}")
+    for case in cases:
         t0 = time.time()
         p = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True, text=True, timeout=600)
         result = next((ln[7:] for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
