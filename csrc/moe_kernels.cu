@@ -835,13 +835,17 @@ GemvPlan gemv_plan_ns(int K, int64_t max_units, int64_t mode) {
 
 bool decode_bulk_available();
 
+bool decode_bulk_default();
+
 // Which ring brings a decode stage's rounds (gemv_stage's and gemv_plan's `ring`): -1 the default (the TMA ring
-// wherever it can run, else the cp.async ring), 0 the cp.async ring, 1 the TMA ring (an error where it cannot run).
+// where it can run on a Hopper GPU — measured faster there, H25 — else the cp.async ring), 0 the cp.async ring, 1
+// the TMA ring (any sm_90+ GPU; an error where it cannot run).
 // The TMA ring (gemv_stage_kernel's BULK form) takes a stage on sm_90+ with K a multiple of its 512-weight rounds
 // and 16-byte aligned rows (a.pool etc.; the plan query passes none and asks only about the device and K).
 bool gemv_bulk_ok(int K, bool f8, int64_t ring, const GemvArgs* a = nullptr) {
   MOET_CHECK(ring >= -1 && ring <= 1, "decode ring: -1 (the default), 0 (cp.async) or 1 (TMA), got ", ring);
   if (ring == 0 || f8) return false;  // the e4m3 w13 stage has no TMA form: it always takes the cp.async ring
+  if (ring < 0 && !decode_bulk_default()) return false;
   const bool ok = K % 512 == 0 && decode_bulk_available() &&
                   (a == nullptr || ((reinterpret_cast<uintptr_t>(a->pool) | uintptr_t(a->q_off) |
                                      uintptr_t(a->s_off) | uintptr_t(a->stride)) % 16 == 0));
@@ -955,6 +959,15 @@ bool decode_bulk_available() {
     if (cap) C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_stage_kernel<true, false, 1, false, true>));
     ok = cap && attr.ptxVersion >= 90 ? 1 : 0;
   }
+  return ok == 1;
+}
+
+// The TMA ring is the default ring on Hopper (compute capability 9.x), where H25 timed it faster at every decode
+// point. Blackwell (sm_100, sm_120) runs it too, but untimed there: opt-in (ring 1, ops.DECODE_RING = "tma") until
+// bench/kernels.py measures "gemv+tma" against "gemv+cp.async" on such a GPU. Once per process.
+bool decode_bulk_default() {
+  static int ok = -1;
+  if (ok < 0) ok = decode_bulk_available() && compute_capability() / 10 == 9 ? 1 : 0;
   return ok == 1;
 }
 

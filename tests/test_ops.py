@@ -752,6 +752,21 @@ def test_decode_ring_reaches_both_stages(ring, code, monkeypatch):
     assert fake.rings == [code, code]  # the w13 and the w2 launch
 
 
+@pytest.mark.parametrize("bulk", [False, True])
+def test_forced_tma_ring_is_refused_where_it_cannot_run(bulk, monkeypatch):
+    # H = I = 256: not multiples of the TMA ring's 512-weight rounds, so "tma" is refused before any launch, naming
+    # both stages, whether or not the GPU could run the ring at all.
+    monkeypatch.setattr(ops, "DECODE_RING", "tma")
+    lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(3, torch.bfloat16, False)
+    fake = _FakeGemvExtension()
+    fake.decode_bulk_available = lambda: bulk
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
+    with pytest.raises(UsageError, match=r"w13 \(K = 256\) and w2 \(K = 256\) stage.*'cp.async'"):
+        ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    assert "gemv13" not in fake.calls
+
+
 def test_unknown_decode_ring_is_a_usage_error(monkeypatch):
     monkeypatch.setattr(ops, "DECODE_RING", "bulk")
     with pytest.raises(UsageError, match="DECODE_RING.*'cp.async' or 'tma'"):
