@@ -55,7 +55,7 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// ---- TMA ring (sm_90+, K a multiple of 512; the default there since H25) ----------------------------------------
+// ---- TMA ring (sm_90+, K a multiple of GEMV_BULK_K; the default on Hopper since H25) ----------------------------
 // A round is 512 weights of each of the tile's 16 rows: 128 contiguous code bytes and 16 scale bytes per row,
 // brought by the TMA engine as one box each of the pool's code and scale bytes (tensor maps a.tm_q, a.tm_s:
 // [slot][half][row][byte], half = gate / up rows of w13, one half of H rows for w2; a box is 16 rows or 2 x 8),
@@ -70,8 +70,9 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // w13 epilogue are unchanged. Stage layout: the box order, 16 rows x 128 code bytes, then 16 rows x 16 scale
 // bytes (a quarter-warp's LDS.128 of rows g and g + 1 meets 2-way bank conflicts there: 4 of the round's ~500
 // instructions).
+constexpr int GEMV_BULK_K = 512;      // weights per row in a round: K must be a multiple of it
 constexpr int GEMV_BULK_STAGES = 3;  // 4 measured 1.00-1.02x the time of 3 at every decode point (H25)
-constexpr int GEMV_BULK_CODES = 16 * 128;
+constexpr int GEMV_BULK_CODES = 16 * (GEMV_BULK_K / 4);  // 16 rows x 128 code bytes
 constexpr int GEMV_BULK_STAGE = GEMV_BULK_CODES + 16 * 16;  // 2304 = 18 x 128: every box lands 128-byte aligned
 constexpr int GEMV_BULK_TX = GEMV_BULK_STAGE;             // bytes per round (out-of-range boxes count in full)
 
@@ -606,7 +607,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
   }
   __syncthreads();
   const int n_units = n_ep_s * a.tiles;
-  const int RPU = a.K / (BULK ? 512 : GEMV_CHUNK * NS);  // rounds per unit
+  const int RPU = a.K / (BULK ? GEMV_BULK_K : GEMV_CHUNK * NS);  // rounds per unit
   // This warp's rounds [rb, re) of the layer's (unit, round) sequence (round r of unit u is u * RPU + r).
   // Plain: contiguous unit ranges per warp, and the block's warps on neighbouring ranges: units are expert-pass
   // major, so a block's warps mostly stream tiles of the same pass and read the same B rows, which then stay in

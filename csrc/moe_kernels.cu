@@ -842,14 +842,18 @@ bool decode_bulk_default();
 // the TMA ring (any sm_90+ GPU; an error where it cannot run).
 // The TMA ring (gemv_stage_kernel's BULK form) takes a stage on sm_90+ with K a multiple of its 512-weight rounds
 // and 16-byte aligned rows (a.pool etc.; the plan query passes none and asks only about the device and K).
+// The TMA ring can run a stage of contraction K here (sm_90+ GPU, K a multiple of its rounds): what the op layer
+// asks before forcing it (ops.DECODE_RING = "tma"), so that the rule lives here only.
+bool gemv_bulk_possible(int64_t K) { return K % GEMV_BULK_K == 0 && decode_bulk_available(); }
+
 bool gemv_bulk_ok(int K, bool f8, int64_t ring, const GemvArgs* a = nullptr) {
   MOET_CHECK(ring >= -1 && ring <= 1, "decode ring: -1 (the default), 0 (cp.async) or 1 (TMA), got ", ring);
   if (ring == 0 || f8) return false;  // the e4m3 w13 stage has no TMA form: it always takes the cp.async ring
   if (ring < 0 && !decode_bulk_default()) return false;
-  const bool ok = K % 512 == 0 && decode_bulk_available() &&
+  const bool ok = gemv_bulk_possible(K) &&
                   (a == nullptr || ((reinterpret_cast<uintptr_t>(a->pool) | uintptr_t(a->q_off) |
                                      uintptr_t(a->s_off) | uintptr_t(a->stride)) % 16 == 0));
-  MOET_CHECK(ok || ring < 0, "decode ring 1 (TMA) needs an sm_90+ GPU, K a multiple of 512 "
+  MOET_CHECK(ok || ring < 0, "decode ring 1 (TMA) needs an sm_90+ GPU, K a multiple of ", GEMV_BULK_K, " "
               "(got ", K, ") and 16-byte aligned pool rows; pass ring -1 to fall back to the cp.async ring");
   return ok;
 }
@@ -858,7 +862,7 @@ template <bool W13, bool SPLIT, bool F8 = false>
 GemvPlan gemv_plan_of(int K, int64_t max_units, int64_t mode, int64_t ring, const GemvArgs* a = nullptr) {
   if constexpr (!F8) {
     if (gemv_bulk_ok(K, F8, ring, a))
-      return gemv_plan_for(max_units, K / 512, gemv_max_blocks<W13, SPLIT, 1, false, true>(), mode);
+      return gemv_plan_for(max_units, K / GEMV_BULK_K, gemv_max_blocks<W13, SPLIT, 1, false, true>(), mode);
   }
   // Pieces per thread and row in a round (gemv_ns); the widths above GEMV_MAX_NS are not compiled.
   if constexpr (GEMV_MAX_NS >= 4) {
@@ -1375,6 +1379,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w13"), py::arg("split"), py::arg("f8"), py::arg("K"), py::arg("max_units"), py::arg("mode"),
         py::arg("ring") = -1);
   m.def("decode_bulk_available", &moet::decode_bulk_available, "the decode stages' TMA ring runs on this GPU");
+  m.def("gemv_bulk_possible", &moet::gemv_bulk_possible, "the TMA ring can run a decode stage of contraction K here");
   m.def("gemv_ring", &moet::gemv_ring, "the ring a decode stage of contraction K runs: 'tma' or 'cp.async'",
         py::arg("K"), py::arg("ring") = -1);
   m.def("gemv_max_pairs", &moet::gemv_max_pairs, "largest pair count of the decode stages");

@@ -470,7 +470,7 @@ def test_tma_ring_refuses_what_it_cannot_run(mod, monkeypatch):
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
     monkeypatch.setattr(ops, "DECODE_RING", "tma")
     x, ids, w, pool, slot_of, lay, _ = _case(4096 + 256, 2048, 8, 1, seed=71)
-    with pytest.raises(UsageError, match=r"w13 \(K = 4352\) stage.*multiple of 512"):
+    with pytest.raises(UsageError, match=r"w13 \(K = 4352\) stage.*512-weight rounds"):
         ops.moe_forward(x, ids, w, pool, slot_of, lay)
     monkeypatch.setattr(ops, "DECODE_RING", None)  # the default takes the cp.async ring for w13, TMA for w2
     ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)

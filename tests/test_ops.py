@@ -754,12 +754,12 @@ def test_decode_ring_reaches_both_stages(ring, code, monkeypatch):
 
 @pytest.mark.parametrize("bulk", [False, True])
 def test_forced_tma_ring_is_refused_where_it_cannot_run(bulk, monkeypatch):
-    # H = I = 256: not multiples of the TMA ring's 512-weight rounds, so "tma" is refused before any launch, naming
-    # both stages, whether or not the GPU could run the ring at all.
+    # The extension says the ring cannot run either stage (H = I = 256: not whole 512-weight rounds; or no sm_90+
+    # GPU): "tma" is refused before any launch, naming both stages.
     monkeypatch.setattr(ops, "DECODE_RING", "tma")
     lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(3, torch.bfloat16, False)
     fake = _FakeGemvExtension()
-    fake.decode_bulk_available = lambda: bulk
+    fake.gemv_bulk_possible = lambda K: bulk and K % 512 == 0
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
     with pytest.raises(UsageError, match=r"w13 \(K = 256\) and w2 \(K = 256\) stage.*'cp.async'"):

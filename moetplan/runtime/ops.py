@@ -62,9 +62,11 @@ GEMV_BALANCE: bool | None = None
 # Which ring brings the gemv decode stages' weight rounds into shared memory: None = the extension's choice (the TMA
 # ring — one tensor-map box of 16 rows x 128 code bytes and one of scales per 512-weight round, 3 rounds in flight
 # per warp — on Hopper (sm_90) where K is a multiple of 512, else the cp.async ring); "cp.async" / "tma" force either
-# ("tma" runs on any sm_90+ GPU, Blackwell included, where it is not yet timed; an error where it cannot run). On the H200, with PDL, all three model shapes: 0.86-0.98x the time per layer of
-# the H24 cp.async ring at 1-8 tokens, and 0.89-0.93x the present one's at 8 tokens, 0.99-1.02x at 1 (docs/KERNELS.md
-# H25; bench decode kernels "gemv+cp.async" / "gemv+tma"). The e4m3 w13 stage always takes the cp.async ring.
+# ("tma" runs on any sm_90+ GPU, Blackwell included, where it is not yet timed; an error where it cannot run, asked
+# of the extension: mod.gemv_bulk_possible(K)). On the H200, with PDL, all three model shapes: 0.86-0.98x the time
+# per layer of the H24 cp.async ring at 1-8 tokens, and 0.89-0.93x the present one's at 8 tokens, 0.99-1.02x at 1
+# (docs/KERNELS.md H25; bench decode kernels "gemv+cp.async" / "gemv+tma"). The e4m3 w13 stage always takes the
+# cp.async ring.
 DECODE_RING: str | None = None
 _RING_CODES = {None: -1, "cp.async": 0, "tma": 1}
 
@@ -447,15 +449,14 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             stage = mod.gemv_stage
             balance = -1 if GEMV_BALANCE is None else int(GEMV_BALANCE)
             ring = decode_ring_code()
-            if ring == 1 and hasattr(mod, "decode_bulk_available"):
+            if ring == 1 and hasattr(mod, "gemv_bulk_possible"):
                 # Here, not as the extension's own check: a clear error naming the knob (the extension's refusal
                 # stays as the backstop, e.g. for unaligned pool rows).
-                bulk = mod.decode_bulk_available()
-                short = [f"{n} (K = {kk})" for n, kk in (("w13", H), ("w2", ir)) if not (bulk and kk % 512 == 0)]
+                short = [f"{n} (K = {kk})" for n, kk in (("w13", H), ("w2", ir)) if not mod.gemv_bulk_possible(kk)]
                 if short:
                     raise UsageError(f"ops.DECODE_RING = 'tma', but the TMA ring cannot run the {' and '.join(short)} "
-                                     "stage here: it needs an sm_90+ GPU and K a multiple of 512; set it to None "
-                                     "(the default picks the ring per stage) or 'cp.async'")
+                                     "stage here: it needs an sm_90+ GPU and K a multiple of its 512-weight rounds; "
+                                     "set it to None (the default picks the ring per stage) or 'cp.async'")
             stage(True, split, pool, slot32, f4slot32, layout.w13_q_off, layout.w13_s_off, H, ir, ids, k,
                   xp, act_hl, None, None, None, None, lim, swiglu_limit is not None, flag, pdl, xinv, balance, ring)
             stage(False, True, pool, slot32, f4slot32, layout.w2_q_off, layout.w2_s_off, H, ir, ids, k,
