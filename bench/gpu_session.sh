@@ -4,6 +4,7 @@
 # Usage (on the GPU machine, repo root):  OUT=/path bash bench/gpu_session.sh [probe] [tests] [tiers] [kernels]
 #                                                                          [pattern] [ncu] [ncu-prefill]
 #                                                                          [timeline] [e4m3] [errors]
+#                                                                          [pipes] [maps]
 set -u
 OUT=${OUT:-/tmp/moetplan-gpu}
 mkdir -p "$OUT"
@@ -37,6 +38,26 @@ for s in $steps; do
              ncu -i "$OUT/gemv_t$nt.ncu-rep" --page raw --csv > "$OUT/ncu_gemv_t${nt}_raw.csv" 2>&1
              rm -f "$OUT/gemv_t$nt.ncu-rep"; grep -E "Duration|Issue Slots Busy|DRAM Throughput" "$OUT/ncu_gemv_t$nt.txt"
              python3 bench/ncu_stalls.py "$OUT/ncu_gemv_t${nt}_sass.csv" | tee "$OUT/ncu_gemv_t${nt}_stalls.txt" ;;
+    pipes)   # pipe shares of the decode stages (Nsight Compute raw metrics; bench/ncu_pipes.py): the integer ALU pipe
+             # (the 2-bit decode) against issue, DRAM and the SM clock; DeepSeek-V4-Flash at 1 and 8 tokens, Kimi at 8.
+             csvs=(); labels=(); weights=()
+             for spec in "DeepSeek-V4-Flash 1" "DeepSeek-V4-Flash 8" "Kimi-K2.7-Code 8"; do
+               set -- $spec; f="$OUT/ncu_pipes_${1%%-*}_t$2.csv"
+               for extra in "--metrics sm__inst_executed_pipe_alu.sum,sm__inst_executed.sum" ""; do
+                 # shellcheck disable=SC2086
+                 timeout 150 ncu --section ComputeWorkloadAnalysis --section SpeedOfLight --section SchedulerStats \
+                   $extra --clock-control none -k regex:gemv_stage --launch-skip 2 --launch-count 2 --page raw --csv \
+                   --log-file "$f" python3 bench/ncu_gemv.py --model "$1" --tokens "$2" > "$f.log" 2>&1
+                 grep -q '^"ID"' "$f" && break
+               done
+               csvs+=("$f"); labels+=(--label "$1 T=$2")
+               w=$(grep -o 'weights=[0-9]*' "$f.log" | cut -d= -f2); weights+=(--weights "${w:-0}")
+             done
+             python3 bench/ncu_pipes.py "${csvs[@]}" "${labels[@]}" "${weights[@]}" --out "$OUT/ncu_pipes_h200.json" \
+               > "$OUT/pipes.log" 2>&1; echo "pipes rc=$?"; tail -40 "$OUT/pipes.log" ;;
+    maps)    # host cost of the TMA ring's tensor maps per eager launch, cache on / off (bench/tensor_maps.py)
+             timeout 150 python3 bench/tensor_maps.py --out "$OUT/tensor_maps_h200.json" > "$OUT/maps.log" 2>&1
+             echo "maps rc=$?"; tail -10 "$OUT/maps.log" ;;
     timeline) # per-kernel durations of the decode step (bench/decode_timeline.py), all three model shapes
              timeout 200 python3 bench/decode_timeline.py --models DeepSeek-V4-Flash,GLM-5.2,Kimi-K2.7-Code \
                --tokens 1,2,8 --out "$OUT/decode_timeline_h200.json" > "$OUT/timeline.log" 2>&1

@@ -36,7 +36,8 @@ def main() -> None:
     for _ in range(args.calls):
         ops.moe_forward(x, ids, w, pool, slot_of, lay)
     torch.cuda.synchronize()
-    print(f"{args.model} T={args.tokens}: {d['used']} experts, {d['used'] * lay.payload_bytes / 1e6:.1f} MB")
+    print(f"{args.model} T={args.tokens}: {d['used']} experts, {d['used'] * lay.payload_bytes / 1e6:.1f} MB, "
+          f"weights={d['used'] * 3 * m['H'] * m['I']}")
 
 
 if __name__ == "__main__":
