@@ -4,7 +4,7 @@
 # Usage (on the GPU machine, repo root):  OUT=/path bash bench/gpu_session.sh [probe] [tests] [tiers] [kernels]
 #                                                                          [pattern] [ncu] [ncu-prefill]
 #                                                                          [timeline] [e4m3] [errors]
-#                                                                          [pipes] [maps]
+#                                                                          [pipes]
 set -u
 OUT=${OUT:-/tmp/moetplan-gpu}
 mkdir -p "$OUT"
@@ -55,9 +55,6 @@ for s in $steps; do
              done
              python3 bench/ncu_pipes.py "${csvs[@]}" "${labels[@]}" "${weights[@]}" --out "$OUT/ncu_pipes_h200.json" \
                > "$OUT/pipes.log" 2>&1; echo "pipes rc=$?"; tail -40 "$OUT/pipes.log" ;;
-    maps)    # host cost of the TMA ring's tensor maps per eager launch, cache on / off (bench/tensor_maps.py)
-             timeout 150 python3 bench/tensor_maps.py --out "$OUT/tensor_maps_h200.json" > "$OUT/maps.log" 2>&1
-             echo "maps rc=$?"; tail -10 "$OUT/maps.log" ;;
     timeline) # per-kernel durations of the decode step (bench/decode_timeline.py), all three model shapes
              timeout 200 python3 bench/decode_timeline.py --models DeepSeek-V4-Flash,GLM-5.2,Kimi-K2.7-Code \
                --tokens 1,2,8 --out "$OUT/decode_timeline_h200.json" > "$OUT/timeline.log" 2>&1

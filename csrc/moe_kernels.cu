@@ -34,8 +34,6 @@
 #include <algorithm>
 #include <string>
 #include <tuple>
-#include <mutex>
-#include <unordered_map>
 
 namespace moet {
 
@@ -886,7 +884,7 @@ GemvPlan gemv_plan_any(bool w13, bool split, bool f8, int K, int64_t max_units, 
 // The TMA ring's tensor maps of a stage: the pool's code and scale rows as [slot][half][row][byte], boxes of one
 // round (128 code bytes, 16 scale bytes) by 2 x 8 rows (w13: gate and up) or 16 rows (w2). The driver's encoder is
 // reached through the runtime (no link against libcuda).
-static void encode_stage_maps_uncached(const GemvArgs& a, bool w13, CUtensorMap& tm_q, CUtensorMap& tm_s) {
+void encode_stage_maps(GemvArgs& a, bool w13) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
     cudaDriverEntryPointQueryResult q{};
@@ -904,93 +902,12 @@ static void encode_stage_maps_uncached(const GemvArgs& a, bool w13, CUtensorMap&
     const cuuint64_t strides[3] = {row_bytes, rows * row_bytes, cuuint64_t(a.stride)};
     const cuuint32_t box[4] = {m == 0 ? 128u : 16u, box_rows, cuuint32_t(halves), 1u};
     void* base = const_cast<uint8_t*>(a.pool) + (m == 0 ? a.q_off : a.s_off);
-    const CUresult r = encode(m == 0 ? &tm_q : &tm_s, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, base, dims, strides, box,
+    const CUresult r = encode(m == 0 ? &a.tm_q : &a.tm_s, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, base, dims, strides, box,
                               estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     MOET_CHECK(r == CUDA_SUCCESS, "decode TMA ring: cuTensorMapEncodeTiled failed (", int(r), ") for the ",
-               m == 0 ? "code" : "scale", " rows");
+                m == 0 ? "code" : "scale", " rows");
   }
-}
-
-// Eager decode launches two stages per MoE layer per step, each needing the same two maps as the step before (a
-// map is a pure function of the pool address, offsets, shape and slot stride), so they are kept: a map is only
-// a description of memory, so a freed pool's entry is harmless, and one reused at the same address with the same
-// shape is the same map. Keyed by everything the encoder reads; bounded (cleared when full: a model has a few
-// hundred stage shapes at most). Inside a CUDA graph the launch is not re-run, so the cache only serves eager
-// steps (bench/tensor_maps.py measures both).
-struct StageMapKey {
-  const uint8_t* pool;
-  int64_t q_off, s_off, stride;
-  int K, H, Ir, n_slots;
-  bool w13;
-  bool operator==(const StageMapKey& o) const {
-    return pool == o.pool && q_off == o.q_off && s_off == o.s_off && stride == o.stride && K == o.K && H == o.H &&
-           Ir == o.Ir && n_slots == o.n_slots && w13 == o.w13;
-  }
-};
-struct StageMapKeyHash {
-  size_t operator()(const StageMapKey& k) const {
-    size_t h = std::hash<const void*>()(k.pool);
-    for (int64_t v : {k.q_off, k.s_off, k.stride, int64_t(k.K), int64_t(k.H), int64_t(k.Ir), int64_t(k.n_slots),
-                      int64_t(k.w13)})
-      h = h * 0x9E3779B97F4A7C15ull + std::hash<int64_t>()(v);
-    return h;
-  }
-};
-struct StageMaps {
-  CUtensorMap q, s;
-};
-struct StageMapCache {
-  std::mutex mu;
-  std::unordered_map<StageMapKey, StageMaps, StageMapKeyHash> maps;
-  bool enabled = true;
-  int64_t hits = 0, encodes = 0;
-  static constexpr size_t kMaxEntries = 4096;
-};
-static StageMapCache& stage_map_cache() {
-  static StageMapCache c;
-  return c;
-}
-
-void encode_stage_maps(GemvArgs& a, bool w13) {
-  StageMapCache& c = stage_map_cache();
-  const StageMapKey key{a.pool, a.q_off, a.s_off, a.stride, a.K, a.H, a.Ir, a.n_slots, w13};
-  {
-    std::lock_guard<std::mutex> lock(c.mu);
-    if (c.enabled) {
-      const auto it = c.maps.find(key);
-      if (it != c.maps.end()) {
-        a.tm_q = it->second.q;
-        a.tm_s = it->second.s;
-        ++c.hits;
-        return;
-      }
-    }
-  }
-  encode_stage_maps_uncached(a, w13, a.tm_q, a.tm_s);
-  std::lock_guard<std::mutex> lock(c.mu);
-  ++c.encodes;
-  if (!c.enabled) return;
-  if (c.maps.size() >= StageMapCache::kMaxEntries) c.maps.clear();
-  c.maps.emplace(key, StageMaps{a.tm_q, a.tm_s});
-}
-
-// Bench and test hook: turn the cache on or off (emptying it), returns (hits, encodes, entries) since the last call.
-std::tuple<int64_t, int64_t, int64_t> stage_map_cache_reset(bool enabled) {
-  StageMapCache& c = stage_map_cache();
-  std::lock_guard<std::mutex> lock(c.mu);
-  const std::tuple<int64_t, int64_t, int64_t> r{c.hits, c.encodes, int64_t(c.maps.size())};
-  c.maps.clear();
-  c.hits = c.encodes = 0;
-  c.enabled = enabled;
-  return r;
-}
-
-// Bench and test hook: the counters without resetting them.
-std::tuple<int64_t, int64_t, int64_t> stage_map_cache_stats() {
-  StageMapCache& c = stage_map_cache();
-  std::lock_guard<std::mutex> lock(c.mu);
-  return {c.hits, c.encodes, int64_t(c.maps.size())};
 }
 
 template <bool W13, bool SPLIT, bool F8 = false>
@@ -1463,9 +1380,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ring") = -1);
   m.def("decode_bulk_available", &moet::decode_bulk_available, "the decode stages' TMA ring runs on this GPU");
   m.def("gemv_bulk_possible", &moet::gemv_bulk_possible, "the TMA ring can run a decode stage of contraction K here");
-  m.def("stage_map_cache_reset", &moet::stage_map_cache_reset,
-        "TMA ring tensor-map cache: enable/disable and empty it; returns (hits, encodes, entries) until now");
-  m.def("stage_map_cache_stats", &moet::stage_map_cache_stats, "TMA ring tensor-map cache: (hits, encodes, entries)");
   m.def("gemv_ring", &moet::gemv_ring, "the ring a decode stage of contraction K runs: 'tma' or 'cp.async'",
         py::arg("K"), py::arg("ring") = -1);
   m.def("gemv_max_pairs", &moet::gemv_max_pairs, "largest pair count of the decode stages");

@@ -477,39 +477,6 @@ def test_tma_ring_refuses_what_it_cannot_run(mod, monkeypatch):
     assert _rel(ops.moe_forward(x, ids, w, pool, slot_of, lay), ref) < DECODE_TOL
 
 
-def test_tma_ring_tensor_map_cache(mod, monkeypatch):
-    # Eager launches reuse the maps encoded for the same pool, offsets and shape (2 per stage); the results are
-    # the uncached ones bit for bit, and a pool at another address, or the same tensor rewritten in place, is
-    # read correctly (a map describes memory, not its contents).
-    if not mod.decode_bulk_available():
-        pytest.skip("the TMA ring needs an sm_90+ GPU")
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
-    monkeypatch.setattr(ops, "DECODE_RING", "tma")
-    x, ids, w, pool, slot_of, lay, _ = _case(4096, 1024, 8, 2, seed=81)
-    mod.stage_map_cache_reset(False)
-    plain = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    hits, encodes, entries = mod.stage_map_cache_reset(True)
-    assert (hits, entries) == (0, 0) and encodes == 2  # w13 and w2, nothing kept
-    first = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    assert mod.stage_map_cache_stats() == (0, 2, 2)
-    again = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    assert mod.stage_map_cache_stats() == (2, 2, 2)
-    assert torch.equal(plain, first) and torch.equal(first, again)
-    # Same address, new contents: the cached maps still read the pool as it is now.
-    other = _case(4096, 1024, 8, 2, seed=82)[3]
-    pool.copy_(other)
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
-    out = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    assert mod.stage_map_cache_stats()[:2] == (4, 2)
-    assert _rel(out.float(), ref.float()) < 8e-3 and not torch.equal(out, first)  # bf16 x and out
-    # Another pool (another address, another slot count): new maps, correct results.
-    x2, ids2, w2, pool2, slot_of2, lay2, _ = _case(4096, 1024, 8, 2, E=40, seed=83)
-    out2 = ops.moe_forward(x2, ids2, w2, pool2, slot_of2, lay2)
-    assert mod.stage_map_cache_stats() == (4, 4, 4)
-    assert _rel(out2.float(), ops.moe_forward_reference(x2, ids2, w2, pool2, slot_of2, lay2).float()) < 8e-3
-    mod.stage_map_cache_reset(True)
-
-
 def test_extension_errors_raise_with_their_numbers(mod):
     # The extension's checks reach Python as RuntimeError naming the numbers (H25: TORCH_CHECK formatting a number
     # from the nvcc-compiled source segfaulted on the H200; MOET_CHECK formats them itself). In a child process,
