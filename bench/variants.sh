@@ -30,7 +30,7 @@ for v in $VARIANTS; do
   l=${v%%:*}; p=${v#*:}
   specs+=("$l${p:+@$p}=$(ls -v "$OUT"/run_"$l"_[0-9]*.json 2>/dev/null | paste -sd,)")
 done
-python3 bench/variants.py --out "$OUT/variants.json" --base "${BASE:-this tree}" --note "VARIANTS=$VARIANTS" \
+PYTHONPATH=${SITE:-}:$root python3 bench/variants.py --out "$OUT/variants.json" --base "${BASE:-this tree}" --note "VARIANTS=$VARIANTS" \
   "${specs[@]}" && rm -f "$OUT"/run_*.json "$OUT"/run_*.log "$OUT"/build_*.log
 if [ -n "${NCU_LABEL:-}" ]; then  # Nsight Compute of one tree at 8 tokens (bench/gpu_session.sh ncu)
   (cd "/tmp/v$NCU_LABEL" && PYTHONPATH=${SITE:-} MOETPLAN_KERNEL_CACHE=/tmp/kc$NCU_LABEL NCU_TOKENS=8 OUT=$OUT \
