@@ -114,6 +114,28 @@ __device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uin
 }
 
 
+// n / d for 0 <= n < 2^31 by a high multiply, an add and a shift (Granlund-Montgomery; d >= 1, l = ceil(log2 d),
+// mul = floor(2^32 (2^l - d) / d) + 1). The decode stages split unit and pair indices by the runtime tile and
+// top-k counts at every unit end, where an integer division compiles to ~25 instructions (no divide unit).
+struct FastDiv {
+  uint32_t mul;
+  uint32_t shift;
+};
+inline FastDiv fast_div_of(uint32_t d) {
+  if (d == 0) return FastDiv{0, 0};  // never divided by (no pairs, nothing launched)
+  uint32_t l = 0;
+  while ((uint64_t(1) << l) < d) ++l;
+  return FastDiv{uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << l) - d)) / d + 1), l};
+}
+__host__ __device__ __forceinline__ int fast_div(int n, FastDiv f) {
+#ifdef __CUDA_ARCH__
+  const uint32_t hi = __umulhi(uint32_t(n), f.mul);
+#else
+  const uint32_t hi = uint32_t((uint64_t(uint32_t(n)) * f.mul) >> 32);
+#endif
+  return int((hi + uint32_t(n)) >> f.shift);
+}
+
 struct GemvArgs {
   CUtensorMap tm_q;            // TMA ring: the stage's code rows [slot][half][row][K / 4 bytes], boxes of 128 B
   CUtensorMap tm_s;            // and scale rows [slot][half][row][K / 32 bytes], boxes of 16 B (16 rows or 2 x 8)
@@ -140,6 +162,7 @@ struct GemvArgs {
   int has_limit;
   int* error_flag;
   int tiles;                   // 16-row tiles per expert (w13: Ir / 8, w2: H / 16)
+  FastDiv tiles_div, topk_div;  // division by tiles and by topk (fast_div)
   // w2 with the combine folded in (no FP4 launch in the step): the warp that writes the last of a token's k
   // partial rows of a tile sums them in j order into out (the combine kernel's order and arithmetic).
   const float* weights;        // [T, k] float32, or nullptr: a separate combine kernel runs
@@ -643,7 +666,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
   int lu = u_first, lr = rb - u_first * RPU;
   const uint8_t *q0 = nullptr, *q1 = nullptr, *s0 = nullptr, *s1 = nullptr;
   auto set_rows = [&](int u, int r) {
-    const int ep = u / a.tiles, tile = u - ep * a.tiles;
+    const int ep = fast_div(u, a.tiles_div), tile = u - ep * a.tiles;
     const int slot = ep_slot[ep];
     int r0, r1;
     if (W13) { r0 = tile * 8 + g; r1 = a.Ir + r0; }
@@ -663,7 +686,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
   // TMA ring: the next round's box coordinates (byte offset of the round, first row, slot), lane 0's business.
   int b_row = 0, b_slot = 0, b_r = 0;
   auto set_rows_bulk = [&](int u, int r) {
-    const int ep = u / a.tiles, tile = u - ep * a.tiles;
+    const int ep = fast_div(u, a.tiles_div), tile = u - ep * a.tiles;
     const int slot = ep_slot[ep];
     b_row = W13 ? tile * 8 : tile * 16;
     b_slot = slot < 0 ? a.n_slots : slot;
@@ -771,10 +794,10 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
   // lines for the L1) and its MMA column is never read back (output column n depends only on B column n). A
   // predicated load instead costs registers: ptxas keeps the destinations' old values live (spills at 128).
   auto set_b = [&](int u) {
-    const int ep = u / a.tiles;
+    const int ep = fast_div(u, a.tiles_div);
     const int col = SPLIT ? (g & 3) : g;
     const int p = ep_pair[ep][col < ep_cnt[ep] ? col : 0];
-    const int64_t brow = W13 ? p / a.topk : p;
+    const int64_t brow = W13 ? fast_div(p, a.topk_div) : p;
     const int64_t plane = SPLIT ? brow * 2 + (g >= 4 ? 1 : 0) : brow;
     if (F8) bptr = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.b) + plane * a.K);
     else bptr = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(a.b) + plane * a.K);
@@ -928,7 +951,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
       for (int i = 0; i < 4; ++i) { v[i] = acc[i] + acc2[i]; }
       if (unit_end && cu * RPU >= rb) {
         // The whole unit was this warp's: epilogue, then the next unit's B row.
-        const int ep = cu / a.tiles, tile = cu - ep * a.tiles;
+        const int ep = fast_div(cu, a.tiles_div), tile = cu - ep * a.tiles;
         gemv_epilogue<W13, SPLIT, NCOL>(a, v, ep, tile, lane, ep_cnt, ep_pair);
       } else {
         const int h = cu == u_first ? 0 : 1;
@@ -961,7 +984,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
           for (int i = 0; i < 4; ++i) v[i] += part_s[w][0][i][lane];
         }
       }
-      const int ep = u_last / a.tiles, tile = u_last - ep * a.tiles;
+      const int ep = fast_div(u_last, a.tiles_div), tile = u_last - ep * a.tiles;
       gemv_epilogue<W13, SPLIT, NCOL>(a, v, ep, tile, lane, ep_cnt, ep_pair);
     }
   }

@@ -1014,6 +1014,8 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
                      error_flag, w13);
   a.tiles = int(w13 ? Ir / 8 : H / 16);
   a.n_slots = int(pool.size(0));
+  a.tiles_div = fast_div_of(uint32_t(a.tiles));
+  a.topk_div = fast_div_of(uint32_t(a.topk));
   if (f8) {
     MOET_CHECK(xinv->scalar_type() == torch::kFloat32 && xinv->numel() * 2 * H == b.numel(), "xinv: float32 [T]");
     a.xinv = xinv->data_ptr<float>();
