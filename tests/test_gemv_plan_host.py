@@ -6,11 +6,10 @@ built extension with the device's real occupancy."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 
 import pytest
-from csrc_source import CSRC, decode_constant
+from csrc_source import CSRC, compile_host, decode_constant
 
 SRC = CSRC / "moe_kernels.cu"
 
@@ -25,9 +24,6 @@ def _function_text() -> str:
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
     d = tmp_path_factory.mktemp("gemv_plan")
     main = r"""
 #include <cstdio>
@@ -39,9 +35,7 @@ int main(int argc, char** argv) {
   }
 }
 """
-    (d / "plan.cpp").write_text("#include <algorithm>\n#include <cstdint>\n" + _function_text() + main)
-    exe = d / "plan"
-    subprocess.run([cxx, "-std=c++17", "-O1", str(d / "plan.cpp"), "-o", str(exe)], check=True, capture_output=True)
+    exe = compile_host("#include <algorithm>\n#include <cstdint>\n" + _function_text() + main, d / "plan")
 
     def run(cases: list[tuple[int, int, int, int]]) -> list[tuple[bool, int, int]]:
         args = [str(v) for c in cases for v in c]

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("ncu_pipes", ROOT / "bench" / "ncu_pipes.py")
@@ -32,24 +35,15 @@ def test_parse_keeps_pipe_shares_and_counts(tmp_path):
     assert list(top) == ["pipe_alu_cycles_active", "inst_executed_pipe_fma"]  # busiest first
 
 
-def test_main_writes_json_and_rejects_other_text(tmp_path, capsys):
+def test_main_writes_json_and_rejects_other_text(tmp_path, monkeypatch):
     p = tmp_path / "raw.csv"
     p.write_text(RAW)
     out = tmp_path / "pipes.json"
-    import sys
-    argv = sys.argv
-    try:
-        sys.argv = ["ncu_pipes", str(p), "--label", "DS4-T8", "--weights", "1e6", "--out", str(out)]
-        assert ncu_pipes.main() == 0
-    finally:
-        sys.argv = argv
+    monkeypatch.setattr(sys, "argv", ["ncu_pipes", str(p), "--label", "DS4-T8", "--weights", "1e6", "--out", str(out)])
+    assert ncu_pipes.main() == 0
     data = json.loads(out.read_text())
     assert set(data) == {"DS4-T8"} and len(data["DS4-T8"]["kernels"]) == 2
     bad = tmp_path / "bad.csv"
     bad.write_text("no profile here\n")
-    try:
+    with pytest.raises(SystemExit, match="no raw CSV header"):
         ncu_pipes.parse(bad.read_text())
-    except SystemExit as e:
-        assert "no raw CSV header" in str(e)
-    else:
-        raise AssertionError("parse accepted text without a header")
