@@ -614,7 +614,9 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
   if constexpr (BULK) return;  // no bulk copies before sm_90 (the host checks decode_bulk_available first)
 #endif
   constexpr int NCOL = SPLIT ? 4 : 8;  // pairs per pass
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // The warp index through a lane-0 shuffle: ptxas then knows it is warp-uniform (CUTLASS's
+  // canonical_warp_idx_sync), so the TMA ring's barrier and stage addresses live in uniform registers.
+  const int lane = threadIdx.x & 31, warp = __shfl_sync(0xffffffffu, int(threadIdx.x >> 5), 0);
   const int g = lane >> 2, t = lane & 3;
 
   __shared__ int ep_slot[GEMV_MAX_PAIRS];
@@ -743,13 +745,17 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
       cp_async_small<4>(&sring[warp][buf][lane].y, a1);
     }
   };
+  // Called by the whole warp: the box coordinates pass through lane-0 shuffles, which ptxas knows to be warp-uniform,
+  // so the bulk copies take them as uniform registers instead of lane 0 looping over them (ELECT / R2UR).
   auto issue_bulk = [&](int buf) {
+    const int c_r = __shfl_sync(0xffffffffu, b_r, 0), c_row = __shfl_sync(0xffffffffu, b_row, 0);
+    const int c_slot = __shfl_sync(0xffffffffu, b_slot, 0);
     if (lane != 0) return;
     const uint32_t bar = bbar0 + buf * 8, st = bstage0 + buf * GEMV_BULK_STAGE;
     mbar_arrive_expect_tx(bar, GEMV_BULK_TX);
     // One box of codes and one of scales: [halves][rows][bytes] (w13: the 8 gate rows, then the 8 up rows).
-    tma_load_4d(st, &a.tm_q, b_r * 128, b_row, 0, b_slot, bar);
-    tma_load_4d(st + GEMV_BULK_CODES, &a.tm_s, b_r * 16, b_row, 0, b_slot, bar);
+    tma_load_4d(st, &a.tm_q, c_r * 128, c_row, 0, c_slot, bar);
+    tma_load_4d(st + GEMV_BULK_CODES, &a.tm_s, c_r * 16, c_row, 0, c_slot, bar);
   };
 
   // Prologue: the first GEMV_ROUNDS rounds (one commit group each, empty past the end: uniform group counts); bulk:
