@@ -21,7 +21,7 @@ RAW = '''==PROF== Connected to process 711
 '''
 
 
-def test_parse_keeps_pipe_shares_and_counts(tmp_path):
+def test_parse_keeps_pipe_shares_and_counts():
     recs = ncu_pipes.parse(RAW)
     assert [r["kernel"][:25] for r in recs] == ["void gemv_stage_kernel<1,", "void gemv_stage_kernel<0,"]
     assert recs[0]["sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active"] == 71.25
