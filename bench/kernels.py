@@ -117,13 +117,30 @@ def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return g
 
 
+# How the benchmark's scale bytes are drawn (--scales). "gauss" (the default since H28): the UE8M0 exponent of the
+# largest |w| of 32 standard-normal weights per block, what the quantizer gives Gaussian rows (within a 512-weight
+# round the blocks span at most 2-3 binades; heavier tails, docs/KERNELS.md H28). "uniform": every block
+# independently uniform over 8 binades (116..123), what every result before H28 was taken with. The bf16 decode is
+# data-independent, but the int8 w13 stage takes a second pass over a round whose rows span more than 4 binades,
+# which "uniform" makes almost every round.
+SCALES = "gauss"
+
+
+def random_scales(n: int, size: int, gen: torch.Generator) -> torch.Tensor:
+    if SCALES == "gauss":
+        # max |N(0, 1)| of 32 draws by its inverse CDF: P(max <= a) = (2 Phi(a) - 1)^32.
+        u = torch.rand(n, size, device="cuda", generator=gen).clamp_(1e-12, 1 - 1e-7)
+        amax = torch.special.ndtri((u.pow(1 / 32) + 1) / 2)
+        return (120 + torch.floor(torch.log2(amax))).clamp_(100, 140).to(torch.uint8)
+    return torch.randint(116, 124, (n, size), dtype=torch.uint8, device="cuda", generator=gen)
+
+
 def random_pool(layout: RowLayout, n: int, gen: torch.Generator) -> torch.Tensor:
-    """Random codes (every byte is a valid code) with realistic scale bytes; random, never zeros."""
+    """Random codes (every byte is a valid code) with scale bytes drawn as SCALES says; random, never zeros."""
     pool = torch.randint(0, 256, (n, layout.stride), dtype=torch.uint8, device="cuda", generator=gen)
     for name in ("w13_s", "w2_s"):
         off, size = getattr(layout, f"{name}_off"), getattr(layout, f"{name}_size")
-        pool[:, off:off + size] = torch.randint(116, 124, (n, size), dtype=torch.uint8, device="cuda",
-                                                generator=gen)
+        pool[:, off:off + size] = random_scales(n, size, gen)
     return pool
 
 
@@ -223,9 +240,10 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     d0 = layers[0]
     fused_default, e4m3_default, balance_default, ring_default = (ops.FUSED_COMBINE, ops.E4M3_DECODE,
                                                                    ops.GEMV_BALANCE, ops.DECODE_RING)
+    i8_default = ops.I8_DECODE
     for i, dk in enumerate(decode_kernels):
         # Suffixes: "+fused" the per-token sum folded into the w2 launch (ops.FUSED_COMBINE); "+e4m3" / "+bf16" the
-        # w13 stage's A operand (ops.E4M3_DECODE); "+plain" / "+balanced" how the gemv stages spread units over
+        # w13 stage's A operand (ops.E4M3_DECODE), "+i8" / "+bf16" likewise (ops.I8_DECODE); "+plain" / "+balanced" how the gemv stages spread units over
         # warps (ops.GEMV_BALANCE); "+cp.async" / "+tma" the gemv stages' ring (ops.DECODE_RING); "+l2" rows from
         # the L2 (above). Without one, the op's defaults.
         base, *suffixes = dk.split("+")
@@ -233,6 +251,7 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
         os.environ["MOETPLAN_DECODE_KERNEL"] = base
         ops.FUSED_COMBINE = "fused" in suffixes
         ops.E4M3_DECODE = True if "e4m3" in suffixes else False if "bf16" in suffixes else e4m3_default
+        ops.I8_DECODE = True if "i8" in suffixes else False if "bf16" in suffixes else i8_default
         ops.GEMV_BALANCE = True if "balanced" in suffixes else False if "plain" in suffixes else balance_default
         ops.DECODE_RING = next((r for r in ("cp.async", "tma") if r in suffixes), ring_default)
         # Both launch modes for the headline kernel; the others with the default (PDL on sm_90+).
@@ -258,6 +277,7 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     os.environ.pop("MOETPLAN_DECODE_KERNEL", None)
     ops.FUSED_COMBINE, ops.E4M3_DECODE, ops.GEMV_BALANCE, ops.DECODE_RING = (fused_default, e4m3_default,
                                                                              balance_default, ring_default)
+    ops.I8_DECODE = i8_default
     # Deterministic across launch modes (bit-identical), and the decode kernels agree with each other and with
     # the float32 torch reference on layer 0.
     res["pdl_equals_no_pdl"] = {dk: bool(torch.equal(outs0[f"{dk}_pdl"], outs0[f"{dk}_no_pdl"]))
@@ -459,17 +479,22 @@ def main() -> int:
     ap.add_argument("--sections", default="smoke,bw,decode,prefill")
     ap.add_argument("--decode-kernels", default="gemv,mma,rowdot",
                     help="MOETPLAN_DECODE_KERNEL values to time, suffixes '+fused' (the per-token sum folded into the "
-                         "w2 launch), '+e4m3' / '+bf16' (the w13 stage's A operand, ops.E4M3_DECODE), '+plain' / "
+                         "w2 launch), '+e4m3' / '+i8' / '+bf16' (the w13 stage's A operand, ops.E4M3_DECODE / ops.I8_DECODE), '+plain' / "
                          "'+balanced' (units over warps, ops.GEMV_BALANCE), '+cp.async' / '+tma' (the gemv stages' ring, "
                          "ops.DECODE_RING), '+l2' (every routed expert of a layer read "
                          "from one slot: the stages' speed with their rows in the L2); the first (the default path) "
                          "is the headline figure")
+    ap.add_argument("--scales", choices=("uniform", "gauss"), default="gauss",
+                    help="how the expert rows' scale bytes are drawn: 'gauss' (the default since H28: what Gaussian "
+                         "weights quantize to) or 'uniform' over 8 binades per block (every result before H28)")
     ap.add_argument("--prefill-kernels", default="auto,tiled:2,wgmma,warp",
                     help="MOETPLAN_PREFILL_KERNEL values to time, optionally name:variant (MOETPLAN_PREFILL_VARIANT); the "
                          "first (the default path) is the headline figure")
     ap.add_argument("--no-baselines", action="store_true",
                     help="skip the naive bf16 and torch 2-bit reference timings of the decode section")
     args = ap.parse_args()
+    global SCALES
+    SCALES = args.scales
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -477,6 +502,7 @@ def main() -> int:
     mod = kernels.get_module()
     res: dict[str, Any] = {"benchmark": "moetplan kernels (issue 8)", "machine": machine_info(),
                            "command": " ".join(["python3"] + sys.argv), "kernels_built": mod is not None,
+                           "scales": SCALES,
                            "fallback_reason": kernels.fallback_reason(),
                            "prefill_pairs_per_expert": ops.PREFILL_PAIRS_PER_EXPERT,
                            "gemv_max_pairs": mod.gemv_max_pairs() if mod is not None and

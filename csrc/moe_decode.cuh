@@ -376,7 +376,12 @@ __device__ __forceinline__ float e4m3_to_f32(uint32_t b) {
 }
 
 // x [T, H] bf16 -> xp8 [T, 2, H] e4m3 hi/lo planes at b8_off, xinv [T]; one block per token (two passes over the
-// token's x: its largest magnitude, then the planes).
+// token's x: its largest magnitude, then the planes). I8: the int8 w13 stage's hi, mid, lo planes instead ([T, 3, H],
+// same order): under a power-of-two s that puts max |x| s in [32, 64), hi = rint(x s), mid = rint(128 r1) and
+// lo = rint(128 r2) with r1 = x s - hi, r2 = 128 r1 - mid (each |.| <= 64: no clamps), so x = (hi + mid / 128 +
+// lo / 16384) / s to within 2^-15 / s: exact for bf16 elements within 2^12 of the token's largest, as e4m3's
+// hi + lo are within 2^13 (a massive activation channel does not take the precision of the others).
+template <bool I8>
 __global__ void xprep8_kernel(const __nv_bfloat16* x, uint8_t* xp, float* xinv, int H, int* counter) {
   griddep_wait();
   griddep_launch_dependents();
@@ -398,30 +403,42 @@ __global__ void xprep8_kernel(const __nv_bfloat16* x, uint8_t* xp, float* xinv, 
   __syncthreads();
   m = 0.f;
   for (int w = 0; w < int(blockDim.x >> 5); ++w) m = fmaxf(m, red[w]);
-  // s = 2^(134 - e) for max |x| = 1.f * 2^(e - 127): max |x| s in [128, 256). e >= 7 keeps s a normal float.
+  // s = 2^(134 - e) for max |x| = 1.f * 2^(e - 127): max |x| s in [128, 256) (I8: 2^(132 - e), [32, 64)). e >= 7
+  // keeps s a normal float.
   const int e = max(int(__float_as_uint(m) >> 23), 7);
-  const float s = __uint_as_float(uint32_t(261 - e) << 23);
-  if (threadIdx.x == 0) xinv[tok] = __uint_as_float(uint32_t(e - 7) << 23);
+  const float s = __uint_as_float(uint32_t((I8 ? 259 : 261) - e) << 23);
+  if (threadIdx.x == 0) xinv[tok] = __uint_as_float(uint32_t(e - (I8 ? 5 : 7)) << 23);
   const int ns = gemv_ns(H);
-  uint8_t* hi_p = xp + int64_t(tok) * 2 * H;
-  uint8_t* lo_p = hi_p + H;
+  uint8_t* hi_p = xp + int64_t(tok) * (I8 ? 3 : 2) * H;
+  uint8_t* lo_p = hi_p + H;  // I8: the mid plane; its lo plane follows
   for (int n = threadIdx.x; n < H / 16; n += blockDim.x) {
     float f[16];
     load_x8(xr + n * 16, *reinterpret_cast<float(*)[8]>(f));
     load_x8(xr + n * 16 + 8, *reinterpret_cast<float(*)[8]>(f + 8));
-    uint32_t hw[4] = {0u, 0u, 0u, 0u}, lw[4] = {0u, 0u, 0u, 0u};
+    uint32_t hw[4] = {0u, 0u, 0u, 0u}, lw[4] = {0u, 0u, 0u, 0u}, qw[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const float v = f[i] * s;
-      const uint32_t h = f32_to_e4m3(v);
-      const uint32_t l = f32_to_e4m3((v - e4m3_to_f32(h)) * 16.f);  // |v - h| <= 2^-4 |h|: no overflow
+      uint32_t h, l, q = 0u;
+      if constexpr (I8) {
+        const float hv = rintf(v);  // |v| < 64, and every step below is exact in fp32
+        const float r1 = (v - hv) * 128.f, mv = rintf(r1);
+        h = uint32_t(int(hv)) & 0xFFu;
+        l = uint32_t(int(mv)) & 0xFFu;
+        q = uint32_t(int(rintf((r1 - mv) * 128.f))) & 0xFFu;
+      } else {
+        h = f32_to_e4m3(v);
+        l = f32_to_e4m3((v - e4m3_to_f32(h)) * 16.f);  // |v - h| <= 2^-4 |h|: no overflow
+      }
       const int p = b8_pos(i);
       hw[p >> 2] |= h << (8 * (p & 3));
       lw[p >> 2] |= l << (8 * (p & 3));
+      qw[p >> 2] |= q << (8 * (p & 3));
     }
     const int64_t o = b8_off(n, ns);
     *reinterpret_cast<uint4*>(hi_p + o) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
     *reinterpret_cast<uint4*>(lo_p + o) = make_uint4(lw[0], lw[1], lw[2], lw[3]);
+    if (I8) *reinterpret_cast<uint4*>(lo_p + H + o) = make_uint4(qw[0], qw[1], qw[2], qw[3]);
   }
 }
 
@@ -429,6 +446,122 @@ __global__ void xprep8_kernel(const __nv_bfloat16* x, uint8_t* xp, float* xinv, 
 __device__ __forceinline__ uint32_t max_byte(uint32_t a) {
   a = __vmaxu4(a, a >> 16);
   return __vmaxu4(a, a >> 8) & 0xFFu;
+}
+
+// ---- int8 A operand (the TMA ring's w13 stage, ops.I8_DECODE) ---------------------------------------------------
+//
+// Why: per 16 weights the bf16 A operand costs 8 PRMT + 4 LOP3 + 1 SHF on the integer ALU pipe (+ 2 IMAD.SHL and 4
+// HMUL2 on the FMA pipe) and two m16n8k16 MMAs, and that ALU pipe is what the stages queue on (docs/KERNELS.md,
+// H26-H27). As int8 one PRMT looks up four weights from a constant-per-block table (selector nibble = 4 | code),
+// and one m16n8k32 MMA - native IMMA on sm_80+, unlike e4m3 on sm_90 - takes the 16 weights two bf16 MMAs took:
+// per 16 weights 4 PRMT + 2 LOP3 + 1 SHF (+ 2 HMUL2) + 1 MMA.
+// The block scale rides in the table as a shift: a round's 16 blocks of a row are taken against the round's
+// largest scale byte mb of that row (the quad's), the block of byte b decodes to code * 2^d with d = b - (mb - 4)
+// in [0, 4] (|values| <= 64), and the round's int32 sums get one fp32 factor 2^(mb - 4 - 127) per row. When some
+// row of the warp has a block more than 4 binades below its mb, the round takes two passes with range checks
+// (levels mb - 4 and mb - 9: blocks 5 to 9 binades below in the second); blocks more than 9 below are flushed
+// (weights below 2^-9 of the round's largest block of their row). Exact otherwise: a round's int32 sums stay below
+// 2^23 (16 k32 MMAs of |a| <= 64, |b| <= 127), so their conversion to fp32 rounds nothing.
+// x is three int8 planes (xprep8_kernel<true>): hi, mid and lo as MMA columns of their own (2 pairs per pass).
+__device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                       uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+// The int8 table of the block with scale byte b against base: bytes +1, +4, -1, -4 times 2^d, d = b - base in
+// [0, 4] (u (1, 4, -1, -4) as bytes is u * 0xFBFF0401 + 0x01000000 mod 2^32 for u = 2^d <= 16). CLAMP: 0 for d
+// outside [0, 4]; else the caller guarantees d in [0, 4].
+template <bool CLAMP>
+__device__ __forceinline__ uint32_t i8_table(uint32_t b, int base) {
+  const uint32_t d = uint32_t(int(b) - base);
+  const uint32_t tab = (1u << d) * 0xFBFF0401u + 0x01000000u;
+  return !CLAMP || d <= 4u ? tab : 0u;
+}
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+// One pass of the int8 w13 stage over a TMA-ring round (stage at st) against bases base0 / base1 (rows g / g + 8):
+// sc[row][half][block] are this thread's scale bytes, b its B of the round's first half. Adds the pass's int32
+// sums times 2^(base - 127) to acc.
+template <bool CLAMP>
+__device__ __forceinline__ void i8_pass(uint32_t st, int g, int t, const uint4* b, const uint32_t (&sc)[2][2][2],
+                                        int base0, int base1, float (&acc)[4]) {
+  int ca[4] = {0, 0, 0, 0}, cb[4] = {0, 0, 0, 0};  // two MMA chains (even / odd words)
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int piece = half * 4 + t;
+    const uint4 c0 = lds128(st + g * 128 + piece * 16), c1 = lds128(st + (g + 8) * 128 + piece * 16);
+    // Words 0, 1 of a piece: its first block; words 2, 3: its second.
+    const uint32_t ta0 = i8_table<CLAMP>(sc[0][half][0], base0), tb0 = i8_table<CLAMP>(sc[0][half][1], base0);
+    const uint32_t ta1 = i8_table<CLAMP>(sc[1][half][0], base1), tb1 = i8_table<CLAMP>(sc[1][half][1], base1);
+    const uint32_t cw0[4] = {c0.x, c0.y, c0.z, c0.w}, cw1[4] = {c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+    for (int wq = 0; wq < 4; ++wq) {
+      const uint4 bq = __ldg(b + half * 16 + wq * 4);
+      const uint32_t t0 = wq < 2 ? ta0 : tb0, t1 = wq < 2 ? ta1 : tb1;
+      // Selector nibbles 4 | code: prmt(t, t, .) reads byte `code` of t either way, and every half of a selector
+      // word is then a normal fp16 (bit 14 set), which hi_half moves down exactly.
+      const uint32_t ea0 = and_or(cw0[wq], 0x33333333u, 0x44444444u);
+      const uint32_t eb0 = and_or(cw0[wq] >> 2, 0x33333333u, 0x44444444u);
+      const uint32_t ea1 = and_or(cw1[wq], 0x33333333u, 0x44444444u);
+      const uint32_t eb1 = and_or(cw1[wq] >> 2, 0x33333333u, 0x44444444u);
+      int(&c)[4] = (wq & 1) ? cb : ca;
+      mma_s8(c, prmt(t0, t0, ea0), prmt(t1, t1, ea1), prmt(t0, t0, eb0), prmt(t1, t1, eb1), bq.x, bq.y);
+      mma_s8(c, prmt(t0, t0, hi_half(ea0)), prmt(t1, t1, hi_half(ea1)), prmt(t0, t0, hi_half(eb0)),
+             prmt(t1, t1, hi_half(eb1)), bq.z, bq.w);
+    }
+  }
+  // 2^(base - 127) per row (0 for base <= 0: scales below 2^-122, and a missing expert's zero page).
+  const float f0 = __uint_as_float(uint32_t(max(base0, 0)) << 23), f1 = __uint_as_float(uint32_t(max(base1, 0)) << 23);
+  acc[0] = fmaf(float(ca[0] + cb[0]), f0, acc[0]);
+  acc[1] = fmaf(float(ca[1] + cb[1]), f0, acc[1]);
+  acc[2] = fmaf(float(ca[2] + cb[2]), f1, acc[2]);
+  acc[3] = fmaf(float(ca[3] + cb[3]), f1, acc[3]);
+}
+
+// One TMA-ring round (512 weights of the tile's 16 rows, stage at shared address st) of the int8 w13 stage, into
+// acc (rows g, g + 8; columns 2t, 2t + 1). b: this thread's B of the round's first half (xprep8<true>'s planes,
+// b8_off order with one-piece rounds: half h of round rc is one-piece round 2 rc + h).
+// A thread decodes blocks 2 piece and 2 piece + 1 of each row (piece = 4 half + t): bytes 2t, 2t + 1, 8 + 2t,
+// 9 + 2t of the row's 16 scale bytes; the row's largest of the round is the quad's (two shuffles).
+__device__ __forceinline__ void i8_bulk_round(uint32_t st, int g, int t, const uint4* b, float (&acc)[4]) {
+  uint32_t sc[2][2][2];
+  int mx[2], mn[2];
+  const uint32_t sel = 0x4440u + 2u * uint32_t(t & 1);  // prmt: byte 2 (t & 1) of a word, zero-extended
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const uint32_t row = st + GEMV_BULK_CODES + (g + 8 * r) * 16 + (t >> 1) * 4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t w = lds32(row + 8 * half);
+      sc[r][half][0] = prmt(w, 0u, sel);
+      sc[r][half][1] = prmt(w, 0u, sel + 1u);
+    }
+    mx[r] = int(max(max(sc[r][0][0], sc[r][0][1]), max(sc[r][1][0], sc[r][1][1])));
+    mn[r] = int(min(min(sc[r][0][0], sc[r][0][1]), min(sc[r][1][0], sc[r][1][1])));
+    mx[r] = max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = max(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+  }
+  // Every block of the warp's rows within 4 binades of its row's largest: one pass, no range checks. Else two
+  // passes (levels 4 and 9 binades below the largest) with them; blocks further below are flushed.
+  if (!__any_sync(0xffffffffu, mn[0] < mx[0] - 4 || mn[1] < mx[1] - 4)) {
+    i8_pass<false>(st, g, t, b, sc, mx[0] - 4, mx[1] - 4, acc);
+  } else {
+#pragma unroll 1
+    for (int lvl = 0; lvl < 2; ++lvl) i8_pass<true>(st, g, t, b, sc, mx[0] - 4 - 5 * lvl, mx[1] - 4 - 5 * lvl, acc);
+  }
 }
 
 // The step's routing for a decode stage (gemv and rowdot), run by warp 0 of a block into shared memory: unique
@@ -550,12 +683,21 @@ __device__ __forceinline__ void fused_combine(const Args& a, const int* pairs, i
 
 // A unit's results (v: rows g, g+8 of its tile, MMA columns 2t, 2t+1): w13 -> SiLU(gate) * up into the bf16 hi/lo
 // intermediate (in the w2 stage's B order); w2 -> partial rows, and the fused combine when enabled.
-template <bool W13, bool SPLIT, int NCOL>
+template <bool W13, bool SPLIT, int NCOL, bool I8 = false>
 __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], int ep, int tile, int lane,
                                               const int (&ep_cnt)[GEMV_MAX_PAIRS],
                                               const int (&ep_pair)[GEMV_MAX_PAIRS][NCOL]) {
   const int g = lane >> 2, t = lane & 3;
-  if (SPLIT) {
+  if (I8) {
+    // Columns 0, 1 hold the hi planes of the pass's two pairs (lane t = 0), 2, 3 their mid planes (t = 1), 4, 5
+    // their lo planes (t = 2): hi + mid / 128 + lo / 16384, in that order.
+    float hi[4] = {v[0], v[1], v[2], v[3]};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float mid = __shfl_xor_sync(0xffffffffu, hi[i], 1), lo = __shfl_xor_sync(0xffffffffu, hi[i], 2);
+      v[i] = hi[i] + mid * 0.0078125f + lo * 0.00006103515625f;
+    }
+  } else if (SPLIT) {
     // Columns 4..7 hold the lo halves of columns 0..3 (lanes t and t^2): hi + lo, in that order (the e4m3 lo plane
     // is stored times 16).
     const float lo_scale = a.xinv != nullptr ? 0.0625f : 1.f;
@@ -567,10 +709,10 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int col = 2 * t + i;
-    if ((SPLIT && t >= 2) || col >= cnt) continue;
+    if ((I8 && t != 0) || (SPLIT && t >= 2) || col >= cnt) continue;
     const int p = ep_pair[ep][col];
     if (W13) {
-      if (a.xinv != nullptr) {  // F8: undo the token's x scale
+      if (a.xinv != nullptr) {  // F8, I8: undo the token's x scale
         const float s = a.xinv[p / a.topk];
         v[i] *= s;
         v[2 + i] *= s;
@@ -603,17 +745,19 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
 // paired one; the planes are stored in consumption order, b_pos). A round's buffer of the cp.async
 // ring is refilled with round r + GEMV_ROUNDS once its MMAs have consumed it.
 // F8 (w13, sm_89+): the e4m3 A operand and hi/lo e4m3 B planes (above); same units, rounds and ring.
-template <bool W13, bool SPLIT, int NS, bool F8 = false, bool BULK = false>
+// I8 (w13, TMA ring): the int8 A operand and hi/lo int8 B planes (i8_bulk_round); same units, rounds and ring.
+template <bool W13, bool SPLIT, int NS, bool F8 = false, bool BULK = false, bool I8 = false>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __grid_constant__ GemvArgs a) {
   static_assert(!F8 || (W13 && SPLIT), "F8: the w13 stage, hi and lo as columns of their own");
-  static_assert(!BULK || (NS == 1 && !F8), "bulk ring: one-piece consumer rounds, bf16 A operand");
+  static_assert(!BULK || (NS == 1 && !F8), "bulk ring: one-piece consumer rounds, bf16 or int8 A operand");
+  static_assert(!I8 || (BULK && W13 && SPLIT), "I8: the w13 stage on the TMA ring, x planes as columns");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
   if constexpr (F8) return;  // no e4m3 MMA before sm_89 (the host checks decode_fp8_available first)
 #endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   if constexpr (BULK) return;  // no bulk copies before sm_90 (the host checks decode_bulk_available first)
 #endif
-  constexpr int NCOL = SPLIT ? 4 : 8;  // pairs per pass
+  constexpr int NCOL = I8 ? 2 : SPLIT ? 4 : 8;  // pairs per pass (I8: hi, mid, lo planes as columns)
   // The warp index through a lane-0 shuffle: ptxas then knows it is warp-uniform (CUTLASS's
   // canonical_warp_idx_sync), so the TMA ring's barrier and stage addresses live in uniform registers.
   const int lane = threadIdx.x & 31, warp = __shfl_sync(0xffffffffu, int(threadIdx.x >> 5), 0);
@@ -801,11 +945,12 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
   // predicated load instead costs registers: ptxas keeps the destinations' old values live (spills at 128).
   auto set_b = [&](int u) {
     const int ep = fast_div(u, a.tiles_div);
-    const int col = SPLIT ? (g & 3) : g;
+    const int col = I8 ? (g & 1) : SPLIT ? (g & 3) : g;
     const int p = ep_pair[ep][col < ep_cnt[ep] ? col : 0];
     const int64_t brow = W13 ? fast_div(p, a.topk_div) : p;
-    const int64_t plane = SPLIT ? brow * 2 + (g >= 4 ? 1 : 0) : brow;
-    if (F8) bptr = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.b) + plane * a.K);
+    // I8: columns 6, 7 are unused (they read pair 0's hi plane).
+    const int64_t plane = I8 ? brow * 3 + (g < 6 ? g >> 1 : 0) : SPLIT ? brow * 2 + (g >= 4 ? 1 : 0) : brow;
+    if (F8 || I8) bptr = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.b) + plane * a.K);
     else bptr = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(a.b) + plane * a.K);
   };
   if (n_rounds > 0) set_b(cu);
@@ -818,6 +963,9 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
       cp_async_wait<GEMV_ROUNDS - 1>();  // this round's group has landed (this thread's copies)
       if (NS > 1) __syncwarp();          // and the neighbours' scale copies
     }
+    if constexpr (I8) {
+      i8_bulk_round(bstage0 + buf * GEMV_BULK_STAGE, g, t, bptr + unsigned(2 * rc) * 16 + unsigned(t), acc);
+    } else {
 #pragma unroll
     for (int half = 0; half < (BULK ? 2 : 1); ++half) {  // bulk: a round is two one-piece rounds
       uint2 sc[2];  // this thread's scale bytes of the round per row (pieces 0, 1 in .x; 2, 3 in .y)
@@ -934,6 +1082,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
         }
       }
     }  // half
+    }  // I8
     // The round's bytes are consumed (the MMAs above used them): refill the buffer with round r + GEMV_ROUNDS.
     if constexpr (BULK) {
       __syncwarp();  // every lane has read its bytes of this stage (into registers: the LDS are complete)
@@ -958,7 +1107,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
       if (unit_end && cu * RPU >= rb) {
         // The whole unit was this warp's: epilogue, then the next unit's B row.
         const int ep = fast_div(cu, a.tiles_div), tile = cu - ep * a.tiles;
-        gemv_epilogue<W13, SPLIT, NCOL>(a, v, ep, tile, lane, ep_cnt, ep_pair);
+        gemv_epilogue<W13, SPLIT, NCOL, I8>(a, v, ep, tile, lane, ep_cnt, ep_pair);
       } else {
         const int h = cu == u_first ? 0 : 1;
 #pragma unroll
@@ -991,7 +1140,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
         }
       }
       const int ep = fast_div(u_last, a.tiles_div), tile = u_last - ep * a.tiles;
-      gemv_epilogue<W13, SPLIT, NCOL>(a, v, ep, tile, lane, ep_cnt, ep_pair);
+      gemv_epilogue<W13, SPLIT, NCOL, I8>(a, v, ep, tile, lane, ep_cnt, ep_pair);
     }
   }
 }

@@ -787,14 +787,14 @@ int out_kind_of(const torch::Tensor& out) {
 }
 
 // Blocks of a decode stage instantiation that fit on the device at once (one device type per process).
-template <bool W13, bool SPLIT, int NS, bool F8, bool BULK = false>
+template <bool W13, bool SPLIT, int NS, bool F8, bool BULK = false, bool I8 = false>
 int gemv_max_blocks() {
   static int blocks = -1;
   if (blocks < 0) {
     int dev = 0, sms = 0, per_sm = 0;
     C10_CUDA_CHECK(cudaGetDevice(&dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_stage_kernel<W13, SPLIT, NS, F8, BULK>,
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_stage_kernel<W13, SPLIT, NS, F8, BULK, I8>,
                                                                  32 * GEMV_WARPS, 0));
     blocks = std::max(per_sm, 1) * sms;
   }
@@ -858,8 +858,13 @@ bool gemv_bulk_ok(int K, bool f8, int64_t ring, const GemvArgs* a = nullptr) {
   return ok;
 }
 
-template <bool W13, bool SPLIT, bool F8 = false>
+template <bool W13, bool SPLIT, bool F8 = false, bool I8 = false>
 GemvPlan gemv_plan_of(int K, int64_t max_units, int64_t mode, int64_t ring, const GemvArgs* a = nullptr) {
+  if constexpr (I8) {
+    MOET_CHECK(gemv_bulk_ok(K, false, ring, a), "int8 decode: the w13 stage runs on the TMA ring only (an sm_90+ GPU, "
+               "K a multiple of ", GEMV_BULK_K, ", got ", K, "; ring -1 or 1)");
+    return gemv_plan_for(max_units, K / GEMV_BULK_K, gemv_max_blocks<true, true, 1, false, true, true>(), mode);
+  }
   if constexpr (!F8) {
     if (gemv_bulk_ok(K, F8, ring, a))
       return gemv_plan_for(max_units, K / GEMV_BULK_K, gemv_max_blocks<W13, SPLIT, 1, false, true>(), mode);
@@ -874,7 +879,9 @@ GemvPlan gemv_plan_of(int K, int64_t max_units, int64_t mode, int64_t ring, cons
   return gemv_plan_ns<W13, SPLIT, 1, F8>(K, max_units, mode);
 }
 
-GemvPlan gemv_plan_any(bool w13, bool split, bool f8, int K, int64_t max_units, int64_t mode, int64_t ring) {
+GemvPlan gemv_plan_any(bool w13, bool split, bool f8, int K, int64_t max_units, int64_t mode, int64_t ring,
+                       bool i8 = false) {
+  if (i8) return gemv_plan_of<true, true, false, true>(K, max_units, mode, ring);
   if (f8) return gemv_plan_of<true, true, true>(K, max_units, mode, ring);
   if (w13 && split) return gemv_plan_of<true, true>(K, max_units, mode, ring);
   if (w13) return gemv_plan_of<true, false>(K, max_units, mode, ring);
@@ -910,11 +917,15 @@ void encode_stage_maps(GemvArgs& a, bool w13) {
   }
 }
 
-template <bool W13, bool SPLIT, bool F8 = false>
+template <bool W13, bool SPLIT, bool F8 = false, bool I8 = false>
 void launch_gemv_ns(GemvArgs a, int64_t max_units, int64_t mode, int64_t ring, cudaStream_t stream, bool pdl) {
-  const GemvPlan plan = gemv_plan_of<W13, SPLIT, F8>(a.K, max_units, mode, ring, &a);
+  const GemvPlan plan = gemv_plan_of<W13, SPLIT, F8, I8>(a.K, max_units, mode, ring, &a);
   a.balanced = plan.balanced ? 1 : 0;
   const dim3 grid(plan.blocks), block(32 * GEMV_WARPS);
+  if constexpr (I8) {
+    encode_stage_maps(a, true);
+    return launch(gemv_stage_kernel<true, true, 1, false, true, true>, grid, block, 0, stream, pdl, a);
+  }
   if constexpr (!F8) {
     if (gemv_bulk_ok(a.K, F8, ring, &a)) {
       encode_stage_maps(a, W13);
@@ -932,9 +943,9 @@ void launch_gemv_ns(GemvArgs a, int64_t max_units, int64_t mode, int64_t ring, c
 
 // The plan a decode stage launches with (tests, bench): (balanced, blocks, the longest warp's rounds).
 std::tuple<bool, int64_t, int64_t> gemv_plan(bool w13, bool split, bool f8, int64_t K, int64_t max_units,
-                                             int64_t mode, int64_t ring) {
+                                             int64_t mode, int64_t ring, bool i8) {
   MOET_CHECK(K > 0 && K % GEMV_CHUNK == 0, "gemv_plan: K must be a positive multiple of ", GEMV_CHUNK);
-  const GemvPlan p = gemv_plan_any(w13, split, f8, int(K), max_units, mode, ring);
+  const GemvPlan p = gemv_plan_any(w13, split, f8, int(K), max_units, mode, ring, i8);
   return {p.balanced, p.blocks, p.rounds};
 }
 
@@ -950,6 +961,18 @@ bool decode_fp8_available() {
     const bool cap = compute_capability() >= 89;
     if (cap) C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_stage_kernel<true, true, 1, true>));
     ok = cap && attr.ptxVersion >= 89 ? 1 : 0;
+  }
+  return ok == 1;
+}
+
+// The int8 w13 stage runs here: its TMA ring does (an sm_90+ GPU and the kernel compiled for one). Once per process.
+bool decode_i8_available() {
+  static int ok = -1;
+  if (ok < 0) {
+    cudaFuncAttributes attr{};
+    const bool cap = compute_capability() >= 90;
+    if (cap) C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemv_stage_kernel<true, true, 1, false, true, true>));
+    ok = cap && attr.ptxVersion >= 90 ? 1 : 0;
   }
   return ok == 1;
 }
@@ -975,20 +998,28 @@ bool decode_bulk_default() {
   return ok == 1;
 }
 
-// x [T, H] bf16 -> xp8 [T, 2, H] uint8 (e4m3 hi, lo planes in the F8 w13 stage's order), xinv [T] float32.
+// x [T, H] bf16 -> xp8 [T, 2, H] uint8 (e4m3 hi, lo planes in the F8 w13 stage's order) or [T, 3, H] int8 (the
+// int8 w13 stage's hi, mid, lo planes, same order), xinv [T] float32.
 void xprep8(torch::Tensor x, torch::Tensor xp8, torch::Tensor xinv, c10::optional<torch::Tensor> counter, bool pdl) {
   CHECK_CUDA_T(x, "x");
   MOET_CHECK(x.is_contiguous() && xp8.is_contiguous() && x.dim() == 2 && x.size(1) % GEMV_CHUNK == 0 &&
                   x.scalar_type() == torch::kBFloat16, "x: contiguous bf16 [T, H] with H a multiple of ", GEMV_CHUNK);
   const int T = int(x.size(0)), H = int(x.size(1));
-  MOET_CHECK(xp8.scalar_type() == torch::kUInt8 && xp8.numel() == int64_t(T) * 2 * H, "xp8 must be uint8 [T, 2, H]");
+  const bool i8 = xp8.scalar_type() == torch::kInt8;
+  MOET_CHECK((i8 || xp8.scalar_type() == torch::kUInt8) && xp8.numel() == int64_t(T) * (i8 ? 3 : 2) * H,
+             "xp8 must be uint8 (e4m3) [T, 2, H] or int8 [T, 3, H]");
   MOET_CHECK(xinv.scalar_type() == torch::kFloat32 && xinv.numel() == T, "xinv must be float32 [T]");
   if (T == 0) return;
   int* cnt = fused_counter(counter, T, H);
   const at::cuda::CUDAGuard guard(x.device());
-  launch(xprep8_kernel, dim3(T), dim3(256), 0, at::cuda::getCurrentCUDAStream(), pdl,
-         reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>()), xp8.data_ptr<uint8_t>(),
-         xinv.data_ptr<float>(), H, cnt);
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>());
+  uint8_t* xo = static_cast<uint8_t*>(xp8.data_ptr());
+  // One block per token: its largest |x|, then the planes. 512 threads (a 16-weight word each for H <= 8192): at one
+  // token this block is on the step's critical path.
+  if (i8) launch(xprep8_kernel<true>, dim3(T), dim3(512), 0, at::cuda::getCurrentCUDAStream(), pdl, xb, xo,
+                 xinv.data_ptr<float>(), H, cnt);
+  else launch(xprep8_kernel<false>, dim3(T), dim3(256), 0, at::cuda::getCurrentCUDAStream(), pdl, xb, xo,
+              xinv.data_ptr<float>(), H, cnt);
 }
 
 // One decode stage over the 2-bit experts of a step (experts with an FP4 copy are skipped).
@@ -1001,12 +1032,16 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
                 bool has_limit, torch::Tensor error_flag, bool pdl, c10::optional<torch::Tensor> xinv,
                 int64_t balance, int64_t ring) {
   check_decode_inputs(pool, slot_of, topk_ids, H, Ir, "decode");
-  const bool f8 = xinv.has_value();  // the e4m3 w13 stage: b = xprep8's planes, xinv its scales
-  MOET_CHECK(b.is_contiguous() && b.scalar_type() == (f8 ? torch::kUInt8 : torch::kBFloat16),
-              "B operand: contiguous bf16 planes (uint8 e4m3 planes with xinv)");
+  // The e4m3 / int8 w13 stage: b = xprep8's uint8 (e4m3) / int8 planes, xinv their scales.
+  const bool i8 = xinv.has_value() && b.scalar_type() == torch::kInt8;
+  const bool f8 = xinv.has_value() && !i8;
+  MOET_CHECK(b.is_contiguous() && b.scalar_type() == (i8 ? torch::kInt8 : f8 ? torch::kUInt8 : torch::kBFloat16),
+              "B operand: contiguous bf16 planes (uint8 e4m3 or int8 planes with xinv)");
   MOET_CHECK(w13 || split, "the w2 stage reads the hi/lo intermediate");
   MOET_CHECK(!f8 || (w13 && split && decode_fp8_available()),
               "e4m3 decode: the w13 stage on an sm_89+ GPU with kernels built for it");
+  MOET_CHECK(!i8 || (w13 && split && decode_i8_available()),
+              "int8 decode: the w13 stage on an sm_90+ GPU with kernels built for it");
   const at::cuda::CUDAGuard guard(pool.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   GemvArgs a{};
@@ -1016,8 +1051,9 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
   a.n_slots = int(pool.size(0));
   a.tiles_div = fast_div_of(uint32_t(a.tiles));
   a.topk_div = fast_div_of(uint32_t(a.topk));
-  if (f8) {
-    MOET_CHECK(xinv->scalar_type() == torch::kFloat32 && xinv->numel() * 2 * H == b.numel(), "xinv: float32 [T]");
+  if (f8 || i8) {
+    MOET_CHECK(xinv->scalar_type() == torch::kFloat32 && xinv->numel() * (i8 ? 3 : 2) * H == b.numel(),
+               "xinv: float32 [T]");
     a.xinv = xinv->data_ptr<float>();
   }
   MOET_CHECK(a.K <= GEMV_MAX_K, "decode stage: contraction length ", a.K, " above ", GEMV_MAX_K);
@@ -1043,7 +1079,8 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
   if (a.P == 0) return;
   MOET_CHECK(balance >= -1 && balance <= 1, "balance: -1 (the default), 0 (plain) or 1 (balanced)");
   const int64_t max_units = int64_t(std::min(a.P, a.E)) * a.tiles;
-  if (f8) launch_gemv_ns<true, true, true>(a, max_units, balance, ring, stream, pdl);
+  if (i8) launch_gemv_ns<true, true, false, true>(a, max_units, balance, ring, stream, pdl);
+  else if (f8) launch_gemv_ns<true, true, true>(a, max_units, balance, ring, stream, pdl);
   else if (w13 && split) launch_gemv_ns<true, true>(a, max_units, balance, ring, stream, pdl);
   else if (w13) launch_gemv_ns<true, false>(a, max_units, balance, ring, stream, pdl);
   else launch_gemv_ns<false, true>(a, max_units, balance, ring, stream, pdl);
@@ -1375,11 +1412,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_stage", &moet::gemv_stage, "decode stage (few pairs per expert) over the 2-bit experts");
   m.def("xprep8", &moet::xprep8, "x -> e4m3 hi/lo planes and per-token scales for the e4m3 w13 decode stage");
   m.def("decode_fp8_available", &moet::decode_fp8_available, "the e4m3 w13 decode stage runs on this GPU");
+  m.def("decode_i8_available", &moet::decode_i8_available, "the int8 w13 decode stage runs on this GPU");
   m.def("gemv_plan", &moet::gemv_plan,
         "how a decode stage spreads max_units units: (balanced, blocks, longest warp's rounds); mode -1 default, "
         "0 plain, 1 balanced; ring -1 default, 0 cp.async, 1 TMA",
         py::arg("w13"), py::arg("split"), py::arg("f8"), py::arg("K"), py::arg("max_units"), py::arg("mode"),
-        py::arg("ring") = -1);
+        py::arg("ring") = -1, py::arg("i8") = false);
   m.def("decode_bulk_available", &moet::decode_bulk_available, "the decode stages' TMA ring runs on this GPU");
   m.def("gemv_bulk_possible", &moet::gemv_bulk_possible, "the TMA ring can run a decode stage of contraction K here");
   m.def("gemv_ring", &moet::gemv_ring, "the ring a decode stage of contraction K runs: 'tma' or 'cp.async'",

@@ -76,12 +76,13 @@ def _case(H, I, k, T, E=32, fmt_mix=False, dtype=torch.bfloat16, seed=0, limit=N
 SHAPES = [(4096, 2048), (6144, 1024), (7168, 2048), (7168, 512)]
 
 
-@pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused", "gemv+e4m3", "gemv+plain",
+@pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused", "gemv+e4m3", "gemv+bf16", "gemv+plain",
                         "gemv+balanced", "gemv+balanced+fused", "gemv+cp.async"])
 def decode_kernel(request, monkeypatch, mod):
     """Every decode path (MOETPLAN_DECODE_KERNEL): the mma.sync streaming stages (gemv), the CUDA-core rowdot stages
     and the first version's tiles; "+fused": with the per-token sum folded into the w2 stage (ops.FUSED_COMBINE);
-    "+e4m3": the gemv stages with the e4m3 w13 stage for bf16 x (ops.E4M3_DECODE); "+plain" / "+balanced": the gemv
+    "+e4m3": the gemv stages with the e4m3 w13 stage for bf16 x (ops.E4M3_DECODE); "+bf16": with the bf16 w13 stage
+    for bf16 x (ops.I8_DECODE off; on, the default, bf16 x takes the int8 w13 stage where the TMA ring runs); "+plain" / "+balanced": the gemv
     stages' units over warps forced either way (ops.GEMV_BALANCE; without it, gemv_plan's choice); "+cp.async": the
     gemv stages' cp.async ring where the default takes the TMA ring (sm_90+: ops.DECODE_RING; what sm_80-89 run)."""
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", request.param.split("+")[0])
@@ -92,6 +93,7 @@ def decode_kernel(request, monkeypatch, mod):
     if e4m3 and not mod.decode_fp8_available():
         pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
     monkeypatch.setattr(ops, "E4M3_DECODE", e4m3)
+    monkeypatch.setattr(ops, "I8_DECODE", not (e4m3 or request.param.endswith("+bf16")))
     monkeypatch.setattr(ops, "DECODE_RING", "cp.async" if request.param.endswith("+cp.async") else None)
     return request.param
 
@@ -509,9 +511,9 @@ def test_default_decode_kernel_is_valid(mod, monkeypatch):
         assert ops.use_rowdot(mod, 8 * T, lay, T) != ops.use_gemv(mod, 8 * T, lay, T)
 
 
-def _w13_act(mod, x, ids, pool, slot_of, lay, f8: bool) -> torch.Tensor:
+def _w13_act(mod, x, ids, pool, slot_of, lay, f8: bool | str) -> torch.Tensor:
     """The gemv w13 stage's intermediate [P, Ir] (hi + lo, in the w2 stage's K order) for bf16 x, through the e4m3
-    stage (xprep8) or the bf16 one (xprep)."""
+    stage (f8 True, xprep8 into uint8 planes), the int8 one (f8 "i8", xprep8 into int8 planes) or the bf16 one."""
     T, H = x.shape
     P, Ir = ids.numel(), lay.inter_per_rank
     dev = x.device
@@ -519,13 +521,13 @@ def _w13_act(mod, x, ids, pool, slot_of, lay, f8: bool) -> torch.Tensor:
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     xinv = None
     if f8:
-        xp = torch.empty(T, 2, H, dtype=torch.uint8, device=dev)
+        xp = torch.empty(T, 3 if f8 == "i8" else 2, H, dtype=torch.int8 if f8 == "i8" else torch.uint8, device=dev)
         xinv = torch.empty(T, dtype=torch.float32, device=dev)
         mod.xprep8(x, xp, xinv, None, False)
     else:
         xp = torch.empty(T, 1, H, dtype=torch.bfloat16, device=dev)
         mod.xprep(x, xp, None, False)
-    mod.gemv_stage(True, f8, pool, slot_of, None, lay.w13_q_off, lay.w13_s_off, H, Ir, ids, ids.shape[1], xp, act,
+    mod.gemv_stage(True, bool(f8), pool, slot_of, None, lay.w13_q_off, lay.w13_s_off, H, Ir, ids, ids.shape[1], xp, act,
                    None, None, None, None, 0.0, False, flag, False, xinv, -1, -1)
     torch.cuda.synchronize()
     assert int(flag.item()) == 0
@@ -573,10 +575,89 @@ def test_e4m3_w13_stage_flushes_only_far_smaller_blocks(mod):
     assert 0 < _rel(a8, a16) < 1e-3
 
 
+def _needs_i8(mod):
+    if not mod.decode_i8_available():
+        pytest.skip("the int8 w13 stage needs an sm_90+ GPU")
+
+
+def _narrow_scales(pool, lay, seed, lo=120, hi=125):
+    # Scale bytes within 4 binades: every round of the int8 stage takes its one-pass form (no range checks).
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for name in ("w13_s", "w2_s"):
+        off, size = getattr(lay, f"{name}_off"), getattr(lay, f"{name}_size")
+        pool[:, off:off + size] = torch.randint(lo, hi, (pool.shape[0], size), generator=g, dtype=torch.uint8,
+                                                device="cuda")
+
+
+@pytest.mark.parametrize("x_kind", ["randn", "outlier", "tiny", "zeros"])
+@pytest.mark.parametrize("scales", ["narrow", "wide"])
+@pytest.mark.parametrize("H,I", [(4096, 2048), (7168, 512), (6144, 1024), (2560, 512)])
+@pytest.mark.parametrize("T", [1, 5])
+def test_i8_w13_stage_matches_bf16_stage(mod, H, I, T, x_kind, scales):
+    # Weights exact in both forms ("narrow": the one-pass rounds; "wide": the tests' 8-binade scale spread, two
+    # passes per round); bf16 x exact in the three int8 planes except elements below 2^-12 of their token's
+    # largest (error < 2^-20 of it), so the two stages agree to fp32 rounding and the bf16 hi/lo intermediate.
+    _needs_i8(mod)
+    x, ids, _, pool, slot_of, lay, _ = _case(H, I, 6, T, seed=H + I + T)
+    if scales == "narrow":
+        _narrow_scales(pool, lay, H + T)
+    if x_kind == "outlier":  # one massive activation per token, as in real hidden states
+        x[:, 17] = 3000.0
+    elif x_kind == "tiny":
+        x = (x.float() * 1e-12).to(torch.bfloat16)
+    elif x_kind == "zeros":
+        x = torch.zeros_like(x)
+    a8 = _w13_act(mod, x, ids, pool, slot_of, lay, "i8")
+    a16 = _w13_act(mod, x, ids, pool, slot_of, lay, False)
+    if x_kind == "zeros":
+        assert torch.equal(a8, torch.zeros_like(a8)) and torch.equal(a16, a8)
+        return
+    assert torch.isfinite(a8).all()
+    # With a 10^4 x outlier most elements of x sit near 2^-13 of the largest, below the 2^-12 where the three planes
+    # stop being exact (error <= 2^-20 of the largest; tests/test_ops.py): measured up to 5.5e-5 on the H200.
+    assert _rel(a8, a16) < (1e-4 if x_kind == "outlier" else 2e-5)
+
+
+def test_i8_w13_stage_flushes_only_far_smaller_blocks(mod):
+    # Scale bytes over 40 binades: blocks more than 9 binades below their round's largest (of the row) flush to
+    # zero; what they held is < 2^-9 of that block's weights, so the result moves by far less than bf16 rounding.
+    _needs_i8(mod)
+    x, ids, _, pool, slot_of, lay, _ = _case(4096, 1024, 8, 3, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    off, size = lay.w13_s_off, lay.w13_s_size
+    pool[:, off:off + size] = torch.randint(100, 140, (pool.shape[0], size), generator=g, dtype=torch.uint8,
+                                            device="cuda")
+    a8 = _w13_act(mod, x, ids, pool, slot_of, lay, "i8")
+    a16 = _w13_act(mod, x, ids, pool, slot_of, lay, False)
+    assert 0 < _rel(a8, a16) < 2e-3
+
+
+def test_i8_w13_stage_is_deterministic_and_graph_safe(mod, monkeypatch):
+    _needs_i8(mod)
+    monkeypatch.setattr(ops, "I8_DECODE", True)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    x, ids, w, pool, slot_of, lay, _ = _case(7168, 2048, 8, 8, E=64, seed=3)
+    assert ops.use_i8_w13(mod, x, 7168)
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    for _ in range(3):
+        assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay), a)
+    ref = ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
+    assert _rel(a.float(), ref) < 8e-3
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, a)
+    # fp32 x keeps the bf16 hi/lo operand (float32-accurate), whatever the switch says.
+    assert not ops.use_i8_w13(mod, x.float(), 7168)
+
+
 def test_e4m3_w13_stage_is_deterministic_and_graph_safe(mod, monkeypatch):
     if not mod.decode_fp8_available():
         pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
     monkeypatch.setattr(ops, "E4M3_DECODE", True)
+    monkeypatch.setattr(ops, "I8_DECODE", False)
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
     x, ids, w, pool, slot_of, lay, _ = _case(7168, 2048, 8, 8, E=64, seed=3)
     assert ops.use_fp8_w13(mod, x)

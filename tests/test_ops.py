@@ -520,6 +520,7 @@ class _FakeGemvExtension(_FakeExtension):
     def __init__(self):
         super().__init__()
         self.rings: list[int] = []  # each gemv_stage call's ring argument
+        self.b_dtypes: list[torch.dtype] = []  # each gemv_stage call's B operand dtype
 
     def gemv_max_pairs(self) -> int:
         return 64
@@ -535,6 +536,10 @@ class _FakeGemvExtension(_FakeExtension):
         if counter is not None:
             counter.zero_()
         planes, inv, self.perm = _e4m3_planes(x)
+        if xp8.dtype == torch.int8:  # the int8 stage's hi, mid, lo planes, in the same order
+            assert xp8.shape == (x.shape[0], 3, x.shape[1])
+            planes, inv = _i8_planes(x)
+            planes = planes[:, :, self.perm].to(torch.int8)
         xp8.copy_(planes)
         xinv.copy_(inv)
 
@@ -549,9 +554,14 @@ class _FakeGemvExtension(_FakeExtension):
     def gemv_stage(self, w13, split, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk, b, act, partial,
                    weights, out, counter, limit, has_limit, flag, pdl, xinv, balance, ring):
         self.calls.append(f"gemv{'13' if w13 else '2'}")
+        self.b_dtypes.append(b.dtype)
         assert balance == (-1 if ops.GEMV_BALANCE is None else int(ops.GEMV_BALANCE))
         self.rings.append(ring)
-        if xinv is not None:  # the e4m3 w13 stage: xprep8's planes
+        if xinv is not None and b.dtype == torch.int8:  # the int8 w13 stage: xprep8's hi, mid, lo planes
+            assert w13 and split and b.shape[1] == 3
+            q = b.float()
+            src = (q[:, 0] + q[:, 1] / 128 + q[:, 2] / 16384)[:, torch.argsort(self.perm)] * xinv[:, None]
+        elif xinv is not None:  # the e4m3 w13 stage: xprep8's planes
             assert w13 and split and b.dtype == torch.uint8 and b.shape[1] == 2
             f8 = b.view(torch.float8_e4m3fn).float()
             src = (f8[:, 0] + f8[:, 1] / 16)[:, torch.argsort(self.perm)] * xinv[:, None]
@@ -577,12 +587,47 @@ class _FakeFp8GemvExtension(_FakeGemvExtension):
         return True
 
 
+class _FakeI8GemvExtension(_FakeFp8GemvExtension):
+    """The stand-in on a GPU whose w13 stage takes the TMA ring (decode_i8_available)."""
+
+    def decode_i8_available(self) -> bool:
+        return True
+
+    def gemv_ring(self, K, ring=-1) -> str:
+        return "cp.async" if ring == 0 else "tma"
+
+
+@pytest.mark.parametrize("ring", [None, "cp.async"])
+@pytest.mark.parametrize("i8", [False, True])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_i8_w13_stage_plumbing(i8, x_dtype, ring, monkeypatch):
+    # ops.I8_DECODE sends bf16 x through xprep8 into int8 hi/mid/lo planes [T, 3, H] + per-token scales and the int8
+    # w13 stage, ahead of the e4m3 switch, where the w13 stage takes the TMA ring; fp32 x keeps the bf16 hi/lo
+    # operand, and the cp.async ring the bf16 one.
+    monkeypatch.setattr(ops, "I8_DECODE", i8)
+    monkeypatch.setattr(ops, "E4M3_DECODE", True)
+    monkeypatch.setattr(ops, "DECODE_RING", ring)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
+    lay2, pool, slot_of, _, ids, w, x = _stand_in_case(3, x_dtype, False)
+    fake = _FakeI8GemvExtension()
+    got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    want_i8 = i8 and x_dtype == torch.bfloat16 and ring is None
+    assert ops.use_i8_w13(fake, x, x.shape[1]) == want_i8
+    assert fake.calls[:3] == ["xprep8" if x_dtype == torch.bfloat16 else "xprep", "gemv13", "gemv2"]
+    w13_b = torch.int8 if want_i8 else torch.uint8 if x_dtype == torch.bfloat16 else torch.bfloat16
+    assert fake.b_dtypes[:2] == [w13_b, torch.bfloat16]
+    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2)
+    assert _rel(got.float(), ref.float()) < (1e-4 if x_dtype == torch.float32 else 8e-3)
+
+
 @pytest.mark.parametrize("e4m3", [False, True])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_e4m3_w13_stage_plumbing(e4m3, x_dtype, monkeypatch):
     # ops.E4M3_DECODE sends bf16 x through xprep8 (e4m3 hi/lo planes + per-token scales) into the w13 stage; fp32 x
     # keeps the bf16 hi/lo operand either way.
     monkeypatch.setattr(ops, "E4M3_DECODE", e4m3)
+    monkeypatch.setattr(ops, "I8_DECODE", False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
     lay2, pool, slot_of, _, ids, w, x = _stand_in_case(3, x_dtype, False)
@@ -662,6 +707,49 @@ def test_e4m3_x_planes_are_exact_within_2_to_the_13_of_the_largest():
     assert float((back[0][small] - xf[0][small]).abs().max()) <= float(xf[0].abs().max()) * 2.0 ** -17
     assert torch.equal(back[2], torch.zeros(1024))
     assert float(xinv[2]) == 0.0
+
+
+def _i8_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """xprep8_kernel<true> on the CPU, in natural K order: bf16 x [T, H] -> (int planes hi, mid, lo [T, 3, H], xinv
+    [T]); torch.round rounds half to even, as rintf."""
+    xf = x.float()
+    e = torch.clamp((xf.abs().amax(dim=1).view(torch.int32) >> 23), min=7)
+    s = ((259 - e) << 23).view(torch.float32)
+    xinv = ((e - 5) << 23).view(torch.float32)
+    v = xf * s[:, None]
+    hi = torch.round(v)
+    r1 = (v - hi) * 128
+    mid = torch.round(r1)
+    lo = torch.round((r1 - mid) * 128)
+    return torch.stack([hi, mid, lo], dim=1), xinv
+
+
+def test_i8_x_planes_fit_int8_and_are_exact_within_2_to_the_12_of_the_largest():
+    g = _rng(5)
+    x = (torch.randn(4, 2048, generator=g) * 0.3)
+    x[0, 5] = 3000.0  # a 10^4 x outlier
+    x[2] = 0.0
+    x[3] *= 1e-30
+    x = x.to(torch.bfloat16)
+    planes, xinv = _i8_planes(x)
+    assert float(planes.abs().max()) <= 64  # no plane ever needs a clamp
+    back = (planes[:, 0] + planes[:, 1] / 128 + planes[:, 2] / 16384) * xinv[:, None]
+    xf = x.float()
+    big = xf.abs() >= xf.abs().amax(dim=1, keepdim=True) * 2.0 ** -12
+    assert torch.equal(back[big], xf[big])
+    assert not torch.equal(back[0], xf[0])  # below 2^-12 of a 10^4 x outlier: not all exact
+    err = (back - xf).abs().amax(dim=1)
+    assert bool((err <= xf.abs().amax(dim=1) * 2.0 ** -20).all())
+    assert torch.equal(planes[2], torch.zeros(3, 2048))  # zeros stay zeros (xinv is then 2^-125)
+
+
+def test_i8_tables_are_the_codes_times_a_power_of_two():
+    # i8_table in csrc/moe_decode.cuh: u (1, 4, -1, -4) as int8 bytes is u * 0xFBFF0401 + 0x01000000 mod 2^32, the
+    # bytes selected by codes 0..3 (the bf16 decode's values +1, +4, -1, -4 of the block scale).
+    for d in range(5):
+        u = 1 << d
+        tab = (u * 0xFBFF0401 + 0x01000000) % 2 ** 32
+        assert list(tab.to_bytes(4, "little", signed=False)) == [v % 256 for v in (u, 4 * u, -u, -4 * u)]
 
 
 def _b_pos(n: int, ns: int) -> int:

@@ -52,6 +52,16 @@ FUSED_COMBINE = False
 # bf16 stages' time; sm_89 / sm_120 run it on the tensor cores, unmeasured so far (bench decode kernel "gemv+e4m3").
 # Precision and measurements: docs/KERNELS.md ("e4m3 A operand").
 E4M3_DECODE = False
+# True (the default): the decode stages' w13 launch reads the 2-bit codes as an int8 A operand (four weights per table
+# lookup from a per-block table that carries the block scale as a shift, one native m16n8k32 integer MMA per 16
+# weights, the round's int32 sums scaled once per row) with bf16 x as int8 hi/mid/lo planes under a per-token
+# power-of-two scale: bf16 x exact within 2^12 of its token's largest element (to 2^-20 of it below), weights exact
+# within 9 binades of their row's largest block in each 512-weight round (flushed below). Where the w13 stage takes
+# the TMA ring (Hopper by default) and for bf16 x; fp32 x keeps the bf16 hi/lo operand (float32-accurate). On the
+# H200: 0.83-0.96x the layer time at 1-8 tokens, all three model shapes, with Gaussian-like block scales; a round whose
+# rows span more than 4 binades takes a second pass (scales uniform over 8 binades per block: 1.09-1.13x). False:
+# the bf16 w13 stage (bench decode kernel "gemv+bf16"). docs/KERNELS.md ("int8 A operand", H28).
+I8_DECODE = True
 # How the gemv decode stages spread their units over the warps: None = the extension's choice (gemv_plan:
 # "balanced" — a block's rounds split evenly over its warps, units may straddle warps, every warp slot streams —
 # when a stage's units outnumber the warp slots, as at 2-8 tokens, where plain took 0.7-6.4% longer per layer on
@@ -260,6 +270,13 @@ def use_fp8_w13(mod, x: torch.Tensor) -> bool:
             and bool(mod.decode_fp8_available()))
 
 
+def use_i8_w13(mod, x: torch.Tensor, H: int) -> bool:
+    """The int8 w13 decode stage takes this step: switched on (I8_DECODE), bf16 x, and the w13 stage takes the TMA
+    ring on this GPU (sm_90+, built for it, H a multiple of its rounds; the extension says so)."""
+    return (I8_DECODE and x.dtype == torch.bfloat16 and hasattr(mod, "decode_i8_available")
+            and bool(mod.decode_i8_available()) and mod.gemv_ring(H, decode_ring_code()) == "tma")
+
+
 def _check_residency() -> bool:
     return os.environ.get("MOETPLAN_CHECK_RESIDENCY", "1") != "0"
 
@@ -432,15 +449,18 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             # 2-bit experts: x -> bf16 planes in the stages' K pairing, w13 (+SiLU) -> bf16 hi/lo intermediate,
             # w2 -> partial rows. FP4-resident experts (if any) still take the tiles below.
             # With FUSED_COMBINE and no FP4 experts the w2 stage also does the weighted per-token sum.
-            # bf16 x on sm_89+: x as e4m3 hi/lo planes + per-token scales and the e4m3 w13 stage.
-            f8 = use_fp8_w13(mod, xs)
-            split = f8 or xs.dtype == torch.float32
+            # bf16 x: x as int8 (TMA ring, I8_DECODE) or e4m3 (sm_89+, E4M3_DECODE) hi/lo planes + per-token scales
+            # and the w13 stage with that A operand.
+            i8 = use_i8_w13(mod, xs, H)
+            f8 = not i8 and use_fp8_w13(mod, xs)
+            split = f8 or i8 or xs.dtype == torch.float32
             fused = fp4_pool is None and FUSED_COMBINE
             act_hl = torch.empty(P, 2, ir, dtype=torch.bfloat16, device=dev)
             counter = torch.empty(xs.shape[0], H // 16, dtype=torch.int32, device=dev) if fused else None
             xinv = None
-            if f8:
-                xp = torch.empty(xs.shape[0], 2, H, dtype=torch.uint8, device=dev)
+            if f8 or i8:
+                xp = (torch.empty(xs.shape[0], 3, H, dtype=torch.int8, device=dev) if i8 else
+                      torch.empty(xs.shape[0], 2, H, dtype=torch.uint8, device=dev))
                 xinv = torch.empty(xs.shape[0], dtype=torch.float32, device=dev)
                 mod.xprep8(xs, xp, xinv, counter, pdl)
             else:
