@@ -273,8 +273,12 @@ def use_fp8_w13(mod, x: torch.Tensor) -> bool:
 def use_i8_w13(mod, x: torch.Tensor, H: int) -> bool:
     """The int8 w13 decode stage takes this step: switched on (I8_DECODE), bf16 x, and the w13 stage takes the TMA
     ring on this GPU (sm_90+, built for it, H a multiple of its rounds; the extension says so)."""
-    return (I8_DECODE and x.dtype == torch.bfloat16 and hasattr(mod, "decode_i8_available")
-            and bool(mod.decode_i8_available()) and mod.gemv_ring(H, decode_ring_code()) == "tma")
+    if not (I8_DECODE and x.dtype == torch.bfloat16 and hasattr(mod, "decode_i8_available")
+            and bool(mod.decode_i8_available())):
+        return False
+    ring = decode_ring_code()
+    # Asked without forcing the ring: where a forced TMA ring cannot run, the op raises its own UsageError.
+    return ring != 0 and bool(mod.gemv_bulk_possible(H)) and (ring == 1 or mod.gemv_ring(H) == "tma")
 
 
 def _check_residency() -> bool:
