@@ -154,8 +154,9 @@ struct GemvArgs {
   int P;
   int topk;
   const void* b;               // w13: xp [T, planes, H]; w2: act [P, 2, Ir]; bf16 in the paired order
-                               // (F8 w13: e4m3 hi/lo planes [T, 2, H] in the F8 order, b8_off)
-  const float* xinv;           // F8 w13: [T] the inverse of each token's power-of-two x scale (xprep8_kernel)
+                               // (F8 w13: e4m3 hi/lo planes [T, 2, H] in the F8 order, b8_off; I8 w13: int8
+                               // hi/mid/lo planes [T, 3, H], same order)
+  const float* xinv;           // F8, I8 w13: [T] the inverse of each token's power-of-two x scale (xprep8_kernel)
   __nv_bfloat16* act;          // w13 output [P, 2, Ir]
   float* partial;              // w2 output [P, H]
   float limit;
@@ -745,7 +746,7 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
 // paired one; the planes are stored in consumption order, b_pos). A round's buffer of the cp.async
 // ring is refilled with round r + GEMV_ROUNDS once its MMAs have consumed it.
 // F8 (w13, sm_89+): the e4m3 A operand and hi/lo e4m3 B planes (above); same units, rounds and ring.
-// I8 (w13, TMA ring): the int8 A operand and hi/lo int8 B planes (i8_bulk_round); same units, rounds and ring.
+// I8 (w13, TMA ring): the int8 A operand and hi/mid/lo int8 B planes (i8_bulk_round); same units, rounds and ring.
 template <bool W13, bool SPLIT, int NS, bool F8 = false, bool BULK = false, bool I8 = false>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __grid_constant__ GemvArgs a) {
   static_assert(!F8 || (W13 && SPLIT), "F8: the w13 stage, hi and lo as columns of their own");
