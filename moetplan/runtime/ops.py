@@ -62,11 +62,6 @@ E4M3_DECODE = False
 # rows span more than 4 binades takes a second pass (scales uniform over 8 binades per block: 1.09-1.13x). False:
 # the bf16 w13 stage (bench decode kernel "gemv+bf16"). docs/KERNELS.md ("int8 A operand", H28).
 I8_DECODE = True
-# True: with the int8 w13 stage, the w2 stage takes the int8 operand too: the w13 stage writes its intermediate as
-# float32 [P, Ir], xprep8 turns each pair's row into int8 hi/mid/lo planes under a per-pair power-of-two scale (one
-# more launch per layer), and the w2 stage decodes as the int8 w13 stage does. Off until timed (bench decode kernel
-# "gemv+i8w2"; docs/KERNELS.md, H28).
-I8_W2 = False
 # How the gemv decode stages spread their units over the warps: None = the extension's choice (gemv_plan:
 # "balanced" — a block's rounds split evenly over its warps, units may straddle warps, every warp slot streams —
 # when a stage's units outnumber the warp slots, as at 2-8 tokens, where plain took 0.7-6.4% longer per layer on
@@ -464,9 +459,7 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             f8 = not i8 and use_fp8_w13(mod, xs)
             split = f8 or i8 or xs.dtype == torch.float32
             fused = fp4_pool is None and FUSED_COMBINE
-            i8w2 = i8 and I8_W2
-            act_hl = (torch.empty(P, ir, dtype=torch.float32, device=dev) if i8w2 else
-                      torch.empty(P, 2, ir, dtype=torch.bfloat16, device=dev))
+            act_hl = torch.empty(P, 2, ir, dtype=torch.bfloat16, device=dev)
             counter = torch.empty(xs.shape[0], H // 16, dtype=torch.int32, device=dev) if fused else None
             xinv = None
             if f8 or i8:
@@ -490,14 +483,9 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
                                      "set it to None (the default picks the ring per stage) or 'cp.async'")
             stage(True, split, pool, slot32, f4slot32, layout.w13_q_off, layout.w13_s_off, H, ir, ids, k,
                   xp, act_hl, None, None, None, None, lim, swiglu_limit is not None, flag, pdl, xinv, balance, ring)
-            b2, inv2 = act_hl, None
-            if i8w2:  # the intermediate as int8 planes under a per-pair scale
-                b2 = torch.empty(P, 3, ir, dtype=torch.int8, device=dev)
-                inv2 = torch.empty(P, dtype=torch.float32, device=dev)
-                mod.xprep8(act_hl, b2, inv2, None, pdl)
             stage(False, True, pool, slot32, f4slot32, layout.w2_q_off, layout.w2_s_off, H, ir, ids, k,
-                  b2, None, partial, weights[t0:t1] if fused else None, out[t0:t1] if fused else None,
-                  counter, lim, swiglu_limit is not None, flag, pdl, inv2, balance, ring)
+                  act_hl, None, partial, weights[t0:t1] if fused else None, out[t0:t1] if fused else None,
+                  counter, lim, swiglu_limit is not None, flag, pdl, None, balance, ring)
             if fused:
                 continue
             todo = fmts[1:]
