@@ -462,7 +462,7 @@ __device__ __forceinline__ uint32_t max_byte(uint32_t a) {
 // row of the warp has a block more than 4 binades below its mb, the round takes two passes with range checks
 // (levels mb - 4 and mb - 9: blocks 5 to 9 binades below in the second); blocks more than 9 below are flushed
 // (weights below 2^-9 of the round's largest block of their row). Exact otherwise: a round's int32 sums stay below
-// 2^23 (16 k32 MMAs of |a| <= 64, |b| <= 127), so their conversion to fp32 rounds nothing.
+// 2^22 (16 k32 MMAs of |a| <= 64, |b| <= 64), so their conversion to fp32 rounds nothing.
 // x is three int8 planes (xprep8_kernel<true>): hi, mid and lo as MMA columns of their own (2 pairs per pass).
 __device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                        uint32_t b1) {

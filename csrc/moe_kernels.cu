@@ -881,6 +881,7 @@ GemvPlan gemv_plan_of(int K, int64_t max_units, int64_t mode, int64_t ring, cons
 
 GemvPlan gemv_plan_any(bool w13, bool split, bool f8, int K, int64_t max_units, int64_t mode, int64_t ring,
                        bool i8 = false) {
+  MOET_CHECK(!i8 || (w13 && split), "int8 decode: the w13 stage only (w13 and split)");
   if (i8) return gemv_plan_of<true, true, false, true>(K, max_units, mode, ring);
   if (f8) return gemv_plan_of<true, true, true>(K, max_units, mode, ring);
   if (w13 && split) return gemv_plan_of<true, true>(K, max_units, mode, ring);
