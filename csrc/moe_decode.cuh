@@ -112,6 +112,17 @@ __device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uin
   MOET_SM90_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+// Loads from a shared-memory address (the TMA ring's stages are addressed as 32-bit shared addresses).
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
 
 
 // n / d for 0 <= n < 2^31 by a high multiply, an add and a shift (Granlund-Montgomery; d >= 1, l = ceil(log2 d),
@@ -481,16 +492,6 @@ __device__ __forceinline__ uint32_t i8_table(uint32_t b, int base) {
   const uint32_t d = uint32_t(int(b) - base);
   const uint32_t tab = (1u << d) * 0xFBFF0401u + 0x01000000u;
   return !CLAMP || d <= 4u ? tab : 0u;
-}
-__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
 }
 
 // One pass of the int8 w13 stage over a TMA-ring round (stage at st) against bases base0 / base1 (rows g / g + 8):
@@ -974,14 +975,10 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
       if constexpr (BULK) {
         const uint32_t st = bstage0 + buf * GEMV_BULK_STAGE;
         const int piece = half * 4 + t;
-        uint32_t w0, w1;
-        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(bc0.x), "=r"(bc0.y), "=r"(bc0.z), "=r"(bc0.w)
-                     : "r"(st + g * 128 + piece * 16));
-        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(bc1.x), "=r"(bc1.y), "=r"(bc1.z), "=r"(bc1.w)
-                     : "r"(st + (g + 8) * 128 + piece * 16));
-        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w0) : "r"(st + GEMV_BULK_CODES + g * 16 + (piece >> 1) * 4));
-        asm volatile("ld.shared.u32 %0, [%1];"
-                     : "=r"(w1) : "r"(st + GEMV_BULK_CODES + (g + 8) * 16 + (piece >> 1) * 4));
+        bc0 = lds128(st + g * 128 + piece * 16);
+        bc1 = lds128(st + (g + 8) * 128 + piece * 16);
+        const uint32_t w0 = lds32(st + GEMV_BULK_CODES + g * 16 + (piece >> 1) * 4);
+        const uint32_t w1 = lds32(st + GEMV_BULK_CODES + (g + 8) * 16 + (piece >> 1) * 4);
         sc[0] = make_uint2((w0 >> (16 * (t & 1))) & 0xFFFFu, 0u);
         sc[1] = make_uint2((w1 >> (16 * (t & 1))) & 0xFFFFu, 0u);
       } else {

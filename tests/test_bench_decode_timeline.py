@@ -1,25 +1,12 @@
 """bench/decode_timeline.py's bookkeeping, on the CPU: the union of kernel intervals and the kernel short names."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
-def timeline():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("decode_timeline", BENCH / "decode_timeline.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.path.remove(str(BENCH))
+def timeline(load_bench):
+    return load_bench("decode_timeline")
 
 
 def test_union_counts_overlapping_kernels_once(timeline):

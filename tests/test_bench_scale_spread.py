@@ -1,26 +1,13 @@
 """bench/scale_spread.py on the CPU: how it counts the int8 w13 stage's two-pass rounds."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
 
 @pytest.fixture(scope="module")
-def scale_spread():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("scale_spread", BENCH / "scale_spread.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.path.remove(str(BENCH))
+def scale_spread(load_bench):
+    return load_bench("scale_spread")
 
 
 def test_one_far_block_makes_its_warp_round_two_pass(scale_spread):

@@ -35,13 +35,19 @@ def mod():
     return m
 
 
+def _fill_scales(pool: torch.Tensor, layout: RowLayout, lo: int, hi: int, g: torch.Generator,
+                 names: tuple[str, ...] = ("w13_s", "w2_s")) -> None:
+    """Scale bytes uniform in [lo, hi) for the named row sections of every slot."""
+    for name in names:
+        off, size = getattr(layout, f"{name}_off"), getattr(layout, f"{name}_size")
+        pool[:, off:off + size] = torch.randint(lo, hi, (pool.shape[0], size), generator=g, dtype=torch.uint8,
+                                                device="cuda")
+
+
 def _pool(layout: RowLayout, n_slots: int, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     pool = torch.randint(0, 256, (n_slots, layout.stride), generator=g, dtype=torch.uint8, device="cuda")
-    for name in ("w13_s", "w2_s"):
-        off, size = getattr(layout, f"{name}_off"), getattr(layout, f"{name}_size")
-        pool[:, off:off + size] = torch.randint(118, 126, (n_slots, size), generator=g, dtype=torch.uint8,
-                                                device="cuda")
+    _fill_scales(pool, layout, 118, 126, g)
     return pool
 
 
@@ -535,6 +541,30 @@ def _w13_act(mod, x, ids, pool, slot_of, lay, f8: bool | str) -> torch.Tensor:
     return act.float().sum(dim=1)
 
 
+def _x_of_kind(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x for the 8-bit stages' precision tests: as drawn, with one massive activation channel per token (as in real
+    hidden states), scaled by 1e-12, or zeros."""
+    if kind == "outlier":
+        x[:, 17] = 3000.0
+    elif kind == "tiny":
+        x = (x.float() * 1e-12).to(torch.bfloat16)
+    elif kind == "zeros":
+        x = torch.zeros_like(x)
+    return x
+
+
+def _a8_distance(mod, x, ids, pool, slot_of, lay, a8) -> float | None:
+    """Relative distance of an 8-bit w13 stage's intermediate (a8 as _w13_act's f8) from the bf16 stage's; None for
+    zero x, where both are exact zeros (asserted)."""
+    a8_act = _w13_act(mod, x, ids, pool, slot_of, lay, a8)
+    a16 = _w13_act(mod, x, ids, pool, slot_of, lay, False)
+    if not x.any():
+        assert torch.equal(a8_act, torch.zeros_like(a8_act)) and torch.equal(a16, a8_act)
+        return None
+    assert torch.isfinite(a8_act).all()
+    return _rel(a8_act, a16)
+
+
 @pytest.mark.parametrize("x_kind", ["randn", "outlier", "tiny", "zeros"])
 @pytest.mark.parametrize("H,I", [(4096, 2048), (7168, 512), (6144, 1024), (2560, 256)])
 @pytest.mark.parametrize("T", [1, 5])
@@ -544,50 +574,17 @@ def test_e4m3_w13_stage_matches_bf16_stage(mod, H, I, T, x_kind):
     if not mod.decode_fp8_available():
         pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
     x, ids, _, pool, slot_of, lay, _ = _case(H, I, 6, T, seed=H + I + T)
-    if x_kind == "outlier":  # one massive activation per token, as in real hidden states
-        x[:, 17] = 3000.0
-    elif x_kind == "tiny":
-        x = (x.float() * 1e-12).to(torch.bfloat16)
-    elif x_kind == "zeros":
-        x = torch.zeros_like(x)
-    a8 = _w13_act(mod, x, ids, pool, slot_of, lay, True)
-    a16 = _w13_act(mod, x, ids, pool, slot_of, lay, False)
-    if x_kind == "zeros":
-        assert torch.equal(a8, torch.zeros_like(a8)) and torch.equal(a16, a8)
+    d = _a8_distance(mod, _x_of_kind(x, x_kind), ids, pool, slot_of, lay, True)
+    if d is None:
         return
-    assert torch.isfinite(a8).all()
     # With a 10^4 x outlier most elements of x sit near 2^-13 of the largest, where hi + lo / 16 stops being exact
     # (error <= 2^-17 of the largest; tests/test_ops.py): measured 1.8-2.5e-5 on the H200.
-    assert _rel(a8, a16) < (5e-5 if x_kind == "outlier" else 2e-5)
-
-
-def test_e4m3_w13_stage_flushes_only_far_smaller_blocks(mod):
-    # Scale bytes over 40 binades: blocks more than 12 binades below their round's largest (of the row) flush to
-    # zero; what they held is < 2^-13 of that block's weights, so the result moves by far less than bf16 rounding.
-    if not mod.decode_fp8_available():
-        pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
-    x, ids, _, pool, slot_of, lay, _ = _case(4096, 1024, 8, 3, seed=5)
-    g = torch.Generator(device="cuda").manual_seed(9)
-    off, size = lay.w13_s_off, lay.w13_s_size
-    pool[:, off:off + size] = torch.randint(100, 140, (pool.shape[0], size), generator=g, dtype=torch.uint8,
-                                            device="cuda")
-    a8 = _w13_act(mod, x, ids, pool, slot_of, lay, True)
-    a16 = _w13_act(mod, x, ids, pool, slot_of, lay, False)
-    assert 0 < _rel(a8, a16) < 1e-3
+    assert d < (5e-5 if x_kind == "outlier" else 2e-5)
 
 
 def _needs_i8(mod):
     if not mod.decode_i8_available():
         pytest.skip("the int8 w13 stage needs an sm_90+ GPU")
-
-
-def _narrow_scales(pool, lay, seed, lo=120, hi=125):
-    # Scale bytes within 4 binades: every round of the int8 stage takes its one-pass form (no range checks).
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    for name in ("w13_s", "w2_s"):
-        off, size = getattr(lay, f"{name}_off"), getattr(lay, f"{name}_size")
-        pool[:, off:off + size] = torch.randint(lo, hi, (pool.shape[0], size), generator=g, dtype=torch.uint8,
-                                                device="cuda")
 
 
 @pytest.mark.parametrize("x_kind", ["randn", "outlier", "tiny", "zeros"])
@@ -600,37 +597,28 @@ def test_i8_w13_stage_matches_bf16_stage(mod, H, I, T, x_kind, scales):
     # largest (error < 2^-20 of it), so the two stages agree to fp32 rounding and the bf16 hi/lo intermediate.
     _needs_i8(mod)
     x, ids, _, pool, slot_of, lay, _ = _case(H, I, 6, T, seed=H + I + T)
-    if scales == "narrow":
-        _narrow_scales(pool, lay, H + T)
-    if x_kind == "outlier":  # one massive activation per token, as in real hidden states
-        x[:, 17] = 3000.0
-    elif x_kind == "tiny":
-        x = (x.float() * 1e-12).to(torch.bfloat16)
-    elif x_kind == "zeros":
-        x = torch.zeros_like(x)
-    a8 = _w13_act(mod, x, ids, pool, slot_of, lay, "i8")
-    a16 = _w13_act(mod, x, ids, pool, slot_of, lay, False)
-    if x_kind == "zeros":
-        assert torch.equal(a8, torch.zeros_like(a8)) and torch.equal(a16, a8)
+    if scales == "narrow":  # within 4 binades: every round of the int8 stage takes its one-pass form
+        _fill_scales(pool, lay, 120, 125, torch.Generator(device="cuda").manual_seed(H + T))
+    d = _a8_distance(mod, _x_of_kind(x, x_kind), ids, pool, slot_of, lay, "i8")
+    if d is None:
         return
-    assert torch.isfinite(a8).all()
     # With a 10^4 x outlier most elements of x sit near 2^-13 of the largest, below the 2^-12 where the three planes
     # stop being exact (error <= 2^-20 of the largest; tests/test_ops.py): measured up to 5.5e-5 on the H200.
-    assert _rel(a8, a16) < (1e-4 if x_kind == "outlier" else 2e-5)
+    assert d < (1e-4 if x_kind == "outlier" else 2e-5)
 
 
-def test_i8_w13_stage_flushes_only_far_smaller_blocks(mod):
-    # Scale bytes over 40 binades: blocks more than 9 binades below their round's largest (of the row) flush to
-    # zero; what they held is < 2^-9 of that block's weights, so the result moves by far less than bf16 rounding.
-    _needs_i8(mod)
+@pytest.mark.parametrize("a8,bound", [(True, 1e-3), ("i8", 2e-3)])
+def test_8bit_w13_stages_flush_only_far_smaller_blocks(mod, a8, bound):
+    # Scale bytes over 40 binades: blocks more than 12 (e4m3) / 9 (int8) binades below their round's largest (of the
+    # row) flush to zero; what they held is < 2^-13 / 2^-9 of that block's weights, so the result moves by far less
+    # than bf16 rounding.
+    if a8 is True and not mod.decode_fp8_available():
+        pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
+    if a8 == "i8":
+        _needs_i8(mod)
     x, ids, _, pool, slot_of, lay, _ = _case(4096, 1024, 8, 3, seed=5)
-    g = torch.Generator(device="cuda").manual_seed(9)
-    off, size = lay.w13_s_off, lay.w13_s_size
-    pool[:, off:off + size] = torch.randint(100, 140, (pool.shape[0], size), generator=g, dtype=torch.uint8,
-                                            device="cuda")
-    a8 = _w13_act(mod, x, ids, pool, slot_of, lay, "i8")
-    a16 = _w13_act(mod, x, ids, pool, slot_of, lay, False)
-    assert 0 < _rel(a8, a16) < 2e-3
+    _fill_scales(pool, lay, 100, 140, torch.Generator(device="cuda").manual_seed(9), names=("w13_s",))
+    assert 0 < _a8_distance(mod, x, ids, pool, slot_of, lay, a8) < bound
 
 
 def test_i8_w13_stage_is_deterministic_and_graph_safe(mod, monkeypatch):

@@ -600,6 +600,18 @@ class _FakeI8GemvExtension(_FakeFp8GemvExtension):
         return "tma" if ring != 0 and self.gemv_bulk_possible(K) else "cp.async"
 
 
+def _stand_in_step(fake, x_dtype, monkeypatch) -> torch.Tensor:
+    """One 3-token step through the stand-in extension, checked against the float32 reference (float32-accurate
+    for fp32 x, bf16 output rounding for bf16 x); returns its x."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
+    lay2, pool, slot_of, _, ids, w, x = _stand_in_case(3, x_dtype, False)
+    got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2)
+    assert _rel(got.float(), ref.float()) < (1e-4 if x_dtype == torch.float32 else 8e-3)
+    return x
+
+
 @pytest.mark.parametrize("ring", [None, "cp.async"])
 @pytest.mark.parametrize("i8", [False, True])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
@@ -610,18 +622,13 @@ def test_i8_w13_stage_plumbing(i8, x_dtype, ring, monkeypatch):
     monkeypatch.setattr(ops, "I8_DECODE", i8)
     monkeypatch.setattr(ops, "E4M3_DECODE", True)
     monkeypatch.setattr(ops, "DECODE_RING", ring)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
-    lay2, pool, slot_of, _, ids, w, x = _stand_in_case(3, x_dtype, False)
     fake = _FakeI8GemvExtension()
-    got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    x = _stand_in_step(fake, x_dtype, monkeypatch)
     want_i8 = i8 and x_dtype == torch.bfloat16 and ring is None
     assert ops.use_i8_w13(fake, x, x.shape[1]) == want_i8
     assert fake.calls[:3] == ["xprep8" if x_dtype == torch.bfloat16 else "xprep", "gemv13", "gemv2"]
     w13_b = torch.int8 if want_i8 else torch.uint8 if x_dtype == torch.bfloat16 else torch.bfloat16
     assert fake.b_dtypes[:2] == [w13_b, torch.bfloat16]
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2)
-    assert _rel(got.float(), ref.float()) < (1e-4 if x_dtype == torch.float32 else 8e-3)
 
 
 @pytest.mark.parametrize("e4m3", [False, True])
@@ -631,15 +638,10 @@ def test_e4m3_w13_stage_plumbing(e4m3, x_dtype, monkeypatch):
     # keeps the bf16 hi/lo operand either way.
     monkeypatch.setattr(ops, "E4M3_DECODE", e4m3)
     monkeypatch.setattr(ops, "I8_DECODE", False)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
-    lay2, pool, slot_of, _, ids, w, x = _stand_in_case(3, x_dtype, False)
     fake = _FakeFp8GemvExtension()
-    got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    _stand_in_step(fake, x_dtype, monkeypatch)
     want_fp8 = e4m3 and x_dtype == torch.bfloat16
     assert fake.calls[:3] == ["xprep8" if want_fp8 else "xprep", "gemv13", "gemv2"]
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2)
-    assert _rel(got.float(), ref.float()) < (1e-4 if x_dtype == torch.float32 else 8e-3)
 
 
 def _b8_off(n: int, ns: int) -> int:
