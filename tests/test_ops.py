@@ -3,6 +3,8 @@ kernels' register decode (the bit tricks in csrc/moe_kernels.cu) checked against
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -749,11 +751,15 @@ def test_i8_x_planes_fit_int8_and_are_exact_within_2_to_the_12_of_the_largest():
 
 
 def test_i8_tables_are_the_codes_times_a_power_of_two():
-    # i8_table in csrc/moe_decode.cuh: u (1, 4, -1, -4) as int8 bytes is u * 0xFBFF0401 + 0x01000000 mod 2^32, the
-    # bytes selected by codes 0..3 (the bf16 decode's values +1, +4, -1, -4 of the block scale).
+    # i8_table in csrc/moe_decode.cuh: u (1, 4, -1, -4) as int8 bytes is u * mul + add mod 2^32 (constants read from
+    # the source), the bytes selected by codes 0..3 (the bf16 decode's values +1, +4, -1, -4 of the block scale).
+    src = (Path(__file__).resolve().parents[1] / "csrc" / "moe_decode.cuh").read_text()
+    m = re.search(r"\(1u << d\) \* (0x[0-9A-Fa-f]+)u \+ (0x[0-9A-Fa-f]+)u", src)
+    assert m, "i8_table's formula not found in csrc/moe_decode.cuh"
+    mul, add = int(m.group(1), 16), int(m.group(2), 16)
     for d in range(5):
         u = 1 << d
-        tab = (u * 0xFBFF0401 + 0x01000000) % 2 ** 32
+        tab = (u * mul + add) % 2 ** 32
         assert list(tab.to_bytes(4, "little", signed=False)) == [v % 256 for v in (u, 4 * u, -u, -4 * u)]
 
 
