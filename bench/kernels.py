@@ -240,10 +240,12 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     d0 = layers[0]
     fused_default, e4m3_default, balance_default, ring_default = (ops.FUSED_COMBINE, ops.E4M3_DECODE,
                                                                    ops.GEMV_BALANCE, ops.DECODE_RING)
-    i8_default = ops.I8_DECODE
+    i8_default, i8w2_default = ops.I8_DECODE, ops.I8_W2
     for i, dk in enumerate(decode_kernels):
         # Suffixes: "+fused" the per-token sum folded into the w2 launch (ops.FUSED_COMBINE); "+e4m3" / "+bf16" the
-        # w13 stage's A operand (ops.E4M3_DECODE), "+i8" / "+bf16" likewise (ops.I8_DECODE); "+plain" / "+balanced" how the gemv stages spread units over
+        # w13 stage's A operand (ops.E4M3_DECODE), "+i8" / "+bf16" likewise (ops.I8_DECODE; "+bf16" both stages),
+        # "+i8w2" / "+bf16w2" the int8 w13 stage with the w2 stage's int8 / bf16 operand (ops.I8_W2; "+i8" keeps
+        # the default's w2 stage); "+plain" / "+balanced" how the gemv stages spread units over
         # warps (ops.GEMV_BALANCE); "+cp.async" / "+tma" the gemv stages' ring (ops.DECODE_RING); "+l2" rows from
         # the L2 (above). Without one, the op's defaults.
         base, *suffixes = dk.split("+")
@@ -251,7 +253,9 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
         os.environ["MOETPLAN_DECODE_KERNEL"] = base
         ops.FUSED_COMBINE = "fused" in suffixes
         ops.E4M3_DECODE = True if "e4m3" in suffixes else False if "bf16" in suffixes else e4m3_default
-        ops.I8_DECODE = True if "i8" in suffixes else False if "bf16" in suffixes else i8_default
+        ops.I8_DECODE = (True if {"i8", "i8w2", "bf16w2"} & set(suffixes) else False if "bf16" in suffixes
+                         else i8_default)
+        ops.I8_W2 = True if "i8w2" in suffixes else False if "bf16w2" in suffixes else i8w2_default
         ops.GEMV_BALANCE = True if "balanced" in suffixes else False if "plain" in suffixes else balance_default
         ops.DECODE_RING = next((r for r in ("cp.async", "tma") if r in suffixes), ring_default)
         # Both launch modes for the headline kernel; the others with the default (PDL on sm_90+).
@@ -277,7 +281,7 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     os.environ.pop("MOETPLAN_DECODE_KERNEL", None)
     ops.FUSED_COMBINE, ops.E4M3_DECODE, ops.GEMV_BALANCE, ops.DECODE_RING = (fused_default, e4m3_default,
                                                                              balance_default, ring_default)
-    ops.I8_DECODE = i8_default
+    ops.I8_DECODE, ops.I8_W2 = i8_default, i8w2_default
     # Deterministic across launch modes (bit-identical), and the decode kernels agree with each other and with
     # the float32 torch reference on layer 0.
     res["pdl_equals_no_pdl"] = {dk: bool(torch.equal(outs0[f"{dk}_pdl"], outs0[f"{dk}_no_pdl"]))

@@ -167,8 +167,10 @@ struct GemvArgs {
   const void* b;               // w13: xp [T, planes, H]; w2: act [P, 2, Ir]; bf16 in the paired order
                                // (F8 w13: e4m3 hi/lo planes [T, 2, H] in the F8 order, b8_off; I8 w13: int8
                                // hi/mid/lo planes [T, 3, H], same order)
-  const float* xinv;           // F8, I8 w13: [T] the inverse of each token's power-of-two x scale (xprep8_kernel)
+  const float* xinv;           // F8, I8 w13: [T] the inverse of each token's power-of-two x scale (xprep8_kernel);
+                               // I8 w2: [P] the same of each pair's intermediate
   __nv_bfloat16* act;          // w13 output [P, 2, Ir]
+  float* act_f32;              // or, ahead of the int8 w2 stage: w13 output [P, Ir] float32 in natural order
   float* partial;              // w2 output [P, H]
   float limit;
   int has_limit;
@@ -393,14 +395,21 @@ __device__ __forceinline__ float e4m3_to_f32(uint32_t b) {
 // lo = rint(128 r2) with r1 = x s - hi, r2 = 128 r1 - mid (each |.| <= 64: no clamps), so x = (hi + mid / 128 +
 // lo / 16384) / s to within 2^-15 / s: exact for bf16 elements within 2^12 of the token's largest, as e4m3's
 // hi + lo are within 2^13 (a massive activation channel does not take the precision of the others).
-template <bool I8>
-__global__ void xprep8_kernel(const __nv_bfloat16* x, uint8_t* xp, float* xinv, int H, int* counter) {
+// XT float (I8 only): the w13 stage's float32 intermediate [P, Ir] ahead of the int8 w2 stage, one block per pair.
+template <bool I8, typename XT = __nv_bfloat16>
+__global__ void xprep8_kernel(const XT* x, uint8_t* xp, float* xinv, int H, int* counter) {
+  // Between the stages (float XT) the trigger comes first: the w2 stage after it may then start while the w13
+  // stage still runs and fetch its first W2 rounds, as it does straight after the w13 stage. That is safe because
+  // the w2 stage reads before its own wait only the routing, written before the w13 stage's xprep8, and the w13
+  // stage started only once that xprep8 had passed its wait. x of the first launch is the previous kernel's
+  // output, so there the wait comes first and the trigger after it (the invariant the stages rely on).
+  if constexpr (std::is_same<XT, float>::value) griddep_launch_dependents();
   griddep_wait();
-  griddep_launch_dependents();
+  if constexpr (!std::is_same<XT, float>::value) griddep_launch_dependents();
   const int tok = blockIdx.x;
   if (counter != nullptr)
     for (int i = threadIdx.x; i < H / 16; i += blockDim.x) counter[int64_t(tok) * (H / 16) + i] = 0;
-  const __nv_bfloat16* xr = x + int64_t(tok) * H;
+  const XT* xr = x + int64_t(tok) * H;
   float m = 0.f;
   for (int i = threadIdx.x; i < H / 8; i += blockDim.x) {
     float f[8];
@@ -720,6 +729,10 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
         v[2 + i] *= s;
       }
       const float y = silu_mul(v[i], v[2 + i], a.has_limit, a.limit);  // row g: gate, row g+8: up
+      if (a.act_f32 != nullptr) {  // for the int8 w2 stage: natural order, quantized by xprep8_kernel<true, float>
+        a.act_f32[int64_t(p) * a.Ir + tile * 8 + g] = y;
+        continue;
+      }
       const int j = b_pos(tile, gemv_ns(a.Ir)) * 8;  // group `tile` of 8, in the w2 stage's order
       const __nv_bfloat16 yh = __float2bfloat16_rn(y);
       const __nv_bfloat16 yl = __float2bfloat16_rn(y - __bfloat162float(yh));
@@ -728,8 +741,9 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
       dst[a.Ir] = yl;
     } else {
       float* dst = a.partial + int64_t(p) * a.H + tile * 16 + g;
-      dst[0] = v[i];
-      dst[8] = v[2 + i];
+      const float sc = I8 ? a.xinv[p] : 1.f;  // I8: undo the pair's intermediate scale
+      dst[0] = v[i] * sc;
+      dst[8] = v[2 + i] * sc;
     }
   }
   if (!W13 && a.weights != nullptr) fused_combine(a, ep_pair[ep], cnt, tile, a.tiles, 16, lane);
@@ -747,12 +761,13 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
 // paired one; the planes are stored in consumption order, b_pos). A round's buffer of the cp.async
 // ring is refilled with round r + GEMV_ROUNDS once its MMAs have consumed it.
 // F8 (w13, sm_89+): the e4m3 A operand and hi/lo e4m3 B planes (above); same units, rounds and ring.
-// I8 (w13, TMA ring): the int8 A operand and hi/mid/lo int8 B planes (i8_bulk_round); same units, rounds and ring.
+// I8 (TMA ring): the int8 A operand and hi/mid/lo int8 B planes (i8_bulk_round): x for w13, the intermediate under
+// a per-pair scale for w2; same units, rounds and ring.
 template <bool W13, bool SPLIT, int NS, bool F8 = false, bool BULK = false, bool I8 = false>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __grid_constant__ GemvArgs a) {
   static_assert(!F8 || (W13 && SPLIT), "F8: the w13 stage, hi and lo as columns of their own");
   static_assert(!BULK || (NS == 1 && !F8), "bulk ring: one-piece consumer rounds, bf16 or int8 A operand");
-  static_assert(!I8 || (BULK && W13 && SPLIT), "I8: the w13 stage on the TMA ring, x planes as columns");
+  static_assert(!I8 || (BULK && SPLIT), "I8: the TMA ring, the B planes as columns");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
   if constexpr (F8) return;  // no e4m3 MMA before sm_89 (the host checks decode_fp8_available first)
 #endif

@@ -861,9 +861,9 @@ bool gemv_bulk_ok(int K, bool f8, int64_t ring, const GemvArgs* a = nullptr) {
 template <bool W13, bool SPLIT, bool F8 = false, bool I8 = false>
 GemvPlan gemv_plan_of(int K, int64_t max_units, int64_t mode, int64_t ring, const GemvArgs* a = nullptr) {
   if constexpr (I8) {
-    MOET_CHECK(gemv_bulk_ok(K, false, ring, a), "int8 decode: the w13 stage runs on the TMA ring only (an sm_90+ GPU, "
+    MOET_CHECK(gemv_bulk_ok(K, false, ring, a), "int8 decode: the stages run on the TMA ring only (an sm_90+ GPU, "
                "K a multiple of ", GEMV_BULK_K, ", got ", K, "; ring -1 or 1)");
-    return gemv_plan_for(max_units, K / GEMV_BULK_K, gemv_max_blocks<true, true, 1, false, true, true>(), mode);
+    return gemv_plan_for(max_units, K / GEMV_BULK_K, gemv_max_blocks<W13, SPLIT, 1, false, true, true>(), mode);
   }
   if constexpr (!F8) {
     if (gemv_bulk_ok(K, F8, ring, a))
@@ -881,8 +881,9 @@ GemvPlan gemv_plan_of(int K, int64_t max_units, int64_t mode, int64_t ring, cons
 
 GemvPlan gemv_plan_any(bool w13, bool split, bool f8, int K, int64_t max_units, int64_t mode, int64_t ring,
                        bool i8 = false) {
-  MOET_CHECK(!i8 || (w13 && split), "int8 decode: the w13 stage only (w13 and split)");
-  if (i8) return gemv_plan_of<true, true, false, true>(K, max_units, mode, ring);
+  MOET_CHECK(!i8 || split, "int8 decode: the B planes are MMA columns (split)");
+  if (i8) return w13 ? gemv_plan_of<true, true, false, true>(K, max_units, mode, ring)
+                    : gemv_plan_of<false, true, false, true>(K, max_units, mode, ring);
   if (f8) return gemv_plan_of<true, true, true>(K, max_units, mode, ring);
   if (w13 && split) return gemv_plan_of<true, true>(K, max_units, mode, ring);
   if (w13) return gemv_plan_of<true, false>(K, max_units, mode, ring);
@@ -924,8 +925,8 @@ void launch_gemv_ns(GemvArgs a, int64_t max_units, int64_t mode, int64_t ring, c
   a.balanced = plan.balanced ? 1 : 0;
   const dim3 grid(plan.blocks), block(32 * GEMV_WARPS);
   if constexpr (I8) {
-    encode_stage_maps(a, true);
-    return launch(gemv_stage_kernel<true, true, 1, false, true, true>, grid, block, 0, stream, pdl, a);
+    encode_stage_maps(a, W13);
+    return launch(gemv_stage_kernel<W13, SPLIT, 1, false, true, true>, grid, block, 0, stream, pdl, a);
   }
   if constexpr (!F8) {
     if (gemv_bulk_ok(a.K, F8, ring, &a)) {
@@ -1003,20 +1004,28 @@ bool decode_bulk_default() {
 // int8 w13 stage's hi, mid, lo planes, same order), xinv [T] float32.
 void xprep8(torch::Tensor x, torch::Tensor xp8, torch::Tensor xinv, c10::optional<torch::Tensor> counter, bool pdl) {
   CHECK_CUDA_T(x, "x");
+  const bool f32 = x.scalar_type() == torch::kFloat32;  // the w13 stage's intermediate, for the int8 w2 stage
   MOET_CHECK(x.is_contiguous() && xp8.is_contiguous() && x.dim() == 2 && x.size(1) % GEMV_CHUNK == 0 &&
-                  x.scalar_type() == torch::kBFloat16, "x: contiguous bf16 [T, H] with H a multiple of ", GEMV_CHUNK);
+                  (f32 || x.scalar_type() == torch::kBFloat16),
+              "x: contiguous bf16 (or float32, int8 planes only) [T, H] with H a multiple of ", GEMV_CHUNK);
   const int T = int(x.size(0)), H = int(x.size(1));
   const bool i8 = xp8.scalar_type() == torch::kInt8;
   MOET_CHECK((i8 || xp8.scalar_type() == torch::kUInt8) && xp8.numel() == int64_t(T) * (i8 ? 3 : 2) * H,
              "xp8 must be uint8 (e4m3) [T, 2, H] or int8 [T, 3, H]");
+  MOET_CHECK(i8 || !f32, "float32 x takes int8 planes only");
   MOET_CHECK(xinv.scalar_type() == torch::kFloat32 && xinv.numel() == T, "xinv must be float32 [T]");
   if (T == 0) return;
   int* cnt = fused_counter(counter, T, H);
   const at::cuda::CUDAGuard guard(x.device());
-  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>());
   uint8_t* xo = static_cast<uint8_t*>(xp8.data_ptr());
   // One block per token: its largest |x|, then the planes. 512 threads (a 16-weight word each for H <= 8192): at one
   // token this block is on the step's critical path.
+  if (f32) {
+    launch(xprep8_kernel<true, float>, dim3(T), dim3(512), 0, at::cuda::getCurrentCUDAStream(), pdl,
+           x.data_ptr<float>(), xo, xinv.data_ptr<float>(), H, cnt);
+    return;
+  }
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr<at::BFloat16>());
   if (i8) launch(xprep8_kernel<true>, dim3(T), dim3(512), 0, at::cuda::getCurrentCUDAStream(), pdl, xb, xo,
                  xinv.data_ptr<float>(), H, cnt);
   else launch(xprep8_kernel<false>, dim3(T), dim3(256), 0, at::cuda::getCurrentCUDAStream(), pdl, xb, xo,
@@ -1041,8 +1050,8 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
   MOET_CHECK(w13 || split, "the w2 stage reads the hi/lo intermediate");
   MOET_CHECK(!f8 || (w13 && split && decode_fp8_available()),
               "e4m3 decode: the w13 stage on an sm_89+ GPU with kernels built for it");
-  MOET_CHECK(!i8 || (w13 && split && decode_i8_available()),
-              "int8 decode: the w13 stage on an sm_90+ GPU with kernels built for it");
+  MOET_CHECK(!i8 || (split && decode_i8_available()),
+              "int8 decode: an sm_90+ GPU with kernels built for it");
   const at::cuda::CUDAGuard guard(pool.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   GemvArgs a{};
@@ -1053,15 +1062,20 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
   a.tiles_div = fast_div_of(uint32_t(a.tiles));
   a.topk_div = fast_div_of(uint32_t(a.topk));
   if (f8 || i8) {
-    MOET_CHECK(xinv->scalar_type() == torch::kFloat32 && xinv->numel() * (i8 ? 3 : 2) * H == b.numel(),
-               "xinv: float32 [T]");
+    MOET_CHECK(xinv->scalar_type() == torch::kFloat32 && xinv->numel() * (i8 ? 3 : 2) * a.K == b.numel(),
+               "xinv: float32 [T] (w13) or [P] (the int8 w2 stage)");
     a.xinv = xinv->data_ptr<float>();
   }
   MOET_CHECK(a.K <= GEMV_MAX_K, "decode stage: contraction length ", a.K, " above ", GEMV_MAX_K);
   if (w13) {
-    MOET_CHECK(act.has_value() && act->scalar_type() == torch::kBFloat16 && act->numel() >= int64_t(a.P) * 2 * Ir,
-                "w13 decode stage needs act bf16 [P, 2, Ir]");
-    a.act = reinterpret_cast<__nv_bfloat16*>(act->data_ptr<at::BFloat16>());
+    // act bf16 [P, 2, Ir] (hi, lo in the w2 stage's order) or float32 [P, Ir] (natural order, for the int8 w2 stage).
+    const bool f32 = act.has_value() && act->scalar_type() == torch::kFloat32;
+    MOET_CHECK(act.has_value() && act->is_contiguous() &&
+                   (f32 ? act->numel() >= int64_t(a.P) * Ir
+                        : act->scalar_type() == torch::kBFloat16 && act->numel() >= int64_t(a.P) * 2 * Ir),
+                "w13 decode stage needs act bf16 [P, 2, Ir] or float32 [P, Ir]");
+    if (f32) a.act_f32 = act->data_ptr<float>();
+    else a.act = reinterpret_cast<__nv_bfloat16*>(act->data_ptr<at::BFloat16>());
   } else {
     MOET_CHECK(partial.has_value() && partial->scalar_type() == torch::kFloat32, "w2 stage needs partial fp32");
     a.partial = partial->data_ptr<float>();
@@ -1080,7 +1094,8 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
   if (a.P == 0) return;
   MOET_CHECK(balance >= -1 && balance <= 1, "balance: -1 (the default), 0 (plain) or 1 (balanced)");
   const int64_t max_units = int64_t(std::min(a.P, a.E)) * a.tiles;
-  if (i8) launch_gemv_ns<true, true, false, true>(a, max_units, balance, ring, stream, pdl);
+  if (i8 && w13) launch_gemv_ns<true, true, false, true>(a, max_units, balance, ring, stream, pdl);
+  else if (i8) launch_gemv_ns<false, true, false, true>(a, max_units, balance, ring, stream, pdl);
   else if (f8) launch_gemv_ns<true, true, true>(a, max_units, balance, ring, stream, pdl);
   else if (w13 && split) launch_gemv_ns<true, true>(a, max_units, balance, ring, stream, pdl);
   else if (w13) launch_gemv_ns<true, false>(a, max_units, balance, ring, stream, pdl);
@@ -1411,7 +1426,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine", &moet::combine, "weighted per-token sum of the w2 partials");
   m.def("xprep", &moet::xprep, "x -> bf16 hi(/lo) planes in the decode stages' K pairing");
   m.def("gemv_stage", &moet::gemv_stage, "decode stage (few pairs per expert) over the 2-bit experts");
-  m.def("xprep8", &moet::xprep8, "x -> e4m3 hi/lo planes and per-token scales for the e4m3 w13 decode stage");
+  m.def("xprep8", &moet::xprep8,
+        "x -> the 8-bit decode stages' planes (e4m3 hi/lo, int8 hi/mid/lo) and per-row scales");
   m.def("decode_fp8_available", &moet::decode_fp8_available, "the e4m3 w13 decode stage runs on this GPU");
   m.def("decode_i8_available", &moet::decode_i8_available, "the int8 w13 decode stage runs on this GPU");
   m.def("gemv_plan", &moet::gemv_plan,

@@ -82,13 +82,14 @@ def _case(H, I, k, T, E=32, fmt_mix=False, dtype=torch.bfloat16, seed=0, limit=N
 SHAPES = [(4096, 2048), (6144, 1024), (7168, 2048), (7168, 512)]
 
 
-@pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused", "gemv+e4m3", "gemv+bf16", "gemv+plain",
+@pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused", "gemv+e4m3", "gemv+bf16", "gemv+bf16w2", "gemv+plain",
                         "gemv+balanced", "gemv+balanced+fused", "gemv+cp.async"])
 def decode_kernel(request, monkeypatch, mod):
     """Every decode path (MOETPLAN_DECODE_KERNEL): the mma.sync streaming stages (gemv), the CUDA-core rowdot stages
     and the first version's tiles; "+fused": with the per-token sum folded into the w2 stage (ops.FUSED_COMBINE);
-    "+e4m3": the gemv stages with the e4m3 w13 stage for bf16 x (ops.E4M3_DECODE); "+bf16": with the bf16 w13 stage
-    for bf16 x (ops.I8_DECODE off; on, the default, bf16 x takes the int8 w13 stage where the TMA ring runs); "+plain" / "+balanced": the gemv
+    "+e4m3": the gemv stages with the e4m3 w13 stage for bf16 x (ops.E4M3_DECODE); "+bf16": with the bf16 stages
+    for bf16 x (ops.I8_DECODE off; on, the default, bf16 x takes the int8 stages where the TMA ring runs);
+    "+bf16w2": the int8 w13 stage with the bf16 w2 stage (ops.I8_W2 off); "+plain" / "+balanced": the gemv
     stages' units over warps forced either way (ops.GEMV_BALANCE; without it, gemv_plan's choice); "+cp.async": the
     gemv stages' cp.async ring where the default takes the TMA ring (sm_90+: ops.DECODE_RING; what sm_80-89 run)."""
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", request.param.split("+")[0])
@@ -100,6 +101,7 @@ def decode_kernel(request, monkeypatch, mod):
         pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
     monkeypatch.setattr(ops, "E4M3_DECODE", e4m3)
     monkeypatch.setattr(ops, "I8_DECODE", not (e4m3 or request.param.endswith("+bf16")))
+    monkeypatch.setattr(ops, "I8_W2", not request.param.endswith("+bf16w2"))
     monkeypatch.setattr(ops, "DECODE_RING", "cp.async" if request.param.endswith("+cp.async") else None)
     return request.param
 
@@ -640,6 +642,61 @@ def test_i8_w13_stage_is_deterministic_and_graph_safe(mod, monkeypatch):
     assert torch.equal(out, a)
     # fp32 x keeps the bf16 hi/lo operand (float32-accurate), whatever the switch says.
     assert not ops.use_i8_w13(mod, x.float(), 7168)
+
+
+def _partials(mod, x, ids, pool, slot_of, lay, i8w2: bool) -> torch.Tensor:
+    """The gemv stages' w2 partial rows [P, H] (float32) for bf16 x through the int8 w13 stage, with the w2 stage
+    on the bf16 hi/lo intermediate or (i8w2) on its int8 planes under per-pair scales (xprep8 of a float32 one)."""
+    T, H = x.shape
+    P, Ir, k = ids.numel(), lay.inter_per_rank, ids.shape[1]
+    dev = x.device
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    xp = torch.empty(T, 3, H, dtype=torch.int8, device=dev)
+    xinv = torch.empty(T, dtype=torch.float32, device=dev)
+    mod.xprep8(x, xp, xinv, None, False)
+    act = (torch.empty(P, Ir, dtype=torch.float32, device=dev) if i8w2 else
+           torch.empty(P, 2, Ir, dtype=torch.bfloat16, device=dev))
+    mod.gemv_stage(True, True, pool, slot_of, None, lay.w13_q_off, lay.w13_s_off, H, Ir, ids, k, xp, act,
+                   None, None, None, None, 0.0, False, flag, False, xinv, -1, -1)
+    b, inv = act, None
+    if i8w2:
+        b = torch.empty(P, 3, Ir, dtype=torch.int8, device=dev)
+        inv = torch.empty(P, dtype=torch.float32, device=dev)
+        mod.xprep8(act, b, inv, None, False)
+    partial = torch.empty(P, H, dtype=torch.float32, device=dev)
+    mod.gemv_stage(False, True, pool, slot_of, None, lay.w2_q_off, lay.w2_s_off, H, Ir, ids, k, b, None,
+                   partial, None, None, None, 0.0, False, flag, False, inv, -1, -1)
+    torch.cuda.synchronize()
+    assert int(flag.item()) == 0
+    return partial
+
+
+@pytest.mark.parametrize("H,I,T", [(4096, 2048, 1), (7168, 2048, 8), (6144, 1024, 3), (7168, 512, 5)])
+def test_i8_w2_stage_matches_the_bf16_w2_stage(mod, monkeypatch, H, I, T):
+    # The intermediate as int8 planes under a per-pair scale (exact within 2^12 of the pair's largest element,
+    # within 2^-20 of it below) instead of bf16 hi + lo (~2^-16 of each element): the w2 rows agree to ~1e-5.
+    _needs_i8(mod)
+    x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, seed=H + T)
+    p8 = _partials(mod, x, ids, pool, slot_of, lay, True)
+    p16 = _partials(mod, x, ids, pool, slot_of, lay, False)
+    assert torch.isfinite(p8).all()
+    assert _rel(p8, p16) < 2e-5
+    assert torch.equal(_partials(mod, x, ids, pool, slot_of, lay, True), p8)  # deterministic
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    monkeypatch.setattr(ops, "I8_DECODE", True)
+    monkeypatch.setattr(ops, "I8_W2", True)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert _rel(got.float(), ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)) < 8e-3
+
+
+def test_i8_w2_stage_only_where_its_ring_runs(mod, monkeypatch):
+    # Ir = 256 (a TP shard below the TMA ring's 512-weight rounds): the int8 w13 stage, then the bf16 w2 stage.
+    _needs_i8(mod)
+    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    x, ids, w, pool, slot_of, lay, _ = _case(4096, 256, 8, 2, seed=11)
+    assert ops.use_i8_w13(mod, x, 4096) and not ops.use_i8_w2(mod, x, 4096, 256)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert _rel(got.float(), ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)) < 8e-3
 
 
 def test_e4m3_w13_stage_is_deterministic_and_graph_safe(mod, monkeypatch):

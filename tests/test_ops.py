@@ -559,8 +559,8 @@ class _FakeGemvExtension(_FakeExtension):
         self.b_dtypes.append(b.dtype)
         assert balance == (-1 if ops.GEMV_BALANCE is None else int(ops.GEMV_BALANCE))
         self.rings.append(ring)
-        if xinv is not None and b.dtype == torch.int8:  # the int8 w13 stage: xprep8's hi, mid, lo planes
-            assert w13 and split and b.shape[1] == 3
+        if xinv is not None and b.dtype == torch.int8:  # the int8 stages: xprep8's hi, mid, lo planes
+            assert split and b.shape[1] == 3 and xinv.numel() == b.shape[0]
             q = b.float()
             src = (q[:, 0] + q[:, 1] / 128 + q[:, 2] / 16384)[:, torch.argsort(self.perm)] * xinv[:, None]
         elif xinv is not None:  # the e4m3 w13 stage: xprep8's planes
@@ -572,7 +572,10 @@ class _FakeGemvExtension(_FakeExtension):
             src = _from_paired(b.float()).sum(dim=1)  # hi + lo
         for p, v in _stage_pairs(w13, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk, src, limit,
                                  has_limit, flag):
-            if w13:
+            if w13 and act.dtype == torch.float32:  # ahead of the int8 w2 stage: natural order
+                assert act.shape == (ids.numel(), Ir)
+                act[p] = v
+            elif w13:
                 act[p] = _to_paired(_hi_lo(v))
             else:
                 partial[p] = v
@@ -622,6 +625,7 @@ def test_i8_w13_stage_plumbing(i8, x_dtype, ring, monkeypatch):
     # w13 stage, ahead of the e4m3 switch, where the w13 stage takes the TMA ring; fp32 x keeps the bf16 hi/lo
     # operand, and the cp.async ring the bf16 one.
     monkeypatch.setattr(ops, "I8_DECODE", i8)
+    monkeypatch.setattr(ops, "I8_W2", False)  # the w2 stage's operand: test_i8_w2_stage_plumbing
     monkeypatch.setattr(ops, "E4M3_DECODE", True)
     monkeypatch.setattr(ops, "DECODE_RING", ring)
     fake = _FakeI8GemvExtension()
@@ -631,6 +635,34 @@ def test_i8_w13_stage_plumbing(i8, x_dtype, ring, monkeypatch):
     assert fake.calls[:3] == ["xprep8" if x_dtype == torch.bfloat16 else "xprep", "gemv13", "gemv2"]
     w13_b = torch.int8 if want_i8 else torch.uint8 if x_dtype == torch.bfloat16 else torch.bfloat16
     assert fake.b_dtypes[:2] == [w13_b, torch.bfloat16]
+
+
+@pytest.mark.parametrize("ring", [None, "cp.async"])
+@pytest.mark.parametrize("i8w2", [False, True])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_i8_w2_stage_plumbing(x_dtype, i8w2, ring, monkeypatch):
+    # ops.I8_W2 (with the int8 w13 stage): the w13 stage writes a float32 intermediate, xprep8 makes its int8 planes
+    # and per-pair scales, the w2 stage reads them. Without the int8 w13 stage (fp32 x, the cp.async ring) both
+    # stages keep their bf16 operands, and I8_W2 off keeps the w2 stage's.
+    monkeypatch.setattr(ops, "I8_DECODE", True)
+    monkeypatch.setattr(ops, "I8_W2", i8w2)
+    monkeypatch.setattr(ops, "DECODE_RING", ring)
+    fake = _FakeI8GemvExtension()
+    _stand_in_step(fake, x_dtype, monkeypatch)
+    i8 = x_dtype == torch.bfloat16 and ring is None
+    if i8 and i8w2:
+        assert fake.calls[:4] == ["xprep8", "gemv13", "xprep8", "gemv2"]
+        assert fake.b_dtypes[:2] == [torch.int8, torch.int8]
+    else:
+        assert fake.calls[:3] == ["xprep8" if i8 else "xprep", "gemv13", "gemv2"]
+        assert fake.b_dtypes[:2] == [torch.int8 if i8 else torch.bfloat16, torch.bfloat16]
+    # The w2 stage's own ring decides too: a tensor-parallel shard Ir that is not a multiple of the TMA ring's
+    # 512-weight rounds keeps the bf16 w2 stage behind the int8 w13 one.
+    fake.gemv_bulk_possible = lambda K: K % 512 == 0
+    x = torch.zeros(1, 4096, dtype=x_dtype)
+    assert ops.use_i8_w2(fake, x, 4096, 1024) == (i8 and i8w2)
+    assert not ops.use_i8_w2(fake, x, 4096, 256)
+    assert ops.use_i8_w13(fake, x, 4096) == i8
 
 
 @pytest.mark.parametrize("e4m3", [False, True])

@@ -62,6 +62,13 @@ E4M3_DECODE = False
 # rows span more than 4 binades takes a second pass (scales uniform over 8 binades per block: 1.09-1.13x). False:
 # the bf16 w13 stage (bench decode kernel "gemv+bf16"). docs/KERNELS.md ("int8 A operand", H28).
 I8_DECODE = True
+# True (the default): with the int8 w13 stage, the w2 stage takes the int8 operand too. The w13 stage writes its
+# intermediate as float32 [P, Ir], xprep8 turns each pair's row into int8 hi/mid/lo planes under a per-pair
+# power-of-two scale (one more launch per layer, which triggers the w2 stage before it waits, so the w2 stage still
+# fetches its first rounds while the w13 stage runs), and the w2 stage decodes as the int8 w13 stage does. On the
+# H200: 0.88-0.98x the layer time at 1-8 tokens, all three model shapes, but DeepSeek-V4-Flash at 2 tokens (1.02x).
+# False: the bf16 hi/lo intermediate (float32-accurate; bench decode kernel "gemv+bf16w2"). docs/KERNELS.md, H29.
+I8_W2 = True
 # How the gemv decode stages spread their units over the warps: None = the extension's choice (gemv_plan:
 # "balanced" — a block's rounds split evenly over its warps, units may straddle warps, every warp slot streams —
 # when a stage's units outnumber the warp slots, as at 2-8 tokens, where plain took 0.7-6.4% longer per layer on
@@ -281,6 +288,15 @@ def use_i8_w13(mod, x: torch.Tensor, H: int) -> bool:
     return ring != 0 and bool(mod.gemv_bulk_possible(H)) and (ring == 1 or mod.gemv_ring(H) == "tma")
 
 
+def use_i8_w2(mod, x: torch.Tensor, H: int, Ir: int) -> bool:
+    """The int8 w2 decode stage takes this step: the int8 w13 stage does, I8_W2 is on, and the w2 stage takes the TMA
+    ring too (Ir a multiple of its rounds: not every tensor-parallel shard is)."""
+    if not (I8_W2 and use_i8_w13(mod, x, H)):
+        return False
+    ring = decode_ring_code()
+    return bool(mod.gemv_bulk_possible(Ir)) and (ring == 1 or mod.gemv_ring(Ir) == "tma")
+
+
 def _check_residency() -> bool:
     return os.environ.get("MOETPLAN_CHECK_RESIDENCY", "1") != "0"
 
@@ -459,7 +475,9 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             f8 = not i8 and use_fp8_w13(mod, xs)
             split = f8 or i8 or xs.dtype == torch.float32
             fused = fp4_pool is None and FUSED_COMBINE
-            act_hl = torch.empty(P, 2, ir, dtype=torch.bfloat16, device=dev)
+            i8w2 = i8 and use_i8_w2(mod, xs, H, ir)
+            act_hl = (torch.empty(P, ir, dtype=torch.float32, device=dev) if i8w2 else
+                      torch.empty(P, 2, ir, dtype=torch.bfloat16, device=dev))
             counter = torch.empty(xs.shape[0], H // 16, dtype=torch.int32, device=dev) if fused else None
             xinv = None
             if f8 or i8:
@@ -483,9 +501,14 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
                                      "set it to None (the default picks the ring per stage) or 'cp.async'")
             stage(True, split, pool, slot32, f4slot32, layout.w13_q_off, layout.w13_s_off, H, ir, ids, k,
                   xp, act_hl, None, None, None, None, lim, swiglu_limit is not None, flag, pdl, xinv, balance, ring)
+            b2, inv2 = act_hl, None
+            if i8w2:  # the intermediate as int8 planes under a per-pair scale
+                b2 = torch.empty(P, 3, ir, dtype=torch.int8, device=dev)
+                inv2 = torch.empty(P, dtype=torch.float32, device=dev)
+                mod.xprep8(act_hl, b2, inv2, None, pdl)
             stage(False, True, pool, slot32, f4slot32, layout.w2_q_off, layout.w2_s_off, H, ir, ids, k,
-                  act_hl, None, partial, weights[t0:t1] if fused else None, out[t0:t1] if fused else None,
-                  counter, lim, swiglu_limit is not None, flag, pdl, None, balance, ring)
+                  b2, None, partial, weights[t0:t1] if fused else None, out[t0:t1] if fused else None,
+                  counter, lim, swiglu_limit is not None, flag, pdl, inv2, balance, ring)
             if fused:
                 continue
             todo = fmts[1:]
