@@ -671,12 +671,16 @@ def _partials(mod, x, ids, pool, slot_of, lay, i8w2: bool) -> torch.Tensor:
     return partial
 
 
+@pytest.mark.parametrize("scales", ["narrow", "wide"])
 @pytest.mark.parametrize("H,I,T", [(4096, 2048, 1), (7168, 2048, 8), (6144, 1024, 3), (7168, 512, 5)])
-def test_i8_w2_stage_matches_the_bf16_w2_stage(mod, monkeypatch, H, I, T):
+def test_i8_w2_stage_matches_the_bf16_w2_stage(mod, monkeypatch, H, I, T, scales):
     # The intermediate as int8 planes under a per-pair scale (exact within 2^12 of the pair's largest element,
     # within 2^-20 of it below) instead of bf16 hi + lo (~2^-16 of each element): the w2 rows agree to ~1e-5.
+    # "narrow": every round of both int8 stages takes the one-pass form; "wide" (8 binades): two passes.
     _needs_i8(mod)
     x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, seed=H + T)
+    if scales == "narrow":
+        _fill_scales(pool, lay, 119, 123, torch.Generator(device="cuda").manual_seed(H + T))
     p8 = _partials(mod, x, ids, pool, slot_of, lay, True)
     p16 = _partials(mod, x, ids, pool, slot_of, lay, False)
     assert torch.isfinite(p8).all()
