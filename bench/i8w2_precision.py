@@ -11,6 +11,7 @@ the w2 partial rows of both stages (worst pair), and the layer output of both ag
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ from moetplan.runtime.ops import expert_weights  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double()).clamp_min(1e-300))
+    den = torch.linalg.vector_norm(b.double()).clamp_min(1e-300)
+    return float(torch.linalg.vector_norm(a.double() - b.double()) / den)
 
 
 def stages(mod, x, ids, pool, slot_of, lay, i8w2: bool) -> dict[str, torch.Tensor]:
@@ -140,7 +142,6 @@ def main() -> None:
     mod = kmod.get_module()
     if mod is None or not mod.decode_i8_available():
         raise SystemExit("needs the kernels on an sm_90+ GPU (the int8 stages run on the TMA ring)")
-    import os
     os.environ["MOETPLAN_DECODE_KERNEL"] = "gemv"
     if args.diagnose:
         m = model_shapes()[0]

@@ -131,10 +131,10 @@ def random_scales(n: int, size: int, gen: torch.Generator) -> torch.Tensor:
         # max |N(0, 1)| of 32 draws by its inverse CDF: P(max <= a) = (2 Phi(a) - 1)^32. In float64: in float32
         # u^(1/32) rounds to 1 for u above ~1 - 2e-6, ndtri(1) is inf, and such blocks got byte 140 (the clamp),
         # 19 binades above their row (H28's and H29's first runs; docs/KERNELS.md H29).
-        u = torch.rand(n, size, device="cuda", generator=gen, dtype=torch.float64).clamp_(1e-12, 1 - 1e-7)
+        u = torch.rand(n, size, device=gen.device, generator=gen, dtype=torch.float64).clamp_(1e-12, 1 - 1e-7)
         amax = torch.special.ndtri((u.pow(1 / 32) + 1) / 2)
         return (120 + torch.floor(torch.log2(amax))).clamp_(100, 140).to(torch.uint8)
-    return torch.randint(116, 124, (n, size), dtype=torch.uint8, device="cuda", generator=gen)
+    return torch.randint(116, 124, (n, size), dtype=torch.uint8, device=gen.device, generator=gen)
 
 
 def random_pool(layout: RowLayout, n: int, gen: torch.Generator) -> torch.Tensor:

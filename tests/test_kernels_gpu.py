@@ -82,8 +82,8 @@ def _case(H, I, k, T, E=32, fmt_mix=False, dtype=torch.bfloat16, seed=0, limit=N
 SHAPES = [(4096, 2048), (6144, 1024), (7168, 2048), (7168, 512)]
 
 
-@pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused", "gemv+e4m3", "gemv+bf16", "gemv+bf16w2", "gemv+plain",
-                        "gemv+balanced", "gemv+balanced+fused", "gemv+cp.async"])
+@pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused", "gemv+e4m3", "gemv+bf16", "gemv+bf16w2",
+                        "gemv+plain", "gemv+balanced", "gemv+balanced+fused", "gemv+cp.async"])
 def decode_kernel(request, monkeypatch, mod):
     """Every decode path (MOETPLAN_DECODE_KERNEL): the mma.sync streaming stages (gemv), the CUDA-core rowdot stages
     and the first version's tiles; "+fused": with the per-token sum folded into the w2 stage (ops.FUSED_COMBINE);
