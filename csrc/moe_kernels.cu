@@ -967,7 +967,7 @@ bool decode_fp8_available() {
   return ok == 1;
 }
 
-// The int8 w13 stage runs here: its TMA ring does (an sm_90+ GPU and the kernel compiled for one). Once per process.
+// The int8 stages run here: their TMA ring does (an sm_90+ GPU and the kernels compiled for one). Once per process.
 bool decode_i8_available() {
   static int ok = -1;
   if (ok < 0) {
@@ -1042,7 +1042,7 @@ void gemv_stage(bool w13, bool split, torch::Tensor pool, torch::Tensor slot_of,
                 bool has_limit, torch::Tensor error_flag, bool pdl, c10::optional<torch::Tensor> xinv,
                 int64_t balance, int64_t ring) {
   check_decode_inputs(pool, slot_of, topk_ids, H, Ir, "decode");
-  // The e4m3 / int8 w13 stage: b = xprep8's uint8 (e4m3) / int8 planes, xinv their scales.
+  // The e4m3 / int8 w13 stage and the int8 w2 stage: b = xprep8's uint8 (e4m3) / int8 planes, xinv their scales.
   const bool i8 = xinv.has_value() && b.scalar_type() == torch::kInt8;
   const bool f8 = xinv.has_value() && !i8;
   MOET_CHECK(b.is_contiguous() && b.scalar_type() == (i8 ? torch::kInt8 : f8 ? torch::kUInt8 : torch::kBFloat16),
@@ -1429,7 +1429,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("xprep8", &moet::xprep8,
         "x -> the 8-bit decode stages' planes (e4m3 hi/lo, int8 hi/mid/lo) and per-row scales");
   m.def("decode_fp8_available", &moet::decode_fp8_available, "the e4m3 w13 decode stage runs on this GPU");
-  m.def("decode_i8_available", &moet::decode_i8_available, "the int8 w13 decode stage runs on this GPU");
+  m.def("decode_i8_available", &moet::decode_i8_available, "the int8 decode stages run on this GPU");
   m.def("gemv_plan", &moet::gemv_plan,
         "how a decode stage spreads max_units units: (balanced, blocks, longest warp's rounds); mode -1 default, "
         "0 plain, 1 balanced; ring -1 default, 0 cp.async, 1 TMA",
