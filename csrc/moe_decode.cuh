@@ -787,6 +787,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
 
   // Routing and code fetches read only what kernels before the previous one wrote (that one triggered its
   // dependents after its own wait): the B operand (xp / act, the previous kernel's output) is read after the wait.
+  // The int8 w2 stage's previous kernel (xprep8 of the intermediate) triggers before its wait, so there only the
+  // routing and the pool are read early: both were written before the op's first kernel (xprep8_kernel above).
   if (warp == 0) {
     const int n = decode_routing<NCOL>(a, lane, ep_slot, ep_cnt, ep_pair);
     if (lane == 0) n_ep_s = n;
