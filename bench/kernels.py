@@ -485,9 +485,10 @@ def main() -> int:
     ap.add_argument("--sections", default="smoke,bw,decode,prefill")
     ap.add_argument("--decode-kernels", default="gemv,mma,rowdot",
                     help="MOETPLAN_DECODE_KERNEL values to time, suffixes '+fused' (the per-token sum folded into the "
-                         "w2 launch), '+e4m3' / '+i8' / '+bf16' (the w13 stage's A operand, ops.E4M3_DECODE / ops.I8_DECODE), '+plain' / "
-                         "'+balanced' (units over warps, ops.GEMV_BALANCE), '+cp.async' / '+tma' (the gemv stages' ring, "
-                         "ops.DECODE_RING), '+l2' (every routed expert of a layer read "
+                         "w2 launch), '+e4m3' / '+i8' / '+bf16' (the w13 stage's A operand, ops.E4M3_DECODE / "
+                         "ops.I8_DECODE), '+i8w2' / '+bf16w2' (the w2 stage's behind the int8 w13 stage, ops.I8_W2), "
+                         "'+plain' / '+balanced' (units over warps, ops.GEMV_BALANCE), '+cp.async' / '+tma' (the "
+                         "gemv stages' ring, ops.DECODE_RING), '+l2' (every routed expert of a layer read "
                          "from one slot: the stages' speed with their rows in the L2); the first (the default path) "
                          "is the headline figure")
     ap.add_argument("--scales", choices=("uniform", "gauss"), default="gauss",

@@ -1,4 +1,4 @@
-"""How often the int8 w13 decode stage needs its two-pass rounds, on weights quantized by the project's quantizer.
+"""How often the int8 decode stages need their two-pass rounds, on weights quantized by the project's quantizer.
 
 The int8 A operand (docs/KERNELS.md, "int8 A operand") carries each block's UE8M0 scale as a shift of at most 4
 binades below the largest block of its row in a 512-weight round; a warp's round (16 rows x 512 weights) where some

@@ -469,7 +469,7 @@ __device__ __forceinline__ uint32_t max_byte(uint32_t a) {
   return __vmaxu4(a, a >> 8) & 0xFFu;
 }
 
-// ---- int8 A operand (the TMA ring's w13 stage, ops.I8_DECODE) ---------------------------------------------------
+// ---- int8 A operand (the TMA ring's stages, ops.I8_DECODE / ops.I8_W2) ----------------------------------------------
 //
 // Why: per 16 weights the bf16 A operand costs 8 PRMT + 4 LOP3 + 1 SHF on the integer ALU pipe (+ 2 IMAD.SHL and 4
 // HMUL2 on the FMA pipe) and two m16n8k16 MMAs, and that ALU pipe is what the stages queue on (docs/KERNELS.md,
@@ -503,7 +503,7 @@ __device__ __forceinline__ uint32_t i8_table(uint32_t b, int base) {
   return !CLAMP || d <= 4u ? tab : 0u;
 }
 
-// One pass of the int8 w13 stage over a TMA-ring round (stage at st) against bases base0 / base1 (rows g / g + 8):
+// One pass of an int8 stage over a TMA-ring round (stage at st) against bases base0 / base1 (rows g / g + 8):
 // sc[row][half][block] are this thread's scale bytes, b its B of the round's first half. Adds the pass's int32
 // sums times 2^(base - 127) to acc.
 template <bool CLAMP>
@@ -542,7 +542,7 @@ __device__ __forceinline__ void i8_pass(uint32_t st, int g, int t, const uint4* 
   acc[3] = fmaf(float(ca[3] + cb[3]), f1, acc[3]);
 }
 
-// One TMA-ring round (512 weights of the tile's 16 rows, stage at shared address st) of the int8 w13 stage, into
+// One TMA-ring round (512 weights of the tile's 16 rows, stage at shared address st) of an int8 stage, into
 // acc (rows g, g + 8; columns 2t, 2t + 1). b: this thread's B of the round's first half (xprep8<true>'s planes,
 // b8_off order with one-piece rounds: half h of round rc is one-piece round 2 rc + h).
 // A thread decodes blocks 2 piece and 2 piece + 1 of each row (piece = 4 half + t): bytes 2t, 2t + 1, 8 + 2t,

@@ -586,7 +586,7 @@ def test_e4m3_w13_stage_matches_bf16_stage(mod, H, I, T, x_kind):
 
 def _needs_i8(mod):
     if not mod.decode_i8_available():
-        pytest.skip("the int8 w13 stage needs an sm_90+ GPU")
+        pytest.skip("the int8 stages need an sm_90+ GPU")
 
 
 @pytest.mark.parametrize("x_kind", ["randn", "outlier", "tiny", "zeros"])
@@ -644,36 +644,9 @@ def test_i8_w13_stage_is_deterministic_and_graph_safe(mod, monkeypatch):
     assert not ops.use_i8_w13(mod, x.float(), 7168)
 
 
-def _partials(mod, x, ids, pool, slot_of, lay, i8w2: bool) -> torch.Tensor:
-    """The gemv stages' w2 partial rows [P, H] (float32) for bf16 x through the int8 w13 stage, with the w2 stage
-    on the bf16 hi/lo intermediate or (i8w2) on its int8 planes under per-pair scales (xprep8 of a float32 one)."""
-    T, H = x.shape
-    P, Ir, k = ids.numel(), lay.inter_per_rank, ids.shape[1]
-    dev = x.device
-    flag = torch.zeros(1, dtype=torch.int32, device=dev)
-    xp = torch.empty(T, 3, H, dtype=torch.int8, device=dev)
-    xinv = torch.empty(T, dtype=torch.float32, device=dev)
-    mod.xprep8(x, xp, xinv, None, False)
-    act = (torch.empty(P, Ir, dtype=torch.float32, device=dev) if i8w2 else
-           torch.empty(P, 2, Ir, dtype=torch.bfloat16, device=dev))
-    mod.gemv_stage(True, True, pool, slot_of, None, lay.w13_q_off, lay.w13_s_off, H, Ir, ids, k, xp, act,
-                   None, None, None, None, 0.0, False, flag, False, xinv, -1, -1)
-    b, inv = act, None
-    if i8w2:
-        b = torch.empty(P, 3, Ir, dtype=torch.int8, device=dev)
-        inv = torch.empty(P, dtype=torch.float32, device=dev)
-        mod.xprep8(act, b, inv, None, False)
-    partial = torch.empty(P, H, dtype=torch.float32, device=dev)
-    mod.gemv_stage(False, True, pool, slot_of, None, lay.w2_q_off, lay.w2_s_off, H, Ir, ids, k, b, None,
-                   partial, None, None, None, 0.0, False, flag, False, inv, -1, -1)
-    torch.cuda.synchronize()
-    assert int(flag.item()) == 0
-    return partial
-
-
 @pytest.mark.parametrize("scales", ["narrow", "wide"])
 @pytest.mark.parametrize("H,I,T", [(4096, 2048, 1), (7168, 2048, 8), (6144, 1024, 3), (7168, 512, 5)])
-def test_i8_w2_stage_matches_the_bf16_w2_stage(mod, monkeypatch, H, I, T, scales):
+def test_i8_w2_stage_matches_the_bf16_w2_stage(mod, monkeypatch, load_bench, H, I, T, scales):
     # The intermediate as int8 planes under a per-pair scale (exact within 2^12 of the pair's largest element,
     # within 2^-20 of it below) instead of bf16 hi + lo (~2^-16 of each element): the w2 rows agree to ~1e-5.
     # "narrow": every round of both int8 stages takes the one-pass form; "wide" (8 binades): two passes.
@@ -681,11 +654,14 @@ def test_i8_w2_stage_matches_the_bf16_w2_stage(mod, monkeypatch, H, I, T, scales
     x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, seed=H + T)
     if scales == "narrow":
         _fill_scales(pool, lay, 119, 123, torch.Generator(device="cuda").manual_seed(H + T))
-    p8 = _partials(mod, x, ids, pool, slot_of, lay, True)
-    p16 = _partials(mod, x, ids, pool, slot_of, lay, False)
+    # bench/i8w2_precision.py's stages: the int8 w13 stage, then the w2 stage on the int8 planes or the bf16 hi/lo
+    # intermediate (it raises on a set error flag).
+    stages = load_bench("i8w2_precision").stages
+    p8 = stages(mod, x, ids, pool, slot_of, lay, True)["partial"]
+    p16 = stages(mod, x, ids, pool, slot_of, lay, False)["partial"]
     assert torch.isfinite(p8).all()
     assert _rel(p8, p16) < 2e-5
-    assert torch.equal(_partials(mod, x, ids, pool, slot_of, lay, True), p8)  # deterministic
+    assert torch.equal(stages(mod, x, ids, pool, slot_of, lay, True)["partial"], p8)  # deterministic
     monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
     monkeypatch.setattr(ops, "I8_DECODE", True)
     monkeypatch.setattr(ops, "I8_W2", True)

@@ -283,18 +283,20 @@ def use_i8_w13(mod, x: torch.Tensor, H: int) -> bool:
     if not (I8_DECODE and x.dtype == torch.bfloat16 and hasattr(mod, "decode_i8_available")
             and bool(mod.decode_i8_available())):
         return False
-    ring = decode_ring_code()
-    # Asked without forcing the ring: where a forced TMA ring cannot run, the op raises its own UsageError.
-    return ring != 0 and bool(mod.gemv_bulk_possible(H)) and (ring == 1 or mod.gemv_ring(H) == "tma")
+    return _takes_tma_ring(mod, H)
 
 
 def use_i8_w2(mod, x: torch.Tensor, H: int, Ir: int) -> bool:
     """The int8 w2 decode stage takes this step: the int8 w13 stage does, I8_W2 is on, and the w2 stage takes the TMA
     ring too (Ir a multiple of its rounds: not every tensor-parallel shard is)."""
-    if not (I8_W2 and use_i8_w13(mod, x, H)):
-        return False
+    return I8_W2 and use_i8_w13(mod, x, H) and _takes_tma_ring(mod, Ir)
+
+
+def _takes_tma_ring(mod, K: int) -> bool:
+    # A gemv stage of contraction K takes the TMA ring here. Asked without forcing the ring: where a forced TMA ring
+    # cannot run, the op raises its own UsageError.
     ring = decode_ring_code()
-    return bool(mod.gemv_bulk_possible(Ir)) and (ring == 1 or mod.gemv_ring(Ir) == "tma")
+    return ring != 0 and bool(mod.gemv_bulk_possible(K)) and (ring == 1 or mod.gemv_ring(K) == "tma")
 
 
 def _check_residency() -> bool:
@@ -475,7 +477,7 @@ def _moe_cuda(mod, x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, f
             f8 = not i8 and use_fp8_w13(mod, xs)
             split = f8 or i8 or xs.dtype == torch.float32
             fused = fp4_pool is None and FUSED_COMBINE
-            i8w2 = i8 and use_i8_w2(mod, xs, H, ir)
+            i8w2 = use_i8_w2(mod, xs, H, ir)
             act_hl = (torch.empty(P, ir, dtype=torch.float32, device=dev) if i8w2 else
                       torch.empty(P, 2, ir, dtype=torch.bfloat16, device=dev))
             counter = torch.empty(xs.shape[0], H // 16, dtype=torch.int32, device=dev) if fused else None
