@@ -222,14 +222,17 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
         "experts_read_per_layer": bytes_step / L / lay.payload_bytes, "bytes_per_layer": bytes_step / L,
     }
     # How the default gemv stages spread this step's units over warps (balanced or plain, blocks, the longest
-    # warp's rounds): bf16 x, so w13 reads one plane.
+    # warp's rounds), for the stage forms bf16 x takes here (the int8 stages have their own bound, gemv_plan_for).
     mod = kernels.get_module()
     if hasattr(mod, "gemv_plan"):
         P = T * k
+        xb = torch.empty(0, dtype=torch.bfloat16)  # use_i8_* look at x's dtype only
+        i8 = {True: ops.use_i8_w13(mod, xb, H), False: ops.use_i8_w2(mod, xb, H, I)}
 
         def plan(w13: bool, mode: int) -> dict[str, Any]:
             K, units = (H, P * I // 8) if w13 else (I, P * H // 16)
-            return dict(zip(("balanced", "blocks", "rounds"), mod.gemv_plan(w13, not w13, False, K, units, mode)))
+            got = mod.gemv_plan(w13, not w13 or i8[w13], False, K, units, mode, -1, i8[w13])
+            return {**dict(zip(("balanced", "blocks", "rounds"), got)), "int8": i8[w13]}
 
         res["gemv_plan"] = {"w13": plan(True, -1), "w2": plan(False, -1),
                             "w13_plain": plan(True, 0), "w2_plain": plan(False, 0)}

@@ -809,15 +809,19 @@ int gemv_max_blocks() {
 // balanced's extra warps and straddling parts cost: DeepSeek-V4-Flash at 1 token (1536 units for 2112 slots),
 // Nsight Compute, w13 30.0 vs 28.6 us and w2 20.9 vs 19.1 us. With more units than warp slots plain took 0.7-6.4%
 // longer per layer (H200, every model shape at 2-8 tokens; docs/KERNELS.md, H20). So mode -1 (the default) takes
-// balanced exactly when units outnumber the warp slots; 0 / 1 force plain / balanced.
+// balanced exactly when units outnumber plain_eighths / 8 of the warp slots (8: the slots); 0 / 1 force plain /
+// balanced. The int8 stages keep plain up to 1.75x the slots (14): there two whole units per warp beat a block's
+// units spread over its warps at 1.45-1.70x (GLM-5.2 and Kimi-K2.7-Code at 1 token, DeepSeek-V4-Flash at 2: 0.96-0.99x
+// the layer time), balanced wins from 1.94x on (every shape at 2-8 tokens otherwise; H200, docs/KERNELS.md H30).
+constexpr int64_t GEMV_I8_PLAIN_EIGHTHS = 14;  // the int8 stages: plain up to 1.75x the warp slots (below)
 struct GemvPlan {
   bool balanced;
   int blocks;
   int rounds;
 };
-GemvPlan gemv_plan_for(int64_t max_units, int64_t rpu, int64_t max_blocks, int64_t mode) {
+GemvPlan gemv_plan_for(int64_t max_units, int64_t rpu, int64_t max_blocks, int64_t mode, int64_t plain_eighths = 8) {
   max_units = std::max<int64_t>(max_units, 1);
-  if (mode == 0 || (mode < 0 && max_units <= max_blocks * GEMV_WARPS)) {
+  if (mode == 0 || (mode < 0 && 8 * max_units <= plain_eighths * max_blocks * GEMV_WARPS)) {
     const int64_t wmax = max_blocks * GEMV_WARPS;
     const int64_t per = (max_units + wmax - 1) / wmax;
     const int64_t warps = (max_units + per - 1) / per;
@@ -863,7 +867,8 @@ GemvPlan gemv_plan_of(int K, int64_t max_units, int64_t mode, int64_t ring, cons
   if constexpr (I8) {
     MOET_CHECK(gemv_bulk_ok(K, false, ring, a), "int8 decode: the stages run on the TMA ring only (an sm_90+ GPU, "
                "K a multiple of ", GEMV_BULK_K, ", got ", K, "; ring -1 or 1)");
-    return gemv_plan_for(max_units, K / GEMV_BULK_K, gemv_max_blocks<W13, SPLIT, 1, false, true, true>(), mode);
+    return gemv_plan_for(max_units, K / GEMV_BULK_K, gemv_max_blocks<W13, SPLIT, 1, false, true, true>(), mode,
+                         GEMV_I8_PLAIN_EIGHTHS);
   }
   if constexpr (!F8) {
     if (gemv_bulk_ok(K, F8, ring, a))

@@ -1,8 +1,9 @@
 """The gemv decode stages' launch plan (gemv_plan_for in csrc/moe_kernels.cu) on the CPU: the function is plain
 host C++, so it is compiled here on its own from the source text with the system C++ compiler and its choices are
-checked against the rule the docs state (balanced exactly when the units outnumber the warp slots; balanced never
-has a longer warp than plain). The GPU test (test_gemv_plan_spreads_rounds_over_warps) checks the same through the
-built extension with the device's real occupancy."""
+checked against the rule the docs state (balanced exactly when the units outnumber the warp slots — for the int8
+stages, 1.75x the slots; balanced never has a longer warp than plain). The GPU tests
+(test_gemv_plan_spreads_rounds_over_warps, test_int8_stage_plan_stays_plain_to_seven_quarters_of_the_slots) check
+the same through the built extension with the device's real occupancy."""
 from __future__ import annotations
 
 import re
@@ -29,16 +30,20 @@ def plan(tmp_path_factory):
 #include <cstdio>
 #include <cstdlib>
 int main(int argc, char** argv) {
-  for (int i = 1; i + 3 < argc; i += 4) {
-    const GemvPlan p = gemv_plan_for(atoll(argv[i]), atoll(argv[i + 1]), atoll(argv[i + 2]), atoll(argv[i + 3]));
+  for (int i = 1; i + 4 < argc; i += 5) {
+    const GemvPlan p = atoll(argv[i + 4]) < 0
+        ? gemv_plan_for(atoll(argv[i]), atoll(argv[i + 1]), atoll(argv[i + 2]), atoll(argv[i + 3]))
+        : gemv_plan_for(atoll(argv[i]), atoll(argv[i + 1]), atoll(argv[i + 2]), atoll(argv[i + 3]),
+                        atoll(argv[i + 4]));
     std::printf("%d %d %d\n", p.balanced ? 1 : 0, p.blocks, p.rounds);
   }
 }
 """
     exe = compile_host("#include <algorithm>\n#include <cstdint>\n" + _function_text() + main, d / "plan")
 
-    def run(cases: list[tuple[int, int, int, int]]) -> list[tuple[bool, int, int]]:
-        args = [str(v) for c in cases for v in c]
+    def run(cases: list[tuple[int, ...]]) -> list[tuple[bool, int, int]]:
+        """(units, rpu, max_blocks, mode[, plain_eighths]) per case; without the fifth, the function's default."""
+        args = [str(v) for c in cases for v in (*c, -1)[:5]]
         out = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True).stdout.split()
         vals = [int(v) for v in out]
         return [(bool(vals[i]), vals[i + 1], vals[i + 2]) for i in range(0, len(vals), 3)]
@@ -73,3 +78,25 @@ def test_deepseek_v4_flash_at_one_token_stays_plain(plan):
     assert one == (False, 384, rpu)
     (two,) = plan([(3072, rpu, 528, -1)])
     assert two == (True, 528, -(-6 * rpu // 4))
+
+
+def _int8_plain_eighths() -> int:
+    m = re.search(r"constexpr int64_t GEMV_I8_PLAIN_EIGHTHS = (\d+);", SRC.read_text())
+    assert m, "GEMV_I8_PLAIN_EIGHTHS not found in csrc/moe_kernels.cu"
+    return int(m.group(1))
+
+
+def test_int8_stages_stay_plain_up_to_one_and_three_quarters_of_the_slots(plan):
+    # The int8 stages' default (H30, H200): plain up to 1.75x the warp slots, where two whole units per warp beat
+    # balanced (GLM-5.2 w2 at 1 token: 3072 units, Kimi-K2.7-Code w2 at 1 token: 3584, DeepSeek-V4-Flash at 2
+    # tokens: 3072, for 2112 slots), balanced above (4096 units at 2 tokens on).
+    e = _int8_plain_eighths()
+    assert e == 14
+    rpu = 4
+    for units in (1536, 3072, 3584, 3696, 3697, 4096, 6144):
+        auto, plain, bal = plan([(units, rpu, 528, m, e) for m in (-1, 0, 1)])
+        assert auto == (bal if 8 * units > e * 2112 else plain)
+    picks = {u: plan([(u, rpu, 528, -1, e)])[0][0] for u in (3072, 3584, 4096)}
+    assert picks == {3072: False, 3584: False, 4096: True}
+    # the other stages keep the slots as the bound
+    assert plan([(3072, rpu, 528, -1)])[0][0] is True

@@ -411,6 +411,19 @@ def test_rowdot_and_gemv_decode_agree(mod, monkeypatch, T, H, I):
     assert _rel(a, ref) < 1e-5
 
 
+def test_int8_stage_plan_stays_plain_to_seven_quarters_of_the_slots(mod):
+    # The int8 stages' default (gemv_plan_for's GEMV_I8_PLAIN_EIGHTHS, H30): plain up to 1.75x the warp slots,
+    # balanced above; through the built extension with the device's own occupancy, both int8 stages.
+    _needs_i8(mod)
+    K, W = 4096, decode_constant("GEMV_WARPS")
+    for w13 in (True, False):
+        slots = W * mod.gemv_plan(w13, True, False, K, 1 << 20, 1, -1, True)[1]
+        for units in (slots, slots + 1, 3 * slots // 2, 7 * slots // 4, 7 * slots // 4 + 1, 2 * slots, 3 * slots):
+            forced = 0 if 4 * units <= 7 * slots else 1
+            assert mod.gemv_plan(w13, True, False, K, units, -1, -1, True) == \
+                mod.gemv_plan(w13, True, False, K, units, forced, -1, True)
+
+
 def test_gemv_plan_spreads_rounds_over_warps(mod):
     # Plain: every warp takes whole units, the same number to one; balanced: a block's units' rounds spread over its
     # W warps, never a longer warp than plain. The default takes balanced exactly when the units outnumber the warp

@@ -73,8 +73,9 @@ I8_W2 = True
 # "balanced" — a block's rounds split evenly over its warps, units may straddle warps, every warp slot streams —
 # when a stage's units outnumber the warp slots, as at 2-8 tokens, where plain took 0.7-6.4% longer per layer on
 # the H200; "plain" — whole units per warp — below that, as at 1 token, where balanced measured slower for
-# DeepSeek-V4-Flash; docs/KERNELS.md H20). False / True force plain / balanced (bench decode kernels "gemv+plain" /
-# "gemv+balanced"). Both deterministic; they differ only in float summation order.
+# DeepSeek-V4-Flash; docs/KERNELS.md H20. The int8 stages keep plain up to 1.75x the slots: 0.96-0.97x the layer
+# time at the 1-2 token points that moves, H30). False / True force plain / balanced (bench decode kernels
+# "gemv+plain" / "gemv+balanced"). Both deterministic; they differ only in float summation order.
 GEMV_BALANCE: bool | None = None
 # Which ring brings the gemv decode stages' weight rounds into shared memory: None = the extension's choice (the TMA
 # ring — one tensor-map box of 16 rows x 128 code bytes and one of scales per 512-weight round, 3 rounds in flight
