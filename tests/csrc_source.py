@@ -20,6 +20,13 @@ def decode_constant(name: str) -> int:
     return int(m.group(1))
 
 
+def kernels_constant(name: str) -> int:
+    """The value of `constexpr int64_t NAME = N;` in csrc/moe_kernels.cu (host-side launch constants)."""
+    m = re.search(rf"constexpr int64_t {name} = (\d+);", (CSRC / "moe_kernels.cu").read_text())
+    assert m, f"{name} not found in csrc/moe_kernels.cu"
+    return int(m.group(1))
+
+
 def compile_host(cpp: str, out: Path) -> Path:
     """Build `cpp` (host C++ cut from csrc/ plus a main) into the executable `out` with the system compiler; skips
     the calling test where there is none."""

@@ -10,7 +10,7 @@ import re
 import subprocess
 
 import pytest
-from csrc_source import CSRC, compile_host, decode_constant
+from csrc_source import CSRC, compile_host, decode_constant, kernels_constant
 
 SRC = CSRC / "moe_kernels.cu"
 
@@ -80,17 +80,11 @@ def test_deepseek_v4_flash_at_one_token_stays_plain(plan):
     assert two == (True, 528, -(-6 * rpu // 4))
 
 
-def _int8_plain_eighths() -> int:
-    m = re.search(r"constexpr int64_t GEMV_I8_PLAIN_EIGHTHS = (\d+);", SRC.read_text())
-    assert m, "GEMV_I8_PLAIN_EIGHTHS not found in csrc/moe_kernels.cu"
-    return int(m.group(1))
-
-
 def test_int8_stages_stay_plain_up_to_one_and_three_quarters_of_the_slots(plan):
     # The int8 stages' default (H30, H200): plain up to 1.75x the warp slots, where two whole units per warp beat
     # balanced (GLM-5.2 w2 at 1 token: 3072 units, Kimi-K2.7-Code w2 at 1 token: 3584, DeepSeek-V4-Flash at 2
     # tokens: 3072, for 2112 slots), balanced above (4096 units at 2 tokens on).
-    e = _int8_plain_eighths()
+    e = kernels_constant("GEMV_I8_PLAIN_EIGHTHS")
     assert e == 14
     rpu = 4
     for units in (1536, 3072, 3584, 3696, 3697, 4096, 6144):

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from csrc_source import decode_constant
+from csrc_source import decode_constant, kernels_constant
 
 from moetplan.errors import UsageError
 from moetplan.runtime import kernels, ops
@@ -415,11 +415,12 @@ def test_int8_stage_plan_stays_plain_to_seven_quarters_of_the_slots(mod):
     # The int8 stages' default (gemv_plan_for's GEMV_I8_PLAIN_EIGHTHS, H30): plain up to 1.75x the warp slots,
     # balanced above; through the built extension with the device's own occupancy, both int8 stages.
     _needs_i8(mod)
-    K, W = 4096, decode_constant("GEMV_WARPS")
+    K, W, e = 4096, decode_constant("GEMV_WARPS"), kernels_constant("GEMV_I8_PLAIN_EIGHTHS")
     for w13 in (True, False):
         slots = W * mod.gemv_plan(w13, True, False, K, 1 << 20, 1, -1, True)[1]
-        for units in (slots, slots + 1, 3 * slots // 2, 7 * slots // 4, 7 * slots // 4 + 1, 2 * slots, 3 * slots):
-            forced = 0 if 4 * units <= 7 * slots else 1
+        bound = e * slots // 8
+        for units in (slots, slots + 1, 3 * slots // 2, bound, bound + 1, 2 * slots, 3 * slots):
+            forced = 0 if 8 * units <= e * slots else 1
             assert mod.gemv_plan(w13, True, False, K, units, -1, -1, True) == \
                 mod.gemv_plan(w13, True, False, K, units, forced, -1, True)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from csrc_source import CSRC
 from typer.testing import CliRunner
 
 from moetplan.errors import UsageError
@@ -785,7 +785,7 @@ def test_i8_x_planes_fit_int8_and_are_exact_within_2_to_the_12_of_the_largest():
 def test_i8_tables_are_the_codes_times_a_power_of_two():
     # i8_table in csrc/moe_decode.cuh: u (1, 4, -1, -4) as int8 bytes is u * mul + add mod 2^32 (constants read from
     # the source), the bytes selected by codes 0..3 (the bf16 decode's values +1, +4, -1, -4 of the block scale).
-    src = (Path(__file__).resolve().parents[1] / "csrc" / "moe_decode.cuh").read_text()
+    src = (CSRC / "moe_decode.cuh").read_text()
     m = re.search(r"\(1u << d\) \* (0x[0-9A-Fa-f]+)u \+ (0x[0-9A-Fa-f]+)u", src)
     assert m, "i8_table's formula not found in csrc/moe_decode.cuh"
     mul, add = int(m.group(1), 16), int(m.group(2), 16)
