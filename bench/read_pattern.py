@@ -6,9 +6,10 @@ the same bytes in the order the decode stages do, against a tile-major order and
     python3 bench/read_pattern.py --patterns ring_gemv,ring_tile --warps 16 --pdl --out bench/results/read_pattern_pdl_h200.json
 
 The ring_* patterns replay the decode stages' memory side as built (a per-warp cp.async ring, no decode), in their
-row-major order and in a tile-major one (docs/KERNELS.md, H23). Per pattern and row length (1024 B = K 4096
-2-bit codes, 512 B = K 2048): GB/s over a 4 GiB buffer in one launch, and over slices of a decode step's size
-(back to back in one CUDA graph), as a share of torch.sum's rate.
+row-major order and in a tile-major one (docs/KERNELS.md, H23); "stream" reads each warp's share of the bytes
+front to back (bench/layer_ceiling.py times a decode layer's launches with it). Per pattern and row length
+(1024 B = K 4096 2-bit codes, 512 B = K 2048): GB/s over a 4 GiB buffer in one launch, and over slices of a decode
+step's size (back to back in one CUDA graph), as a share of torch.sum's rate.
 
 --pdl runs every pattern twice, without and with programmatic dependent launch (the kernels issue their first
 two rounds, then wait for the previous one and release the next, as the decode stages do), both with shared
@@ -28,7 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernels import GIB, MIB, atomic_write_json, capture, machine_info, time_events  # noqa: E402
 
 PATTERNS = {0: "tile_linear", 1: "gemv", 2: "quad256", 3: "gemv+scales", 4: "ring_gemv", 5: "ring_tile",
-            6: "ring_gemv+pf", 7: "ring_gemv+pfn", 8: "ring_gemv+pf4"}
+            6: "ring_gemv+pf", 7: "ring_gemv+pfn", 8: "ring_gemv+pf4", 9: "stream"}
+
+
+def load_module():
+    """Build (or take from torch's extension cache) bench/cuda/read_pattern.cu for sm_90."""
+    return load("moetplan_read_pattern", [str(Path(__file__).parent / "cuda" / "read_pattern.cu")],
+                extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)
 
 
 def main() -> None:
@@ -46,8 +53,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"read_pattern: unknown pattern(s) {unknown}; choose from {list(PATTERNS.values())}")
     warps = [int(w) for w in args.warps.split(",") if w]
-    mod = load("moetplan_read_pattern", [str(Path(__file__).parent / "cuda" / "read_pattern.cu")],
-               extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)
+    mod = load_module()
     n = int(args.gib * GIB)
     buf = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
     scales = torch.randint(0, 256, (n // 8,), dtype=torch.uint8, device="cuda")

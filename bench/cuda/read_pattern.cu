@@ -19,6 +19,11 @@
 //   7 "ring_gemv+pfn": as 6, one tile ahead: the next tile is prefetched when half the current one is issued;
 //   8 "ring_gemv+pf4": ring_gemv plus, every 4th round, an L2 bulk prefetch of the next 4 rounds' 256 bytes of
 //                    each of the tile's 16 rows and their 32 scale bytes (rounds 0-3 at the tile's first round);
+//   9 "stream":      no rows at all: every warp reads one contiguous share of the bytes (n_tiles x 16 x rb, split
+//                    evenly over the warps, not in whole tiles), 512 contiguous bytes per warp instruction, 8 loads of
+//                    16 bytes per thread per step and the next step's 8 in flight while one is consumed; with PDL
+//                    its first step is loaded before the wait. The best this chip reads bytes of a launch's size
+//                    (bench/layer_ceiling.py: a decode layer's launches as pure reads).
 // PDL (read_pattern's `pdl`, sm_90+): launched with programmatic stream serialization, every kernel issues its
 // first two rounds (ring modes; the other modes nothing), then waits for the previous kernel (griddepcontrol.wait)
 // and lets the next one launch (griddepcontrol.launch_dependents), as the decode stages do, so back-to-back
@@ -131,7 +136,34 @@ __global__ void __launch_bounds__(128) read_kernel(const uint8_t* buf, const uin
   const int64_t t0 = wg * n_tiles / W, t1 = (wg + 1) * n_tiles / W;
   const int64_t tb = int64_t(rb) * 16;
   uint32_t acc = 0;
-  if constexpr (MODE >= 4) {
+  if constexpr (MODE == 9) {
+    constexpr int U = 8;  // 16-byte loads per thread per step: 4 KB per warp step, two steps in flight
+    const int64_t n16 = n_tiles * tb / 16;
+    const int64_t a = wg * n16 / W, b = (wg + 1) * n16 / W;
+    const uint4* p = reinterpret_cast<const uint4*>(buf);
+    uint4 v[U];
+    auto load_step = [&](int64_t s0, uint4* dst) {
+#pragma unroll
+      for (int i = 0; i < U; ++i) {
+        const int64_t q = s0 + i * 32 + lane;
+        dst[i] = q < b ? ldnc(p + q) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    };
+    load_step(a, v);  // the weights do not depend on the previous kernel: their first step precedes the wait
+    griddep_wait_and_release();
+    for (int64_t s0 = a; s0 < b; s0 += 32 * U) {
+      uint4 w[U];
+      load_step(s0 + 32 * U, w);
+#pragma unroll
+      for (int i = 0; i < U; ++i) {
+        acc ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
+        v[i] = w[i];
+      }
+    }
+    out[int64_t(blockIdx.x) * blockDim.x + threadIdx.x] = acc;
+    return;
+  }
+  if constexpr (MODE >= 4 && MODE < 9) {
     __shared__ uint4 cr[4][2][2][32];
     __shared__ uint4 sr[4][2][32];
     acc = ring_read<MODE>(buf, scales, t0, t1, rb, lane, cr[warp], sr[warp]);
@@ -192,7 +224,8 @@ using ReadKernel = void (*)(const uint8_t*, const uint8_t*, int64_t, int, uint32
 // The kernel of a mode (bench/read_pattern.py PATTERNS: its keys are this table's indices).
 ReadKernel kernel_of(int64_t mode) {
   static const ReadKernel kernels[] = {read_kernel<0>, read_kernel<1>, read_kernel<2>, read_kernel<3>, read_kernel<4>,
-                                       read_kernel<5>, read_kernel<6>, read_kernel<7>, read_kernel<8>};
+                                       read_kernel<5>, read_kernel<6>, read_kernel<7>, read_kernel<8>,
+                                       read_kernel<9>};
   TORCH_CHECK(mode >= 0 && mode < int64_t(sizeof(kernels) / sizeof(kernels[0])), "read_pattern: unknown mode ", mode,
               " (bench/read_pattern.py PATTERNS)");
   return kernels[mode];
@@ -220,29 +253,51 @@ int64_t smem_pad(int64_t mode, int64_t per_sm) {
   return pad;
 }
 
-// One launch of a mode's kernel: with programmatic stream serialization when `pdl`, and `smem_pad` bytes of
-// dynamic shared memory (static + dynamic above 48 KB only after smem_pad() raised the kernel's limit).
-void read_pattern(int64_t mode, torch::Tensor buf, torch::Tensor scales, int64_t rb, int64_t blocks,
-                  torch::Tensor out, bool pdl, int64_t smem_pad) {
-  TORCH_CHECK(out.numel() >= blocks * 128, "out too small");
-  TORCH_CHECK(smem_pad >= 0, "read_pattern: smem_pad must be >= 0, got ", smem_pad);
+// A launch with programmatic stream serialization when `pdl` (the moetplan stages' launch form).
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), unsigned grid, unsigned block, size_t smem, bool pdl, Args... args) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(blocks));
-  cfg.blockDim = dim3(128);
-  cfg.dynamicSmemBytes = size_t(smem_pad);
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = c10::cuda::getCurrentCUDAStream();
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel_of(mode), static_cast<const uint8_t*>(buf.data_ptr<uint8_t>()),
-                                    static_cast<const uint8_t*>(scales.data_ptr<uint8_t>()),
-                                    int64_t(buf.numel() / (rb * 16)), int(rb),
-                                    reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>())));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+// One launch of a mode's kernel: with programmatic stream serialization when `pdl`, and `smem_pad` bytes of
+// dynamic shared memory (static + dynamic above 48 KB only after smem_pad() raised the kernel's limit).
+void read_pattern(int64_t mode, torch::Tensor buf, torch::Tensor scales, int64_t rb, int64_t blocks,
+                  torch::Tensor out, bool pdl, int64_t smem_pad) {
+  TORCH_CHECK(out.numel() >= blocks * 128, "out too small");
+  TORCH_CHECK(smem_pad >= 0, "read_pattern: smem_pad must be >= 0, got ", smem_pad);
+  launch(kernel_of(mode), unsigned(blocks), 128u, size_t(smem_pad), pdl,
+         static_cast<const uint8_t*>(buf.data_ptr<uint8_t>()), static_cast<const uint8_t*>(scales.data_ptr<uint8_t>()),
+         int64_t(buf.numel() / (rb * 16)), int(rb), reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>()));
+}
+
+// The op's small launches between and around its two stages (xprep8 before the w13 stage, xprep8 between the
+// stages, combine after the w2 stage), as empty one-block kernels with the same PDL order: `trigger_first` (the
+// launch between the stages) lets its dependents launch before waiting, the others wait first.
+__global__ void link_kernel(bool trigger_first, uint32_t* out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (trigger_first) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (!trigger_first) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  if (threadIdx.x == 0) out[0] += 1u;
+}
+
+void launch_link(bool trigger_first, torch::Tensor out, bool pdl) {
+  launch(link_kernel, 1u, 32u, 0, pdl, trigger_first, reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>()));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_pattern", &read_pattern);
+  m.def("link", &launch_link);
   m.def("smem_pad", &smem_pad);
 }
