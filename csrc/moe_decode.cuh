@@ -504,11 +504,11 @@ __device__ __forceinline__ uint32_t i8_table(uint32_t b, int base) {
 }
 
 // One pass of an int8 stage over a TMA-ring round (stage at st) against bases base0 / base1 (rows g / g + 8):
-// sc[row][half][block] are this thread's scale bytes, b its B of the round's first half. Adds the pass's int32
+// sc[row][half][block] are this thread's scale bytes, bq its B of the round (i8_load_b). Adds the pass's int32
 // sums times 2^(base - 127) to acc.
 template <bool CLAMP>
-__device__ __forceinline__ void i8_pass(uint32_t st, int g, int t, const uint4* b, const uint32_t (&sc)[2][2][2],
-                                        int base0, int base1, float (&acc)[4]) {
+__device__ __forceinline__ void i8_pass(uint32_t st, int g, int t, const uint4 (&bq)[2][4],
+                                        const uint32_t (&sc)[2][2][2], int base0, int base1, float (&acc)[4]) {
   int ca[4] = {0, 0, 0, 0}, cb[4] = {0, 0, 0, 0};  // two MMA chains (even / odd words)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -520,7 +520,6 @@ __device__ __forceinline__ void i8_pass(uint32_t st, int g, int t, const uint4* 
     const uint32_t cw0[4] = {c0.x, c0.y, c0.z, c0.w}, cw1[4] = {c1.x, c1.y, c1.z, c1.w};
 #pragma unroll
     for (int wq = 0; wq < 4; ++wq) {
-      const uint4 bq = __ldg(b + half * 16 + wq * 4);
       const uint32_t t0 = wq < 2 ? ta0 : tb0, t1 = wq < 2 ? ta1 : tb1;
       // Selector nibbles 4 | code: prmt(t, t, .) reads byte `code` of t either way, and every half of a selector
       // word is then a normal fp16 (bit 14 set), which hi_half moves down exactly.
@@ -529,9 +528,10 @@ __device__ __forceinline__ void i8_pass(uint32_t st, int g, int t, const uint4* 
       const uint32_t ea1 = and_or(cw1[wq], 0x33333333u, 0x44444444u);
       const uint32_t eb1 = and_or(cw1[wq] >> 2, 0x33333333u, 0x44444444u);
       int(&c)[4] = (wq & 1) ? cb : ca;
-      mma_s8(c, prmt(t0, t0, ea0), prmt(t1, t1, ea1), prmt(t0, t0, eb0), prmt(t1, t1, eb1), bq.x, bq.y);
+      const uint4 bw = bq[half][wq];
+      mma_s8(c, prmt(t0, t0, ea0), prmt(t1, t1, ea1), prmt(t0, t0, eb0), prmt(t1, t1, eb1), bw.x, bw.y);
       mma_s8(c, prmt(t0, t0, hi_half(ea0)), prmt(t1, t1, hi_half(ea1)), prmt(t0, t0, hi_half(eb0)),
-             prmt(t1, t1, hi_half(eb1)), bq.z, bq.w);
+             prmt(t1, t1, hi_half(eb1)), bw.z, bw.w);
     }
   }
   // 2^(base - 127) per row (0 for base <= 0: scales below 2^-122, and a missing expert's zero page).
@@ -542,12 +542,22 @@ __device__ __forceinline__ void i8_pass(uint32_t st, int g, int t, const uint4* 
   acc[3] = fmaf(float(ca[3] + cb[3]), f1, acc[3]);
 }
 
+// This thread's B of an int8 round: b points at its first 16 bytes (xprep8<true>'s planes, b8_off order with
+// one-piece rounds: half h of round rc is one-piece round 2 rc + h). The stage issues these loads before waiting
+// for the round's codes, so their latency (the L1, or the L2 for a pass's first rows) overlaps the wait and the
+// scale prologue instead of stalling the round's first MMAs.
+__device__ __forceinline__ void i8_load_b(const uint4* b, uint4 (&bq)[2][4]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+#pragma unroll
+    for (int wq = 0; wq < 4; ++wq) bq[half][wq] = __ldg(b + half * 16 + wq * 4);
+}
+
 // One TMA-ring round (512 weights of the tile's 16 rows, stage at shared address st) of an int8 stage, into
-// acc (rows g, g + 8; columns 2t, 2t + 1). b: this thread's B of the round's first half (xprep8<true>'s planes,
-// b8_off order with one-piece rounds: half h of round rc is one-piece round 2 rc + h).
+// acc (rows g, g + 8; columns 2t, 2t + 1). bq: this thread's B of the round (i8_load_b).
 // A thread decodes blocks 2 piece and 2 piece + 1 of each row (piece = 4 half + t): bytes 2t, 2t + 1, 8 + 2t,
 // 9 + 2t of the row's 16 scale bytes; the row's largest of the round is the quad's (two shuffles).
-__device__ __forceinline__ void i8_bulk_round(uint32_t st, int g, int t, const uint4* b, float (&acc)[4]) {
+__device__ __forceinline__ void i8_bulk_round(uint32_t st, int g, int t, const uint4 (&bq)[2][4], float (&acc)[4]) {
   uint32_t sc[2][2][2];
   int mx[2], mn[2];
   const uint32_t sel = 0x4440u + 2u * uint32_t(t & 1);  // prmt: byte 2 (t & 1) of a word, zero-extended
@@ -568,10 +578,10 @@ __device__ __forceinline__ void i8_bulk_round(uint32_t st, int g, int t, const u
   // Every block of the warp's rows within 4 binades of its row's largest: one pass, no range checks. Else two
   // passes (levels 4 and 9 binades below the largest) with them; blocks further below are flushed.
   if (!__any_sync(0xffffffffu, mn[0] < mx[0] - 4 || mn[1] < mx[1] - 4)) {
-    i8_pass<false>(st, g, t, b, sc, mx[0] - 4, mx[1] - 4, acc);
+    i8_pass<false>(st, g, t, bq, sc, mx[0] - 4, mx[1] - 4, acc);
   } else {
 #pragma unroll 1
-    for (int lvl = 0; lvl < 2; ++lvl) i8_pass<true>(st, g, t, b, sc, mx[0] - 4 - 5 * lvl, mx[1] - 4 - 5 * lvl, acc);
+    for (int lvl = 0; lvl < 2; ++lvl) i8_pass<true>(st, g, t, bq, sc, mx[0] - 4 - 5 * lvl, mx[1] - 4 - 5 * lvl, acc);
   }
 }
 
@@ -976,6 +986,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
 
   for (int r = 0; r < n_rounds; ++r) {
     const int buf = BULK ? r % GEMV_BULK_STAGES : r % GEMV_ROUNDS;
+    uint4 bq[2][4];  // I8: the round's B, requested before its codes are waited for
+    if constexpr (I8) i8_load_b(bptr + unsigned(2 * rc) * 16 + unsigned(t), bq);
     if constexpr (BULK) {
       mbar_wait(bbar0 + buf * 8, uint32_t(r / GEMV_BULK_STAGES) & 1u);  // the round's 2304 bytes have landed
     } else {
@@ -983,7 +995,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
       if (NS > 1) __syncwarp();          // and the neighbours' scale copies
     }
     if constexpr (I8) {
-      i8_bulk_round(bstage0 + buf * GEMV_BULK_STAGE, g, t, bptr + unsigned(2 * rc) * 16 + unsigned(t), acc);
+      i8_bulk_round(bstage0 + buf * GEMV_BULK_STAGE, g, t, bq, acc);
     } else {
 #pragma unroll
     for (int half = 0; half < (BULK ? 2 : 1); ++half) {  // bulk: a round is two one-piece rounds
