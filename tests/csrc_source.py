@@ -13,18 +13,20 @@ import pytest
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
 
+def _constant(name: str, file: str, ctype: str) -> int:
+    m = re.search(rf"constexpr {ctype} {name} = (\d+);", (CSRC / file).read_text())
+    assert m, f"{name} not found in csrc/{file}"
+    return int(m.group(1))
+
+
 def decode_constant(name: str) -> int:
     """The value of `constexpr int NAME = N;` in csrc/moe_decode.cuh."""
-    m = re.search(rf"constexpr int {name} = (\d+);", (CSRC / "moe_decode.cuh").read_text())
-    assert m, f"{name} not found in csrc/moe_decode.cuh"
-    return int(m.group(1))
+    return _constant(name, "moe_decode.cuh", "int")
 
 
 def kernels_constant(name: str) -> int:
     """The value of `constexpr int64_t NAME = N;` in csrc/moe_kernels.cu (host-side launch constants)."""
-    m = re.search(rf"constexpr int64_t {name} = (\d+);", (CSRC / "moe_kernels.cu").read_text())
-    assert m, f"{name} not found in csrc/moe_kernels.cu"
-    return int(m.group(1))
+    return _constant(name, "moe_kernels.cu", "int64_t")
 
 
 def compile_host(cpp: str, out: Path) -> Path:

@@ -1,20 +1,16 @@
 """bench/layer_ceiling.py: the layers' byte regions it streams (CPU: the layout only; the timing needs a GPU)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import layer_ceiling  # noqa: E402
-from bench.read_pattern import PATTERNS  # noqa: E402
-
-TILE = layer_ceiling.TILE
+@pytest.fixture(scope="module")
+def layer_ceiling(load_bench):
+    return load_bench("layer_ceiling")
 
 
-def test_regions_are_whole_tiles_inside_the_buffer_and_consecutive_layers_never_share_bytes():
+def test_regions_are_whole_tiles_inside_the_buffer_and_consecutive_layers_never_share_bytes(layer_ceiling):
+    TILE = layer_ceiling.TILE
     w13 = [7 * TILE + 5, 3 * TILE, 100, 9 * TILE]
     w2 = [2 * TILE, TILE + 1, 5, 4 * TILE + TILE - 1]
     buf = 16 * TILE
@@ -30,10 +26,7 @@ def test_regions_are_whole_tiles_inside_the_buffer_and_consecutive_layers_never_
     assert [o for o, _, _ in regions] == [0, 9 * TILE, 13 * TILE, 0]  # the fourth layer would not fit: it wraps
 
 
-def test_a_layer_larger_than_the_buffer_names_the_fix():
+def test_a_layer_larger_than_the_buffer_names_the_fix(layer_ceiling):
+    TILE = layer_ceiling.TILE
     with pytest.raises(ValueError, match="does not fit.*raise --gib"):
         layer_ceiling.layer_regions([8 * TILE], [9 * TILE], 16 * TILE)
-
-
-def test_it_streams_with_the_read_pattern_kernel_named_stream():
-    assert PATTERNS[layer_ceiling.STREAM] == "stream"
