@@ -27,8 +27,14 @@ def server(tmp_path_factory):
                                      "--timeout", "400"], env)
     if ready is None:
         pytest.fail(f"server did not come up: {events[-3:]}")
+    import httpx
+
+    # The first request a new user sends: a short prompt. On CPUs whose CPUID reports AMX this once killed the
+    # server (vLLM's AMX attention ran before the process had the AMX tile permission; runtime/cpu_amx.py).
+    first = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                       json={"model": ready["model"], "prompt": "Hello", "max_tokens": 8})
     yield {"url": f"http://127.0.0.1:{port}", "model": ready["model"], "plan": str(run_dir / "plan.json"),
-           "env": env}
+           "env": env, "proc": proc, "first": first}
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=120)
 
@@ -42,6 +48,18 @@ def record(server, tmp_path_factory):
                     concurrency=[1, 2], runs=2, max_tokens=24, needle_lens=[256], timeout=120, out=str(out),
                     progress=False)
     return rec, out
+
+
+def test_a_short_first_prompt_is_answered_and_the_server_keeps_serving(server) -> None:
+    import httpx
+
+    first = server["first"]
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["text"] != "" or first.json()["usage"]["completion_tokens"] > 0
+    again = httpx.post(f"{server['url']}/v1/completions", timeout=120,
+                       json={"model": server["model"], "prompt": "Hi", "max_tokens": 4})
+    assert again.status_code == 200, again.text
+    assert server["proc"].poll() is None
 
 
 def test_bench_record_has_every_metric_and_probe(record) -> None:

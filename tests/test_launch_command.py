@@ -91,6 +91,20 @@ def test_cpu_plan_launch_is_eager_with_a_kv_budget_and_offline():
     assert extra[-2:] == ["--dtype", "float32"]
 
 
+def test_cpu_mla_below_bf16_names_the_reference_cpu_mla_backend():
+    # vLLM's AMX MLA kernel (picked wherever CPUID reports AMX) takes bf16 only: an fp32 MLA launch must name
+    # CPU_MLA so it runs on AMX and non-AMX machines alike; bf16 and non-MLA launches leave vLLM its choice.
+    mla = plan_for_cpu(_tiny_spec(kind="mla"), context=1024)
+    fp32 = build_launch(mla, extra_args=["--dtype", "float32"]).argv
+    assert _flag(fp32, "--attention-backend") == "CPU_MLA"
+    assert "--attention-backend" not in build_launch(mla).argv  # checkpoint dtype bf16
+    assert "--attention-backend" not in build_launch(mla, extra_args=["--dtype=bfloat16"]).argv
+    mine = build_launch(mla, extra_args=["--dtype", "float32", "--attention-backend", "AMX_MLA"]).argv
+    assert mine.count("--attention-backend") == 1  # the user's own choice wins
+    gqa = plan_for_cpu(_tiny_spec(), context=1024)
+    assert "--attention-backend" not in build_launch(gqa, extra_args=["--dtype", "float32"]).argv
+
+
 def test_kv_dtype_mapping_and_errors(glm_plan):
     plan = plan_for_cpu(_tiny_spec())
     for kv, want in (("bf16", "auto"), ("fp8", "fp8"), ("nvfp4", "nvfp4"), ("fp8_ds_mla", "fp8_ds_mla")):

@@ -89,6 +89,35 @@ def speculative_config(plan: Plan) -> dict[str, Any] | None:
     )
 
 
+def _arg_value(args: list[str] | None, flag: str) -> str | None:
+    """The value given to `flag` in vLLM arguments (`--flag v` or `--flag=v`), or None."""
+    args = list(args or [])
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+_BF16_NAMES = ("bfloat16", "bf16")
+
+
+def cpu_mla_backend(plan: Plan, extra_args: list[str] | None) -> list[str]:
+    """vLLM's CPU backend prefers its AMX MLA kernel wherever CPUID reports AMX, and that kernel takes bf16
+    weights only; the reference CPU_MLA backend takes fp32 / fp16 / bf16 on every x86 CPU. Serving an MLA model
+    at another dtype therefore names CPU_MLA (vLLM's own switch), so the same launch runs on AMX and non-AMX
+    machines."""
+    if plan.model.attention.kind not in ("mla", "mla_sparse"):
+        return []
+    if _arg_value(extra_args, "--attention-backend") is not None:
+        return []
+    dtype = (_arg_value(extra_args, "--dtype") or "auto").lower()
+    if dtype == "auto":
+        dtype = (plan.model.dense_precision or "bf16").lower()
+    return [] if dtype in _BF16_NAMES else ["--attention-backend", "CPU_MLA"]
+
+
 def _attention_split_ops() -> list[str]:
     # Importing vLLM costs seconds, and planning machines may not have it: use its list only when loaded.
     mod = sys.modules.get("vllm.config.compilation")
@@ -124,7 +153,7 @@ def build_launch(
     if cpu:
         # Eager halves startup on CPU and there are no CUDA graphs to gain; vLLM sizes the CPU KV cache from
         # NUMA node 0 unless told, which on small VMs refuses to start.
-        argv += ["--enforce-eager"]
+        argv += ["--enforce-eager"] + cpu_mla_backend(plan, extra_args)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(p.kv_cache_gib or 1))))
     else:
         argv += ["--gpu-memory-utilization", f"{p.gpu_memory_utilization:.3f}".rstrip("0").rstrip(".")]

@@ -2,7 +2,7 @@
 
 vLLM calls `register()` in every process it starts (API server, engine core, each worker) before the model
 config is built, so it must be idempotent and cheap: it registers the "moetplan" quantization method, on the
-CPU platform the rotary-embedding workaround, and a model-loader hook. The plan itself (MOETPLAN_PLAN) is read
+CPU platform the AMX permission (`cpu_amx`) and the rotary-embedding workaround, and a model-loader hook. The plan itself (MOETPLAN_PLAN) is read
 lazily, when vLLM builds the method's config in the worker, so the API server never pays for it.
 
 The model-loader hook: the confidence gate wraps the loaded model's forward / compute_logits (docs/GATE.md), so it
@@ -52,9 +52,14 @@ def register() -> None:
     global _DONE
     if _DONE:
         return
+    from moetplan.runtime import cpu_amx
     from moetplan.runtime.rotary_fix import apply_rotary_fix
     from moetplan.runtime.vllm_method import register_method
 
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        cpu_amx.prepare()
     register_method()
     if apply_rotary_fix():
         log.debug("moetplan: CPU rotary-embedding fallback for 3-D / strided q,k installed")
