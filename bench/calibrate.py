@@ -34,7 +34,7 @@ from moetplan.cost_model.calibration import (  # noqa: E402
 )
 from moetplan.cost_model.dataset import REFERENCE_CSV, load_reference  # noqa: E402
 from moetplan.cost_model.fitting import evaluate, fit, summarize  # noqa: E402
-from moetplan.plan.schema import atomic_write_text  # noqa: E402
+from moetplan.contract import atomic_write_text  # noqa: E402
 
 HELD_OUT = {"r03", "r04", "r07", "r08"}
 

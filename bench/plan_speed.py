@@ -12,8 +12,8 @@ import statistics
 import time
 
 from moetplan import __version__, hwdb
-from moetplan.errors import InfeasibleError
-from moetplan.plan.schema import Goals, atomic_write_text
+from moetplan.contract.errors import InfeasibleError
+from moetplan.contract import Goals, atomic_write_text
 from moetplan.plan.solver import solve
 from moetplan.report.machine import machine_info
 

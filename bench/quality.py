@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from moetplan.plan.schema import atomic_write_text  # noqa: E402
+from moetplan.contract import atomic_write_text  # noqa: E402
 from moetplan.runtime import quality as Q  # noqa: E402
 
 

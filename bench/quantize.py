@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moetplan.plan.schema import atomic_write_text  # noqa: E402
+from moetplan.contract import atomic_write_text  # noqa: E402
 from moetplan.runtime import format as F  # noqa: E402
 from moetplan.runtime import sources as S  # noqa: E402
 from moetplan.runtime.packs import Pack, PackWriter, aligned_rows  # noqa: E402

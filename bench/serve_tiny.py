@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moetplan.plan.schema import RunRecord, atomic_write_text, load_json  # noqa: E402
+from moetplan.contract import RunRecord, atomic_write_text, load_json  # noqa: E402
 
 PROMPT = "hello world, the model serves tokens for every expert in the cache"
 

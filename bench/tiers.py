@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from moetplan import hwdb  # noqa: E402
-from moetplan.errors import MoetplanError  # noqa: E402
-from moetplan.plan.schema import atomic_write_text  # noqa: E402
+from moetplan.contract.errors import MoetplanError  # noqa: E402
+from moetplan.contract import atomic_write_text  # noqa: E402
 from moetplan.runtime.backing import (  # noqa: E402
     FileRowSource, PackArenaStore, PackPageCacheStore, PinnedHostStore, host_buffer,
 )

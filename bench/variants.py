@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moetplan.plan.schema import atomic_write_text  # noqa: E402
+from moetplan.contract import atomic_write_text  # noqa: E402
 
 
 def parse_spec(spec: str) -> tuple[str, str, list[str]]:

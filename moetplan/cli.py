@@ -5,7 +5,7 @@ import sys
 
 import typer
 
-from moetplan.errors import MoetplanError
+from moetplan.contract.errors import MoetplanError
 
 app = typer.Typer(
     name="moetplan",
@@ -40,7 +40,7 @@ _err = _Console(stderr=True)
 
 
 def _fail(e: MoetplanError, as_json: bool = False) -> None:
-    from moetplan.errors import InfeasibleError
+    from moetplan.contract.errors import InfeasibleError
 
     if as_json:
         doc = {"error": str(e), "exit_code": e.exit_code}
@@ -77,11 +77,12 @@ def plan_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
 ) -> None:
     """Solve the placement, predict tok/s and name the bottleneck."""
-    from moetplan.errors import UsageError
+    from moetplan.contract.errors import UsageError
     from moetplan.models import resolve_model
     from moetplan.plan.hardware import resolve_hardware
-    from moetplan.plan.schema import Goals, save_json
-    from moetplan.plan.solver import _parse_tokens, parse_set, solve
+    from moetplan.contract import Goals, save_json
+    from moetplan.contract import parse_tokens as _parse_tokens
+    from moetplan.plan.solver import parse_set, solve
 
     try:
         if objective not in ("decode", "context", "balanced"):
@@ -132,8 +133,8 @@ def diff_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """What changed between two plans and what it costs; or a plan vs a measured run."""
-    from moetplan.errors import UsageError
-    from moetplan.plan.schema import Plan, RunRecord, load_any
+    from moetplan.contract.errors import UsageError
+    from moetplan.contract import Plan, RunRecord, load_any
     from moetplan.report.diff import diff_markdown, diff_plan_run, diff_plans, diff_table
 
     try:
@@ -163,11 +164,11 @@ def diff_cmd(
 @app.command("schema")
 def schema_cmd(which: str = typer.Argument("plan", help="plan | hw | run")) -> None:
     """Print the JSON Schema of plan.json, hw.json or run.json."""
-    from moetplan.plan.schema import HardwareProfile, Plan, RunRecord
+    from moetplan.contract import HardwareProfile, Plan, RunRecord
 
     cls = {"plan": Plan, "hw": HardwareProfile, "hardware": HardwareProfile, "run": RunRecord}.get(which)
     if cls is None:
-        _fail(__import__("moetplan.errors", fromlist=["UsageError"]).UsageError(
+        _fail(__import__("moetplan.contract.errors", fromlist=["UsageError"]).UsageError(
             f"schema '{which}': choose plan, hw or run"))
         return
     print(_json.dumps(cls.model_json_schema(), indent=2))

@@ -14,9 +14,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from moetplan.errors import ConfigError, UnknownNameError, UsageError, validation_summary
-from moetplan.models.spec import DENSE_BYTES_PER_PARAM, EXPERT_FORMAT_BITS, ModelSpec
-from moetplan.plan.schema import GPUInfo, HardwareProfile, HostInfo, StorageInfo, ValueSource
+from moetplan.contract.errors import ConfigError, UnknownNameError, UsageError, validation_summary
+from moetplan.contract.model import DENSE_BYTES_PER_PARAM, EXPERT_FORMAT_BITS, ModelSpec
+from moetplan.contract import GPUInfo, HardwareProfile, HostInfo, StorageInfo, ValueSource
 
 HWDB_ENV = "MOETPLAN_HWDB"
 # yaml keys that describe provenance; they are not ModelSpec fields.

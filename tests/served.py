@@ -95,7 +95,7 @@ def plan_file(tmp: Path, ckpt: Path, fmt: str, tag: str = "", gate: dict | None 
     """A CPU plan for a generated checkpoint with these placement fields set, saved as a file; returns its path."""
     from moetplan.launch.run import plan_for_cpu
     from moetplan.models import resolve_model
-    from moetplan.plan.schema import Gate, save_json
+    from moetplan.contract import Gate, save_json
 
     plan = plan_for_cpu(resolve_model(str(ckpt)), context=512, expert_format=fmt)
     for k, v in placement.items():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from moetplan.errors import MoetplanError, UsageError
+from moetplan.contract.errors import MoetplanError, UsageError
 from moetplan.runtime import backing as bk
 from moetplan.runtime.backing import (
     ArrayRowSource, FileRowSource, PackArenaStore, PackPageCacheStore, PinnedHostStore, PinnedMemoryError,

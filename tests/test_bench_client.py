@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from moetplan.cli import app
-from moetplan.errors import UsageError
+from moetplan.contract.errors import UsageError
 from moetplan.launch.bench import parse_int_list, run_bench
 from moetplan.launch.fake_server import FakeOpenAIServer, FakeServerConfig
-from moetplan.plan.schema import RunRecord, load_json, save_json
+from moetplan.contract import RunRecord, load_json, save_json
 from test_bench_helpers import tiny_plan
 
 # Small, fast settings: every bench below finishes in about a second on 2 cores.

@@ -6,7 +6,7 @@ import pytest
 from moetplan.launch.compare import COMPARED_METRICS, compare, error_pct, placement_mismatches
 from moetplan.launch.fake_server import FakeOpenAIServer, FakeServerConfig
 from moetplan.launch.bench import run_bench
-from moetplan.plan.schema import RunRecord
+from moetplan.contract import RunRecord
 from test_bench_helpers import tiny_plan
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetplan.models.spec import Attention, ModelSpec
-from moetplan.plan.schema import (
+from moetplan.contract.model import Attention, ModelSpec
+from moetplan.contract import (
     GPUInfo, HardwareProfile, HostInfo, Launch, MemoryLedger, Placement, Plan, Prediction,
 )
 

@@ -21,8 +21,8 @@ from moetplan.cost_model.calibration import (
 from moetplan.cost_model.command import calibrate_command
 from moetplan.cost_model.dataset import load_reference
 from moetplan.cost_model.fitting import evaluate, fit, summarize
-from moetplan.errors import ConfigError, UsageError
-from moetplan.plan.schema import Placement
+from moetplan.contract.errors import ConfigError, UsageError
+from moetplan.contract import Placement
 
 
 @pytest.fixture(autouse=True)
@@ -124,7 +124,7 @@ def test_calibrate_round_trip(tmp_path):
 
 def test_calibrate_takes_the_gate_fire_share_from_gated_runs(tmp_path):
     from moetplan.cost_model.dataset import gate_fire_share
-    from moetplan.plan.schema import Gate
+    from moetplan.contract import Gate
 
     # 43 MoE layers; 30 of 200 decode steps fired: 30 * 43 second-pass MoE calls.
     rt = {"gate_recompute_moe_calls": 30 * 43, "moe_layers": 43, "decode_steps_timed": 200, "steps": 230}
@@ -211,8 +211,8 @@ def test_calibrate_fits_miss_correlation_from_runtime_kpis(tmp_path):
 
 def _cpu_plan(tmp_path):
     """A plan for a tiny MoE on a host without GPU (vLLM's CPU backend), as the end-to-end runs use."""
-    from moetplan.models.spec import Attention, ModelSpec
-    from moetplan.plan.schema import HostInfo, HardwareProfile, MemoryLedger, Plan, save_json
+    from moetplan.contract.model import Attention, ModelSpec
+    from moetplan.contract import HostInfo, HardwareProfile, MemoryLedger, Plan, save_json
 
     model = ModelSpec(id="local:tiny-moe", name="tiny", num_layers=4, moe_layers=4, hidden_size=256,
                       moe_intermediate_size=128, n_routed_experts=16, top_k=2, vocab_size=4096,

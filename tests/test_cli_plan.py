@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moetplan.cli import app
-from moetplan.errors import EXIT_INFEASIBLE, EXIT_USAGE
+from moetplan.contract.errors import EXIT_INFEASIBLE, EXIT_USAGE
 
 runner = CliRunner()
 
@@ -69,7 +69,7 @@ def test_plan_usage_errors(args, needle) -> None:
 
 def test_plan_from_hw_file_and_malformed_hw(tmp_path) -> None:
     from moetplan import hwdb
-    from moetplan.plan.schema import save_json
+    from moetplan.contract import save_json
 
     hw = hwdb.box_profile("rtx-pro-6000x1")
     path = tmp_path / "hw.json"
@@ -136,7 +136,7 @@ def test_plan_without_hardware_on_a_gpu_less_machine(monkeypatch) -> None:
     """No --hw/--box/--gpus: a quick probe runs; with no NVIDIA GPU the plan says so and uses the default box."""
     from moetplan import hwdb
     from moetplan.hw import probe as probe_mod
-    from moetplan.plan.schema import HardwareProfile, HostInfo
+    from moetplan.contract import HardwareProfile, HostInfo
 
     calls = []
 

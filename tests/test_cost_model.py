@@ -15,8 +15,8 @@ from moetplan.cost_model.coverage import (
     miss_stats,
 )
 from moetplan.cost_model.terms import ALLREDUCE, DENSE, EXPERTS, KV, MISS_HOST, MISS_NVME, decode_step
-from moetplan.models.spec import Attention, ModelSpec
-from moetplan.plan.schema import GPUInfo, HardwareProfile, HostInfo, Placement, StorageInfo
+from moetplan.contract.model import Attention, ModelSpec
+from moetplan.contract import GPUInfo, HardwareProfile, HostInfo, Placement, StorageInfo
 
 
 def toy_model(**over) -> ModelSpec:
@@ -170,14 +170,14 @@ def test_prediction_fields_consistent():
 
 
 def test_bad_kv_dtype_names_the_fix():
-    from moetplan.errors import UsageError
+    from moetplan.contract.errors import UsageError
 
     with pytest.raises(UsageError, match="kv_dtype"):
         predict(toy_model(), toy_hw(), Placement(kv_dtype="nvfp4"), CAL)
 
 
 def test_too_few_gpus_is_a_usage_error():
-    from moetplan.errors import UsageError
+    from moetplan.contract.errors import UsageError
 
     with pytest.raises(UsageError, match="tp x pp"):
         predict(toy_model(), toy_hw(1), Placement(tp=2), CAL)
@@ -253,7 +253,7 @@ def test_correlation_keeps_mean_misses_and_lowers_miss_steps():
 
 def test_gate_recomputes_cost_their_share_of_the_step():
     from moetplan.cost_model.terms import GATE
-    from moetplan.plan.schema import Gate
+    from moetplan.contract import Gate
 
     model, hw = toy_model(), toy_hw()
     base = Placement(fp4_reserve_gib=0.02)
@@ -265,7 +265,7 @@ def test_gate_recomputes_cost_their_share_of_the_step():
 
 
 def test_zero_rates_and_dense_models_are_usage_errors():
-    from moetplan.errors import UsageError
+    from moetplan.contract.errors import UsageError
 
     with pytest.raises(UsageError, match="zero rate"):
         predict(toy_model(), toy_hw(bw=0.0), Placement(), CAL)

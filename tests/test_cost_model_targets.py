@@ -6,7 +6,7 @@ import pytest
 from moetplan import hwdb
 from moetplan.cost_model import load_calibration, predict, whatifs
 from moetplan.cost_model.terms import ALLREDUCE, DENSE, EXPERTS, MISS_HOST, MISS_NVME
-from moetplan.plan.schema import Placement
+from moetplan.contract import Placement
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +62,7 @@ def test_whatifs_for_the_5090_plan():
 
 
 def test_whatifs_say_which_changes_do_not_fit():
-    from moetplan.plan.schema import Goals
+    from moetplan.contract import Goals
     from moetplan.plan.solver import solve
 
     ds4, hw = hwdb.model_spec("deepseek-v4-flash"), hwdb.box_profile("rtx-5090x1")

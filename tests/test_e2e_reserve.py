@@ -58,7 +58,7 @@ def runs(tmp_path_factory):
     }
     plan_of = {name: args[2] for name, args in jobs.items()}
     records: dict[str, dict] = {}
-    from moetplan.plan.schema import RunRecord, load_json
+    from moetplan.contract import RunRecord, load_json
     from moetplan.runtime.records import run_record_path
 
     # gate_a and gate_b share a plan (and so a run-record path): read gate_a's record before gate_b runs

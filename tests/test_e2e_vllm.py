@@ -120,7 +120,7 @@ def test_served_tiny_moe_answers_completions(served, served_tokens):
 
 
 def test_plugin_counters_reach_the_run_record(served, served_tokens):
-    from moetplan.plan.schema import RunRecord, load_json
+    from moetplan.contract import RunRecord, load_json
 
     path = Path(served["ready"]["run_record"])
     deadline = time.monotonic() + 30
@@ -147,7 +147,7 @@ def test_unquantized_through_our_method_equals_vllm_own_output(served_tokens, of
 
 
 def _record(plan_path: str):
-    from moetplan.plan.schema import RunRecord, load_json
+    from moetplan.contract import RunRecord, load_json
     from moetplan.runtime.records import run_record_path
 
     return load_json(RunRecord, run_record_path(plan_path))

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetplan.errors import ConfigError, UsageError
+from moetplan.contract.errors import ConfigError, UsageError
 from moetplan.runtime import format as F
 
 

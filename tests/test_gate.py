@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetplan.errors import ConfigError, UsageError
+from moetplan.contract.errors import ConfigError, UsageError
 from moetplan.runtime.format import RowLayout, pack_expert_row
 from moetplan.runtime.gate import GateController, run_record_kpis
 from moetplan.runtime.ops import moe_forward
@@ -167,7 +167,7 @@ def test_bad_configuration_is_refused():
 def test_from_plan():
     from types import SimpleNamespace
 
-    from moetplan.plan.schema import Gate
+    from moetplan.contract import Gate
 
     plan = SimpleNamespace(placement=SimpleNamespace(gate=Gate(enabled=True, tau=0.3, max_promotions_per_step=12),
                                                      mtp=1))

@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from moetplan import hwdb
-from moetplan.errors import ConfigError, UnknownNameError, UsageError
-from moetplan.models.spec import GIB
-from moetplan.plan.schema import HardwareProfile
+from moetplan.contract.errors import ConfigError, UnknownNameError, UsageError
+from moetplan.contract.model import GIB
+from moetplan.contract import HardwareProfile
 
 
 @pytest.fixture(autouse=True)

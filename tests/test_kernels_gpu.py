@@ -13,7 +13,7 @@ import pytest
 import torch
 from csrc_source import decode_constant, kernels_constant
 
-from moetplan.errors import UsageError
+from moetplan.contract.errors import UsageError
 from moetplan.runtime import kernels, ops
 from moetplan.runtime.format import RowLayout
 

@@ -8,10 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from moetplan.cli import app
-from moetplan.errors import UsageError
+from moetplan.contract.errors import UsageError
 from moetplan.launch.command import build_launch, shell_line, vllm_kv_cache_dtype
 from moetplan.launch.run import plan_for_cpu
-from moetplan.models.spec import Attention, ModelSpec
+from moetplan.contract.model import Attention, ModelSpec
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -143,7 +143,7 @@ def test_cli_dry_run_json_for_glm(tmp_path):
 
 
 def test_cli_dry_run_text_and_extra_vllm_args(tmp_path, glm_plan):
-    from moetplan.plan.schema import save_json
+    from moetplan.contract import save_json
 
     path = tmp_path / "glm.json"
     save_json(glm_plan, path)
@@ -162,7 +162,7 @@ def test_cli_run_needs_a_plan_or_a_model():
 
 def test_serving_a_gpu_plan_on_a_machine_without_those_gpus_is_refused(tmp_path, glm_plan, monkeypatch):
     from moetplan.launch import run as run_mod
-    from moetplan.plan.schema import save_json
+    from moetplan.contract import save_json
 
     monkeypatch.setattr(run_mod, "local_gpu_count", lambda: 0)
     path = tmp_path / "glm.json"
@@ -177,7 +177,7 @@ def test_gate_on_cuda_launches_eager() -> None:
     """The confidence gate recomputes steps from Python: a CUDA launch with the gate on must be eager."""
     from moetplan import hwdb
     from moetplan.launch.command import build_launch
-    from moetplan.plan.schema import Goals
+    from moetplan.contract import Goals
     from moetplan.plan.solver import parse_set, solve
 
     spec, hw = hwdb.model_spec("ds4-flash"), hwdb.box_profile("rtx-pro-6000x1")

@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from moetplan.errors import ConfigError  # noqa: E402
-from moetplan.models.spec import Attention, ModelSpec  # noqa: E402
-from moetplan.plan import schema  # noqa: E402
+from moetplan.contract.errors import ConfigError  # noqa: E402
+from moetplan.contract.model import Attention, ModelSpec  # noqa: E402
+from moetplan import contract as schema  # noqa: E402
 from moetplan.runtime import records  # noqa: E402
 from moetplan.runtime import vllm_method as vm  # noqa: E402
 from moetplan.runtime.format import RowLayout, pack_expert_row, unpack_expert_row  # noqa: E402

@@ -149,7 +149,7 @@ def test_progress_events(line, expect):
      "--port"),
     (["ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`"],
      "out of memory"),
-    (["moetplan.errors.ConfigError: The moetplan quantization method needs a plan: MOETPLAN_PLAN is not set"],
+    (["moetplan.contract.errors.ConfigError: The moetplan quantization method needs a plan: MOETPLAN_PLAN is not set"],
      "MOETPLAN_PLAN"),
 ])
 def test_diagnoses(lines, needle):
@@ -170,8 +170,8 @@ def test_run_command_flow_with_a_stand_in_server(tmp_path, monkeypatch):
     from moetplan.cli import app
     from moetplan.launch import run as run_mod
     from moetplan.launch.command import build_launch as real_build
-    from moetplan.models.spec import Attention, ModelSpec
-    from moetplan.plan.schema import save_json
+    from moetplan.contract.model import Attention, ModelSpec
+    from moetplan.contract import save_json
 
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE.replace("while True:\n    time.sleep(0.1)", "time.sleep(1.5)\nsys.exit(3)"))

@@ -6,7 +6,7 @@ import json
 import pytest
 from safetensors import safe_open
 
-from moetplan.errors import UnknownNameError
+from moetplan.contract.errors import UnknownNameError
 from moetplan.launch import tiny
 
 

@@ -12,10 +12,10 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from moetplan import hwdb
-from moetplan.errors import ConfigError, UnknownNameError
+from moetplan.contract.errors import ConfigError, UnknownNameError
 from moetplan.models import resolve_model
 from moetplan.models.from_config import read_safetensors_header, spec_from_config
-from moetplan.models.spec import GIB, ModelSpec
+from moetplan.contract.model import GIB, ModelSpec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 # Fixture configs that mirror an hwdb entry (same public config values, from ../shared/facts).

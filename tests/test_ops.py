@@ -11,7 +11,7 @@ import torch
 from csrc_source import CSRC
 from typer.testing import CliRunner
 
-from moetplan.errors import UsageError
+from moetplan.contract.errors import UsageError
 from moetplan.runtime import kernels, ops
 from moetplan.runtime.format import (
     RowLayout,

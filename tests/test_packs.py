@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from moetplan.errors import UsageError
+from moetplan.contract.errors import UsageError
 from moetplan.runtime import packs as P
 from moetplan.runtime.format import RowLayout
 

@@ -6,10 +6,10 @@ import json
 import pytest
 
 from moetplan import hwdb
-from moetplan.errors import InfeasibleError, UnknownNameError, UsageError
-from moetplan.models.spec import GIB
+from moetplan.contract.errors import InfeasibleError, UnknownNameError, UsageError
+from moetplan.contract.model import GIB
 from moetplan.plan import ledger as L
-from moetplan.plan.schema import Goals, HardwareProfile, Plan
+from moetplan.contract import Goals, HardwareProfile, Plan
 from moetplan.plan.solver import parse_set, solve
 
 # vLLM-Moet's published (box, model) combinations (shared/calibration + FACTS.md "published results").
@@ -124,7 +124,7 @@ def test_pinned_cache_below_floor_is_refused_naming_the_floor() -> None:
 
 def test_cache_floor_matches_vllm_moet_rule() -> None:
     spec = hwdb.model_spec("glm-5.2")
-    from moetplan.plan.schema import Placement
+    from moetplan.contract import Placement
 
     p = Placement(tp=2, mtp=2, max_num_seqs=1, concurrency=1)
     # 1.15 x 75 MoE layers x top-8 x (1 + 2 speculative) x min(1, 4)
@@ -175,7 +175,7 @@ def test_unknown_model_suggests_close_names() -> None:
 
 def test_plan_json_round_trip_and_schema(tmp_path) -> None:
     jsonschema = pytest.importorskip("jsonschema")
-    from moetplan.plan.schema import load_json, save_json
+    from moetplan.contract import load_json, save_json
 
     plan = solve(hwdb.model_spec("glm-5.2"), hwdb.box_profile("rtx-pro-6000x2"), Goals())
     path = tmp_path / "plan.json"
@@ -194,7 +194,7 @@ def test_plan_json_round_trip_and_schema(tmp_path) -> None:
 
 
 def test_corrupt_plan_json_names_the_field(tmp_path) -> None:
-    from moetplan.plan.schema import SchemaError, load_json
+    from moetplan.contract import SchemaError, load_json
 
     plan = solve(hwdb.model_spec("ds4-flash"), hwdb.box_profile("rtx-pro-6000x1"), Goals())
     doc = json.loads(plan.model_dump_json())
@@ -233,7 +233,7 @@ def test_plans_from_the_committed_h200_probe() -> None:
     """bench/results/hw_h200_probe.json is a real `moetplan probe` of an H200 machine (issue 4's reference)."""
     from pathlib import Path
 
-    from moetplan.plan.schema import load_json
+    from moetplan.contract import load_json
 
     hw = load_json(HardwareProfile, Path(__file__).parent.parent / "bench/results/hw_h200_probe.json")
     g = hw.gpus[0]

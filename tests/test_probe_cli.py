@@ -8,11 +8,11 @@ import pytest
 from typer.testing import CliRunner
 
 from moetplan.cli import app
-from moetplan.errors import UsageError
+from moetplan.contract.errors import UsageError
 from moetplan.hw import storage as st
 from moetplan.hw.probe import probe
 from moetplan.hw.transfer import cuda_torch
-from moetplan.plan.schema import HardwareProfile, load_json
+from moetplan.contract import HardwareProfile, load_json
 
 SMALL = st.StorageBudget(file_bytes=64 * 1024**2, write_s=5, seq_s=0.3, rand_s=0.3, rand_reads_max=20)
 HAS_CUDA = cuda_torch()[0] is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from moetplan.hw.render import render_profile
-from moetplan.plan.schema import GPUInfo, HardwareProfile, HostInfo, StorageInfo
+from moetplan.contract import GPUInfo, HardwareProfile, HostInfo, StorageInfo
 
 
 def _profile() -> HardwareProfile:

@@ -10,7 +10,7 @@ from collections import namedtuple
 import psutil
 import pytest
 
-from moetplan.errors import UsageError
+from moetplan.contract.errors import UsageError
 from moetplan.hw import storage as st
 
 MIB = 1024**2

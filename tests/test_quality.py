@@ -150,7 +150,7 @@ def test_bench_result_file_is_well_formed():
 
 
 def test_tokenizer_vocab_floor_is_explained():
-    from moetplan.errors import UsageError
+    from moetplan.contract.errors import UsageError
 
     with pytest.raises(UsageError, match="byte-level floor"):
         Q.build_tokenizer("abc", 128)

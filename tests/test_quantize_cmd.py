@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from moetplan.cli import app
-from moetplan.errors import UsageError
+from moetplan.contract.errors import UsageError
 from moetplan.runtime import format as F
 from moetplan.runtime import packs as P
 from moetplan.runtime import sources as S
@@ -322,7 +322,7 @@ def test_worker_count_does_not_change_bytes(bf16_ckpt, tmp_path):
 
 
 def test_checkpoint_discovery_errors_name_the_problem(tmp_path):
-    from moetplan.errors import ConfigError
+    from moetplan.contract.errors import ConfigError
     from moetplan.runtime.checkpoint import CheckpointExperts
 
     def ckpt(name: str, tensors: dict) -> Path:

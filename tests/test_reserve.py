@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moetplan.errors import ConfigError, UsageError
+from moetplan.contract.errors import ConfigError, UsageError
 from moetplan.runtime.backing import ArrayRowSource
 from moetplan.runtime.format import RowLayout, dequantize_fp4, pack_expert_row, quantize_fp4, unpack_expert_row
 from moetplan.runtime.ops import moe_forward

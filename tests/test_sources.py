@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from moetplan.errors import ConfigError
+from moetplan.contract.errors import ConfigError
 from moetplan.runtime import format as F
 from moetplan.runtime import sources as S
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from moetplan.errors import UsageError
+from moetplan.contract.errors import UsageError
 from moetplan.runtime.trace import Trace, fit_skew, replay, replay_command, replay_curve, run_replay, synthetic_trace
 
 

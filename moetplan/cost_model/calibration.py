@@ -18,8 +18,8 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moetplan.errors import ConfigError, validation_summary
-from moetplan.plan.schema import HardwareProfile, atomic_write_text
+from moetplan.contract.errors import ConfigError, validation_summary
+from moetplan.contract import HardwareProfile, atomic_write_text
 
 CALIBRATION_FILE = "cost_model.yaml"
 PRIORS_FILE = "priors.yaml"

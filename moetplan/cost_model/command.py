@@ -25,8 +25,8 @@ from moetplan.cost_model.fitting import (
     summarize,
     zero_miss_rows,
 )
-from moetplan.errors import UsageError
-from moetplan.plan.schema import HardwareProfile, RunRecord, SchemaError, atomic_write_text, load_json
+from moetplan.contract.errors import UsageError
+from moetplan.contract import HardwareProfile, RunRecord, SchemaError, atomic_write_text, load_json
 
 
 def _hardware(box: str | None, hw_path: Path | None) -> HardwareProfile | None:

@@ -24,7 +24,7 @@ from functools import lru_cache
 import numpy as np
 
 from moetplan.cost_model.calibration import Calibration, RoutingFactors, load_calibration
-from moetplan.models.spec import ModelSpec
+from moetplan.contract.model import ModelSpec
 
 
 @dataclass(frozen=True)

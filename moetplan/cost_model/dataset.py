@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moetplan.cost_model.calibration import calibration_dir
-from moetplan.errors import ConfigError, UsageError
-from moetplan.models.spec import ModelSpec
-from moetplan.plan.schema import HardwareProfile, Placement, RunRecord
+from moetplan.contract.errors import ConfigError, UsageError
+from moetplan.contract.model import ModelSpec
+from moetplan.contract import HardwareProfile, Placement, RunRecord
 
 REFERENCE_CSV = "vllm_moet_measurements.csv"
 # vLLM-Moet's decode medians come from its bench client with short prompts; `context` in the table is the window
@@ -125,7 +125,7 @@ def from_run_record(run: RunRecord, path: str, hw: HardwareProfile | None = None
 
     Model and hardware come from the plan the run names (plan_path), else from `model`/`hw` given by the caller.
     """
-    from moetplan.plan.schema import Plan, SchemaError, load_json
+    from moetplan.contract import Plan, SchemaError, load_json
 
     plan: Plan | None = None
     if run.plan_path:

@@ -11,9 +11,9 @@ import math
 from moetplan.cost_model.calibration import Calibration, load_calibration
 from moetplan.cost_model.predict import predict
 from moetplan.cost_model.terms import KV
-from moetplan.models.spec import ModelSpec
+from moetplan.contract.model import ModelSpec
 from moetplan.plan.ledger import build_ledger
-from moetplan.plan.schema import HardwareProfile, Placement, Prediction
+from moetplan.contract import HardwareProfile, Placement, Prediction
 
 GIB = 1024**3
 

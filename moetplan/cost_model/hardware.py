@@ -13,8 +13,8 @@ import yaml
 
 from moetplan import hwdb
 from moetplan.cost_model.calibration import calibration_dir
-from moetplan.errors import UsageError
-from moetplan.plan.schema import GPUInfo, HardwareProfile, Placement
+from moetplan.contract.errors import UsageError
+from moetplan.contract import GPUInfo, HardwareProfile, Placement
 
 GB = 1e9
 

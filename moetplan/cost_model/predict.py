@@ -20,8 +20,8 @@ from moetplan.cost_model.terms import (
     DecodeStep,
     decode_step,
 )
-from moetplan.models.spec import ModelSpec
-from moetplan.plan.schema import HardwareProfile, Placement, Prediction, Term
+from moetplan.contract.model import ModelSpec
+from moetplan.contract import HardwareProfile, Placement, Prediction, Term
 
 
 def streams(placement: Placement) -> int:

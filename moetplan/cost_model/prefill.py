@@ -21,8 +21,8 @@ from moetplan.cost_model.terms import (
     dense_read_bytes,
     kv_read_tokens,
 )
-from moetplan.models.spec import GIB, ModelSpec
-from moetplan.plan.schema import HardwareProfile, Placement
+from moetplan.contract.model import GIB, ModelSpec
+from moetplan.contract import HardwareProfile, Placement
 
 COMPUTE = "prefill GEMM compute"
 WEIGHTS = "prefill weight reads (bandwidth floor)"

@@ -19,9 +19,9 @@ from moetplan.cost_model.coverage import (
     miss_stats,
 )
 from moetplan.cost_model.hardware import GB, Rates, rates
-from moetplan.errors import UsageError
-from moetplan.models.spec import DENSE_BYTES_PER_PARAM, GIB, ModelSpec
-from moetplan.plan.schema import HardwareProfile, Placement
+from moetplan.contract.errors import UsageError
+from moetplan.contract.model import DENSE_BYTES_PER_PARAM, GIB, ModelSpec
+from moetplan.contract import HardwareProfile, Placement
 
 MS = 1e3
 

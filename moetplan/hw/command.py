@@ -20,7 +20,7 @@ def probe_command(
     """Measure what this machine can move: GPUs, host memory and memlock, pack-dir disk reads, copy rates."""
     from moetplan.hw.probe import run_probe
     from moetplan.hw.render import render_profile
-    from moetplan.plan.schema import save_json
+    from moetplan.contract import save_json
 
     try:
         result = run_probe(str(pack_dir) if pack_dir else None, quick=quick, progress=True)

@@ -10,7 +10,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from moetplan.plan.schema import GPUInfo
+from moetplan.contract import GPUInfo
 
 GIB = 1024**3
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moetplan.plan.schema import HostInfo
+from moetplan.contract import HostInfo
 
 GIB = 1024**3
 MIB = 1024**2

@@ -17,7 +17,7 @@ from moetplan.hw.gpus import query_gpus
 from moetplan.hw.host import query_host
 from moetplan.hw.storage import probe_storage
 from moetplan.hw.transfer import _norm_uuid, cuda_torch, measure_device, torch_index_by_uuid
-from moetplan.plan.schema import HardwareProfile
+from moetplan.contract import HardwareProfile
 
 
 @dataclass

@@ -7,7 +7,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from moetplan.plan.schema import GPUInfo, HardwareProfile
+from moetplan.contract import GPUInfo, HardwareProfile
 
 MIB = 1024**2
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from moetplan.errors import UsageError
-from moetplan.plan.schema import StorageInfo
+from moetplan.contract.errors import UsageError
+from moetplan.contract import StorageInfo
 
 MIB = 1024**2
 GIB = 1024**3

@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import httpx
 import typer
 
-from moetplan.errors import MoetplanError, UsageError
+from moetplan.contract.errors import MoetplanError, UsageError
 from moetplan.launch import probes
-from moetplan.plan.schema import Plan, RunRecord, SchemaError, load_json, save_json
+from moetplan.contract import Plan, RunRecord, SchemaError, load_json, save_json
 
 # Prompt for the decode and batch runs: short so prefill barely counts, long enough to look like a request.
 DECODE_PROMPT_TOKENS = 32

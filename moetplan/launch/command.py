@@ -13,8 +13,8 @@ import shlex
 import sys
 from typing import Any
 
-from moetplan.errors import UsageError
-from moetplan.plan.schema import Launch, Plan
+from moetplan.contract.errors import UsageError
+from moetplan.contract import Launch, Plan
 
 SERVE_MODULE = "moetplan.launch.serve"
 PLAN_ENV = "MOETPLAN_PLAN"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from moetplan.plan.schema import Plan, RunRecord
+from moetplan.contract import Plan, RunRecord
 
 # (metric, unit); order is the order rows are shown in.
 COMPARED_METRICS: tuple[tuple[str, str], ...] = (

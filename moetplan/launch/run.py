@@ -17,10 +17,10 @@ from typing import Any, List, Optional
 
 import typer
 
-from moetplan.errors import MoetplanError, UsageError
+from moetplan.contract.errors import MoetplanError, UsageError
 from moetplan.launch.command import DEFAULT_HOST, DEFAULT_PORT, build_launch, is_cpu_plan, shell_line
-from moetplan.plan import schema as _schema
-from moetplan.plan.schema import load_json, save_json
+from moetplan import contract as _schema
+from moetplan.contract import load_json, save_json
 
 EXPERT_FORMAT_CHOICES = ("2bit", "unquantized")
 
@@ -71,7 +71,7 @@ def resolve_plan(plan_path: str | None, model: str | None, *, box: str | None = 
 
     ctx = None
     if context:
-        from moetplan.plan.solver import _parse_tokens
+        from moetplan.contract import parse_tokens as _parse_tokens
 
         try:
             ctx = _parse_tokens(context)
@@ -139,7 +139,7 @@ def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str
         if unknown:
             raise UsageError(f"--set {', '.join(sorted(unknown))}: a CPU-backend plan takes only context and "
                              "max_num_seqs")
-        from moetplan.plan.solver import _parse_tokens
+        from moetplan.contract import parse_tokens as _parse_tokens
 
         try:
             context = _parse_tokens(pins["context"]) if "context" in pins else ctx

@@ -18,7 +18,7 @@ from typing import Callable
 
 import psutil
 
-from moetplan.errors import MoetplanError
+from moetplan.contract.errors import MoetplanError
 
 
 class ServerDiedError(MoetplanError):

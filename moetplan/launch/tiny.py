@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moetplan.errors import UnknownNameError
+from moetplan.contract.errors import UnknownNameError
 
 # Bump when the generator changes what it writes, so cached copies are regenerated.
 GENERATOR_VERSION = 4

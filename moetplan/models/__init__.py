@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moetplan.errors import ConfigError, UnknownNameError
-from moetplan.models.spec import ModelSpec
+from moetplan.contract.errors import ConfigError, UnknownNameError
+from moetplan.contract.model import ModelSpec
 
 
 def _looks_like_path(s: str) -> bool:
@@ -13,7 +13,7 @@ def _looks_like_path(s: str) -> bool:
 
 def resolve_model(name_or_path: str) -> ModelSpec:
     """An existing folder or *.json path -> spec_from_config; otherwise an hwdb id or alias."""
-    # Imported here: hwdb imports moetplan.models.spec, so a top-level import would be circular.
+    # Imported here: hwdb imports moetplan.contract.model, so a top-level import would be circular.
     from moetplan import hwdb
     from moetplan.models.from_config import spec_from_config
 

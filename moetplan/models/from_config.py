@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from moetplan.errors import ConfigError, validation_summary
-from moetplan.models.spec import GIB, Attention, ModelSpec
+from moetplan.contract.errors import ConfigError, validation_summary
+from moetplan.contract.model import GIB, Attention, ModelSpec
 
 # model_type -> family handler name. kimi_k25 wraps a deepseek_v3 text model in `text_config`.
 _DEEPSEEK = {"deepseek_v3", "deepseek_v2", "kimi_k2", "kimi_k25", "deepseek_v32", "glm_moe_dsa"}

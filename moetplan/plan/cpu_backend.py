@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from moetplan.plan import schema as _schema
+from moetplan import contract as _schema
 
 
 def host_info() -> Any:
@@ -50,7 +50,7 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2b
         guards=["cpu backend: no GPU guards apply"],
     )
     if memory.host_gib > (host.ram_available_gib or host.ram_gib) * 0.9:
-        from moetplan.errors import InfeasibleError
+        from moetplan.contract.errors import InfeasibleError
 
         raise InfeasibleError(
             f"{spec.id} needs ~{memory.host_gib:.1f} GiB of RAM on the CPU backend, this machine has "

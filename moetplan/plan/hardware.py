@@ -1,8 +1,8 @@
 """Where a plan's HardwareProfile comes from: --hw file, --box, inline --gpus, or this machine (quick probe)."""
 from __future__ import annotations
 
-from moetplan.errors import UsageError
-from moetplan.plan.schema import HardwareProfile, load_json
+from moetplan.contract.errors import UsageError
+from moetplan.contract import HardwareProfile, load_json
 
 
 def resolve_hardware(hw_path: str | None = None, box: str | None = None, gpus: str | None = None,

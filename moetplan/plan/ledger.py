@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from moetplan.models.spec import GIB, ModelSpec
-from moetplan.plan.schema import (
+from moetplan.contract.model import GIB, ModelSpec
+from moetplan.contract import (
     GPURankMemory,
     HardwareProfile,
     LedgerItem,

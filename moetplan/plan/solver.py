@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from moetplan import __version__
-from moetplan.errors import InfeasibleError, UsageError
-from moetplan.models.spec import GIB, ModelSpec
+from moetplan.contract.errors import InfeasibleError, UsageError
+from moetplan.contract.model import GIB, ModelSpec
 from moetplan.plan import ledger as L
-from moetplan.plan.schema import (
+from moetplan.contract import (
     PINNABLE_KNOBS,
+    parse_tokens,
     Alternative,
     Gate,
     Goals,
@@ -61,7 +62,7 @@ def parse_set(items: Iterable[str]) -> dict[str, Any]:
             raise UsageError(f"--set: unknown knob '{name}'.{hint} Knobs: {', '.join(PINNABLE_KNOBS + EXTRA_KNOBS)}")
         try:
             if name in int_knobs:
-                v: Any = _parse_tokens(value) if name == "context" else int(value)
+                v: Any = parse_tokens(value) if name == "context" else int(value)
             elif name in float_knobs:
                 v = float(value)
             else:
@@ -76,16 +77,6 @@ def parse_set(items: Iterable[str]) -> dict[str, Any]:
             raise UsageError(f"--set {name}={value}: must not be negative")
         pins[name] = v
     return pins
-
-
-def _parse_tokens(s: str) -> int:
-    s = s.strip().lower()
-    mult = 1
-    if s.endswith("k"):
-        mult, s = 1024, s[:-1]
-    elif s.endswith("m"):
-        mult, s = 1024 * 1024, s[:-1]
-    return int(float(s) * mult)
 
 
 # --------------------------------------------------------------------------- enumeration

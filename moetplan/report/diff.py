@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
-from moetplan.plan.schema import Plan, RunRecord
+from moetplan.contract import Plan, RunRecord
 from moetplan.report.plan_view import hardware_line
 
 PLACEMENT_FIELDS = ("tp", "pp", "expert_tier", "gpu_expert_cache_gib", "gpu_expert_cache_slots", "fp4_reserve_gib",

@@ -6,8 +6,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from moetplan.errors import InfeasibleError
-from moetplan.plan.schema import GPURankMemory, HardwareProfile, Plan, Prediction
+from moetplan.contract.errors import InfeasibleError
+from moetplan.contract import GPURankMemory, HardwareProfile, Plan, Prediction
 
 # One colour per ledger item so bars read at a glance.
 _COLOURS = {

@@ -1,9 +1,9 @@
 """Pareto plot of context vs decode tok/s for a model on a box (matplotlib is an optional extra: `[plot]`)."""
 from __future__ import annotations
 
-from moetplan.errors import UsageError
-from moetplan.models.spec import ModelSpec
-from moetplan.plan.schema import Goals, HardwareProfile
+from moetplan.contract.errors import UsageError
+from moetplan.contract.model import ModelSpec
+from moetplan.contract import Goals, HardwareProfile
 
 
 def pareto_plot(model: ModelSpec, hw: HardwareProfile, goals: Goals, path: str) -> None:

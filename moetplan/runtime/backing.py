@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import xxhash
 
-from moetplan.errors import MoetplanError, UsageError
+from moetplan.contract.errors import MoetplanError, UsageError
 
 Key = tuple[int, int]  # (MoE layer, expert)
 _PAGE = 4096

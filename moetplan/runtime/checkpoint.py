@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from moetplan.errors import ConfigError, UsageError
+from moetplan.contract.errors import ConfigError, UsageError
 
 _EXPERT_RE = re.compile(
     r"^(?P<prefix>.*?)\.?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe|ffn)\.experts\.(?P<expert>\d+)\."

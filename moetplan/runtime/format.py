@@ -17,7 +17,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from moetplan.errors import ConfigError, UsageError
+from moetplan.contract.errors import ConfigError, UsageError
 
 QUANTIZER_VERSION = "1"
 FORMAT_VERSION = 1

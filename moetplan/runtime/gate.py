@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from moetplan.errors import ConfigError, UsageError
+from moetplan.contract.errors import ConfigError, UsageError
 
 log = logging.getLogger("moetplan.gate")
 

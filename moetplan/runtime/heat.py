@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
-from moetplan.errors import UsageError
-from moetplan.plan.schema import atomic_write_text
+from moetplan.contract.errors import UsageError
+from moetplan.contract import atomic_write_text
 
 if TYPE_CHECKING:
     from moetplan.runtime.store import ExpertStore

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from moetplan.errors import MoetplanError, UsageError
+from moetplan.contract.errors import MoetplanError, UsageError
 
 log = logging.getLogger("moetplan.kernels")
 

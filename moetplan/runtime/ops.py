@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from moetplan.errors import MoetplanError, UsageError
+from moetplan.contract.errors import MoetplanError, UsageError
 from moetplan.runtime import kernels
 from moetplan.runtime.format import BLOCK, CODE_VALUES, RowLayout, e2m1_values
 

@@ -24,8 +24,8 @@ import numpy as np
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moetplan.errors import ConfigError, MoetplanError, UsageError
-from moetplan.plan.schema import atomic_write_text
+from moetplan.contract.errors import ConfigError, MoetplanError, UsageError
+from moetplan.contract import atomic_write_text
 from moetplan.runtime.format import FORMAT_VERSION, QUANTIZER_VERSION, ROW_ALIGN, RowLayout
 
 PACK_KIND = "moetplan-pack"

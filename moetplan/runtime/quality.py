@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from moetplan.errors import UsageError
+from moetplan.contract.errors import UsageError
 from moetplan.runtime.format import RowLayout, pack_expert_row
 from moetplan.runtime.gate import GateController
 from moetplan.runtime.ops import moe_forward

@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from moetplan.errors import UsageError
+from moetplan.contract.errors import UsageError
 
 # Error reports read at most this many evenly spaced rows per matrix: the summary stays cheap next to quantizing.
 REPORT_MAX_ROWS = 256

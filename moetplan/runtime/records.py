@@ -19,17 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from moetplan.plan.schema import Plan, RunRecord, save_json
+from moetplan.contract import Plan, RunRecord, run_record_path, save_json  # noqa: F401 (path rule re-used here)
 
 IDLE_GAP_S = 1.0
-
-
-def run_record_path(plan_path: str | os.PathLike[str], rank: int = 0) -> Path:
-    """`<plan>.run.json` next to the plan (rank > 0 gets its own `<plan>.run.rank<r>.json`)."""
-    p = Path(plan_path)
-    stem = p.name[:-5] if p.name.endswith(".json") else p.name
-    suffix = ".run.json" if rank == 0 else f".run.rank{rank}.json"
-    return p.with_name(stem + suffix)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from moetplan.errors import ConfigError, UsageError
+from moetplan.contract.errors import ConfigError, UsageError
 from moetplan.runtime.backing import as_row_source
 from moetplan.runtime.format import RowLayout, pack_expert_row, pack_quantized_row
 from moetplan.runtime.store import SlotPool

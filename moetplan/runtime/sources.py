@@ -15,7 +15,7 @@ import math
 import numpy as np
 import torch
 
-from moetplan.errors import ConfigError
+from moetplan.contract.errors import ConfigError
 from moetplan.runtime.format import (BLOCK, E2M1_GRID, E2M1_MIDPOINTS, ZeroMode, _unpack_nibbles,
                                      e2m1_values)
 

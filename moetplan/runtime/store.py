@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from moetplan.errors import InfeasibleError, UsageError
+from moetplan.contract.errors import InfeasibleError, UsageError
 from moetplan.runtime.backing import BackingStore, Key
 
 log = logging.getLogger("moetplan.store")

@@ -21,8 +21,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import typer
 
-from moetplan.errors import UsageError
-from moetplan.plan.schema import atomic_write_text
+from moetplan.contract.errors import UsageError
+from moetplan.contract import atomic_write_text
 
 
 @dataclass

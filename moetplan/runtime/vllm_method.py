@@ -36,7 +36,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import (
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
-from moetplan.errors import ConfigError, UsageError
+from moetplan.contract.errors import ConfigError, UsageError
 from moetplan.runtime import records
 
 # Under the "vllm" logger tree so lines share vLLM's handler/format (`moetplan run` parses them for progress).
@@ -55,7 +55,7 @@ class RuntimeSettings:
     """What the method needs from the Plan (read once per process)."""
 
     plan_path: str | None
-    plan: Any  # moetplan.plan.schema.Plan | None
+    plan: Any  # moetplan.contract.Plan | None
     expert_format: str = "2bit"
     expert_tier: str = "resident"
     cache_slots: int = 0
@@ -76,7 +76,7 @@ class RuntimeSettings:
                 f"The moetplan quantization method needs a plan: {PLAN_ENV} is not set. Start the server with "
                 "`moetplan run plan.json` (or export MOETPLAN_PLAN=/path/plan.json before `vllm serve`)"
             )
-        from moetplan.plan.schema import Plan, SchemaError, load_json
+        from moetplan.contract import Plan, SchemaError, load_json
 
         try:
             plan = load_json(Plan, path)

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-GIB = 1024**3
+from moetplan.contract.units import GIB
 
 # Bits per routed-expert weight for the formats the runtime stores (FACTS.md: "The 2-bit expert format").
 EXPERT_FORMAT_BITS: dict[str, float] = {

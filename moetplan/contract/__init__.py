@@ -1,0 +1,73 @@
+"""The contract between stages: the Plan, the hardware profile, the model spec, the run record, their JSON I/O,
+the errors users see, and shared units. It imports no other moetplan package; every other package imports it.
+
+    schema.py   Plan, Placement, Goals, MemoryLedger, Prediction, HardwareProfile, RunRecord (pydantic)
+    model.py    ModelSpec: the architecture numbers and the byte footprints they imply
+    io.py       atomic writes, schema-checked loads, where a plan's run record lives
+    errors.py   errors with a message that names the problem and the fix, and their exit codes
+    units.py    GiB, token counts as users write them ("128k")
+"""
+from __future__ import annotations
+
+from moetplan.contract.errors import (
+    EXIT_FAILURE,
+    EXIT_INFEASIBLE,
+    EXIT_OK,
+    EXIT_USAGE,
+    ConfigError,
+    InfeasibleError,
+    MoetplanError,
+    UnknownNameError,
+    UsageError,
+    validation_summary,
+)
+from moetplan.contract.io import (
+    SchemaError,
+    atomic_write_text,
+    load_any,
+    load_json,
+    run_record_path,
+    save_json,
+)
+from moetplan.contract.model import (
+    DENSE_BYTES_PER_PARAM,
+    EXPERT_FORMAT_BITS,
+    Attention,
+    AttentionKind,
+    ModelSpec,
+)
+from moetplan.contract.schema import (
+    PINNABLE_KNOBS,
+    SCHEMA_VERSION,
+    Alternative,
+    ExpertTier,
+    Gate,
+    Goals,
+    GPUInfo,
+    GPURankMemory,
+    HardwareProfile,
+    HostInfo,
+    LedgerItem,
+    Launch,
+    MemoryLedger,
+    Objective,
+    Placement,
+    Plan,
+    Prediction,
+    Reason,
+    RunRecord,
+    StorageInfo,
+    Term,
+    ValueSource,
+)
+from moetplan.contract.units import GIB, MIB, parse_tokens
+
+__all__ = [
+    "EXIT_FAILURE", "EXIT_INFEASIBLE", "EXIT_OK", "EXIT_USAGE", "ConfigError", "InfeasibleError", "MoetplanError",
+    "UnknownNameError", "UsageError", "validation_summary", "SchemaError", "atomic_write_text", "load_any",
+    "load_json", "run_record_path", "save_json", "DENSE_BYTES_PER_PARAM", "EXPERT_FORMAT_BITS", "Attention",
+    "AttentionKind", "ModelSpec", "PINNABLE_KNOBS", "SCHEMA_VERSION", "Alternative", "ExpertTier", "Gate", "Goals",
+    "GPUInfo", "GPURankMemory", "HardwareProfile", "HostInfo", "LedgerItem", "Launch", "MemoryLedger",
+    "Objective", "Placement", "Plan", "Prediction", "Reason", "RunRecord", "StorageInfo", "Term", "ValueSource",
+    "GIB", "MIB", "parse_tokens",
+]
