@@ -39,7 +39,7 @@ from moetplan.contract import atomic_write_text  # noqa: E402
 HELD_OUT = {"r03", "r04", "r07", "r08"}
 
 
-from moetplan.report.machine import machine_info  # noqa: E402
+from moetplan.contract.machine import machine_info  # noqa: E402
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ from moetplan import __version__, hwdb
 from moetplan.contract.errors import InfeasibleError
 from moetplan.contract import Goals, atomic_write_text
 from moetplan.plan.solver import solve
-from moetplan.report.machine import machine_info
+from moetplan.contract.machine import machine_info
 
 CASES = [("glm-5.2", "box", "rtx-pro-6000x2"), ("deepseek-v4-flash", "inline", ("1xrtx-5090", 96)),
          ("kimi-k2.7-code", "inline", ("1xrtx-4090", 32))]

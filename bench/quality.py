@@ -29,7 +29,7 @@ from moetplan.runtime import quality as Q  # noqa: E402
 
 
 def machine_info() -> dict[str, object]:
-    from moetplan.report.machine import machine_info as base
+    from moetplan.contract.machine import machine_info as base
 
     try:
         load = os.getloadavg()  # a shared box: the load says how busy it was

@@ -38,7 +38,7 @@ GB = 1e9
 
 
 def machine_info() -> dict:
-    from moetplan.report.machine import machine_info as base
+    from moetplan.contract.machine import machine_info as base
 
     return base(cpu_capability=torch.backends.cpu.get_cpu_capability())
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import atomic_write_json  # noqa: E402
-from moetplan.report.machine import machine_info  # noqa: E402
+from moetplan.contract.machine import machine_info  # noqa: E402
 from moetplan.runtime.format import quantize_2bit  # noqa: E402
 
 

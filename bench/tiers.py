@@ -63,7 +63,7 @@ class PatternSource:
 
 def _machine(bench_dir: Path) -> dict[str, Any]:
     from moetplan.hw.storage import filesystem_type
-    from moetplan.report.machine import machine_info
+    from moetplan.contract.machine import machine_info
 
     info = machine_info()
     if torch.cuda.is_available():

@@ -6,7 +6,6 @@ hwdb/ sits at the repository root next to the package (editable install); MOETPL
 from __future__ import annotations
 
 import copy
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from moetplan.contract.errors import ConfigError, UnknownNameError, UsageError, validation_summary
 from moetplan.contract.model import DENSE_BYTES_PER_PARAM, EXPERT_FORMAT_BITS, ModelSpec
+from moetplan.contract import envs
 from moetplan.contract import GPUInfo, HardwareProfile, HostInfo, StorageInfo, ValueSource
 
-HWDB_ENV = "MOETPLAN_HWDB"
+HWDB_ENV = envs.HWDB.name
 # yaml keys that describe provenance; they are not ModelSpec fields.
 _META_KEYS = ("source", "sources", "status", "status_default", "notes")
 # Checkpoint precisions a routed expert can arrive in (EXPERT_FORMAT_BITS names the stored formats; MXFP4
@@ -31,7 +31,7 @@ _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def hwdb_dir() -> Path:
-    override = os.environ.get(HWDB_ENV)
+    override = envs.get(envs.HWDB)
     d = Path(override) if override else Path(__file__).resolve().parent.parent / "hwdb"
     if not d.is_dir():
         hint = f"{HWDB_ENV} is set to '{override}'" if override else "the package is not an editable install"

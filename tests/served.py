@@ -93,7 +93,7 @@ def run_offline(script_dir: Path, jobs: dict[str, list], env: dict[str, str], pr
 
 def plan_file(tmp: Path, ckpt: Path, fmt: str, tag: str = "", gate: dict | None = None, **placement: Any) -> str:
     """A CPU plan for a generated checkpoint with these placement fields set, saved as a file; returns its path."""
-    from moetplan.launch.run import plan_for_cpu
+    from moetplan.plan.cpu_backend import plan_for_cpu
     from moetplan.models import resolve_model
     from moetplan.contract import Gate, save_json
 

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from moetplan.cli import app
 from moetplan.contract.errors import UsageError
-from moetplan.launch.bench import parse_int_list, run_bench
-from moetplan.launch.fake_server import FakeOpenAIServer, FakeServerConfig
+from moetplan.bench.phases import parse_int_list, run_bench
+from moetplan.bench.fake_server import FakeOpenAIServer, FakeServerConfig
 from moetplan.contract import RunRecord, load_json, save_json
 from test_bench_helpers import tiny_plan
 
@@ -290,7 +290,7 @@ def test_resume_refuses_a_record_of_other_settings(tmp_path: Path) -> None:
 def test_runtime_kpis_come_from_the_server_record_and_metrics(tmp_path: Path) -> None:
     import os
 
-    from moetplan.launch.compare import compare
+    from moetplan.report.compare import compare
     from moetplan.runtime.records import run_record_path
 
     plan = tiny_plan(concurrency=1)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from moetplan import hwdb
-from moetplan.cost_model import load_calibration, predict, whatifs
+from moetplan.cost_model import load_calibration, predict
+from moetplan.plan.whatifs import whatifs
 from moetplan.cost_model.terms import ALLREDUCE, DENSE, EXPERTS, MISS_HOST, MISS_NVME
 from moetplan.contract import Placement
 
@@ -66,7 +67,7 @@ def test_whatifs_say_which_changes_do_not_fit():
     from moetplan.plan.solver import solve
 
     ds4, hw = hwdb.model_spec("deepseek-v4-flash"), hwdb.box_profile("rtx-5090x1")
-    plan = solve(ds4, hw, Goals(context=32768, pinned={"expert_tier": "host"}), with_launch=False)
+    plan = solve(ds4, hw, Goals(context=32768, pinned={"expert_tier": "host"}))
     lines = whatifs(ds4, hw, plan.placement)
     # The solver gives the GPU expert cache all the VRAM left after the KV pool: 4 GiB more is 4 GiB short; 4 GiB
     # less (10.4 GiB here) falls below the cache floor of one step's working set; an MTP change fits. Lines that

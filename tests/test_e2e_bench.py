@@ -41,7 +41,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def record(server, tmp_path_factory):
-    from moetplan.launch.bench import run_bench
+    from moetplan.bench.phases import run_bench
 
     out = tmp_path_factory.mktemp("bench") / "run.json"
     rec = run_bench(server["url"], model=server["model"], plan=server["plan"], prompt_lens=[64, 256],

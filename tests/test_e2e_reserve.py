@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
     env = {**os.environ, "MOETPLAN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     os.environ["MOETPLAN_CACHE_DIR"] = str(cache)
-    from moetplan.launch.tiny import ensure_tiny_checkpoint
+    from moetplan.models.tiny import ensure_tiny_checkpoint
 
     ckpt = ensure_tiny_checkpoint("tiny-moe")
     packs = str(tmp / "packs")

@@ -40,7 +40,7 @@ def env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpoints(env):
     os.environ["MOETPLAN_CACHE_DIR"] = env["MOETPLAN_CACHE_DIR"]
-    from moetplan.launch.tiny import ensure_tiny_checkpoint
+    from moetplan.models.tiny import ensure_tiny_checkpoint
 
     return {n: ensure_tiny_checkpoint(n) for n in ("tiny-moe", "tiny-moe-mla", "tiny-moe-fp8")}
 

@@ -302,7 +302,7 @@ def test_wrap_vllm_model_in_a_real_engine(tmp_path, monkeypatch):
     env = {**os.environ, "MOETPLAN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     monkeypatch.setenv("MOETPLAN_CACHE_DIR", str(cache))
-    from moetplan.launch.tiny import ensure_tiny_checkpoint
+    from moetplan.models.tiny import ensure_tiny_checkpoint
 
     ckpt = ensure_tiny_checkpoint("tiny-moe")
     env["GATE_TEST_CFG"] = (ckpt / "config.json").read_text()

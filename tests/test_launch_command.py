@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from moetplan.cli import app
 from moetplan.contract.errors import UsageError
 from moetplan.launch.command import build_launch, shell_line, vllm_kv_cache_dtype
-from moetplan.launch.run import plan_for_cpu
+from moetplan.plan.cpu_backend import plan_for_cpu
 from moetplan.contract.model import Attention, ModelSpec
 
 
@@ -22,11 +22,11 @@ def _flag(argv: list[str], name: str) -> str:
 @pytest.fixture(scope="module")
 def glm_plan():
     from moetplan.models import resolve_model
-    from moetplan.plan.hardware import resolve_hardware
+    from moetplan.hw.resolve import resolve_hardware
     from moetplan.plan.solver import solve
 
     hw, _ = resolve_hardware(box="rtx-pro-6000x2")
-    return solve(resolve_model("glm-5.2"), hw, with_launch=False)
+    return solve(resolve_model("glm-5.2"), hw)
 
 
 def test_glm_on_two_pro6000_gives_a_complete_command(glm_plan):
@@ -63,11 +63,17 @@ def test_shell_line_round_trips(glm_plan):
     assert env == la.env and words[len(la.env):] == la.argv
 
 
-def test_solver_fills_the_launch_section(glm_plan):
+def test_the_solver_leaves_the_launch_to_launch_and_plan_out_writes_it(glm_plan, tmp_path):
     from moetplan.plan.solver import solve
 
     plan = solve(glm_plan.model, glm_plan.hardware)
-    assert plan.launch.argv and plan.launch.env["MOETPLAN_PLAN"] == "plan.json"
+    assert plan.launch.argv == []  # the solver imports nothing of launch
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["plan", "--model", "glm-5.2", "--box", "rtx-pro-6000x2", "--out", str(out),
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    written = json.loads(out.read_text())
+    assert written["launch"]["argv"] and written["launch"]["env"]["MOETPLAN_PLAN"] == "plan.json"
 
 
 def _tiny_spec(kind="gqa", mtp_layers=0) -> ModelSpec:
@@ -161,7 +167,7 @@ def test_cli_run_needs_a_plan_or_a_model():
 
 
 def test_serving_a_gpu_plan_on_a_machine_without_those_gpus_is_refused(tmp_path, glm_plan, monkeypatch):
-    from moetplan.launch import run as run_mod
+    from moetplan.cli import run as run_mod
     from moetplan.contract import save_json
 
     monkeypatch.setattr(run_mod, "local_gpu_count", lambda: 0)

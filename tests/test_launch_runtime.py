@@ -313,7 +313,7 @@ def test_run_record_is_written_next_to_the_plan_and_loads(tmp_path):
     rec = schema.load_json(schema.RunRecord, path)
     assert rec.kind == "run" and rec.model_id == "local:t" and rec.runtime["moe_calls"] == 1
     assert rec.runtime["token_hit_rate"] == 1.0 and rec.placement["expert_tier"] == "resident"
-    assert rec.machine["cpu_count"] == os.cpu_count()
+    assert rec.machine["cores"] == os.cpu_count()
 
 
 def test_background_flusher_writes_after_counters_change(tmp_path):

@@ -188,7 +188,9 @@ def test_run_command_flow_with_a_stand_in_server(tmp_path, monkeypatch):
                      max_position_embeddings=128, attention=Attention(kind="gqa", num_heads=1),
                      kv_bytes_per_token={"bf16": 1.0}, non_routed_params_b=1e-6)
     plan_path = tmp_path / "plan.json"
-    save_json(run_mod.plan_for_cpu(spec, context=128), plan_path)
+    from moetplan.plan.cpu_backend import plan_for_cpu
+
+    save_json(plan_for_cpu(spec, context=128), plan_path)
     res = CliRunner().invoke(app, ["run", str(plan_path), "--json", "--logs", "--port", str(port)])
     events = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
     kinds = [e["event"] for e in events]

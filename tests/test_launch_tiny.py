@@ -7,7 +7,7 @@ import pytest
 from safetensors import safe_open
 
 from moetplan.contract.errors import UnknownNameError
-from moetplan.launch import tiny
+from moetplan.models import tiny
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_local_tokenizer_round_trips(cache):
 
 
 def test_spec_from_the_checkpoint_and_a_cpu_plan(cache):
-    from moetplan.launch.run import plan_for_cpu
+    from moetplan.plan.cpu_backend import plan_for_cpu
     from moetplan.models import resolve_model
 
     spec = resolve_model(str(tiny.ensure_tiny_checkpoint("tiny-moe-mla", cache)))

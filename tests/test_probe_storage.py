@@ -217,7 +217,8 @@ def test_stale_test_files_of_dead_probes_are_removed(tmp_path):
 def test_default_pack_dir_is_the_user_cache_dir(tmp_path, monkeypatch):
     import platformdirs
 
-    monkeypatch.setattr(platformdirs, "user_cache_dir", lambda *a, **k: str(tmp_path / "cache"))
+    monkeypatch.delenv("MOETPLAN_CACHE_DIR", raising=False)
+    monkeypatch.setattr(platformdirs, "user_cache_dir", lambda app=None, *a, **k: str(tmp_path / "cache" / (app or "")))
     assert st.default_pack_dir() == tmp_path / "cache" / "moetplan" / "packs"
     rep = st.probe_storage(None, quick=True, progress=False, budget=SMALL)
     assert rep.info.path == str(tmp_path / "cache" / "moetplan" / "packs")

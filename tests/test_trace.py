@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from moetplan.contract.errors import UsageError
-from moetplan.runtime.trace import Trace, fit_skew, replay, replay_command, replay_curve, run_replay, synthetic_trace
+from moetplan.cli.replay import replay_command
+from moetplan.runtime.trace import Trace, fit_skew, replay, replay_curve, run_replay, synthetic_trace
 
 
 def test_synthetic_trace_shape_determinism_and_distinct_topk():
@@ -126,7 +127,9 @@ def test_model_shape_comes_from_hwdb_and_skew_is_fitted():
     from moetplan import hwdb
 
     spec = hwdb.model_spec("deepseek-v4-flash")
-    doc = run_replay(model="deepseek-v4-flash", steps=12, shares=(0.19,), warmup=4)
+    from moetplan import hwdb
+
+    doc = run_replay(model=hwdb.model_spec("deepseek-v4-flash"), steps=12, shares=(0.19,), warmup=4)
     t = doc["trace"]
     assert (t["layers"], t["experts"], t["top_k"]) == (spec.moe_layers, spec.n_routed_experts, spec.top_k)
     assert tuple(t["skew_fitted_to"]) == tuple(spec.coverage_points[0]) and t["skew"] > 0

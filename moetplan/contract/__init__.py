@@ -3,7 +3,10 @@ the errors users see, and shared units. It imports no other moetplan package; ev
 
     schema.py   Plan, Placement, Goals, MemoryLedger, Prediction, HardwareProfile, RunRecord (pydantic)
     model.py    ModelSpec: the architecture numbers and the byte footprints they imply
-    io.py       atomic writes, schema-checked loads, where a plan's run record lives
+    io.py       atomic writes, schema-checked loads
+    paths.py    where files live: caches, run folders, packs, the run record beside a plan
+    envs.py     every environment variable moetplan reads, declared once
+    machine.py  machine facts recorded beside every measurement
     errors.py   errors with a message that names the problem and the fix, and their exit codes
     units.py    GiB, token counts as users write them ("128k")
 """
@@ -26,9 +29,9 @@ from moetplan.contract.io import (
     atomic_write_text,
     load_any,
     load_json,
-    run_record_path,
     save_json,
 )
+from moetplan.contract.paths import cache_root, default_pack_dir, run_record_path, runs_root, tiny_root
 from moetplan.contract.model import (
     DENSE_BYTES_PER_PARAM,
     EXPERT_FORMAT_BITS,
@@ -65,7 +68,7 @@ from moetplan.contract.units import GIB, MIB, parse_tokens
 __all__ = [
     "EXIT_FAILURE", "EXIT_INFEASIBLE", "EXIT_OK", "EXIT_USAGE", "ConfigError", "InfeasibleError", "MoetplanError",
     "UnknownNameError", "UsageError", "validation_summary", "SchemaError", "atomic_write_text", "load_any",
-    "load_json", "run_record_path", "save_json", "DENSE_BYTES_PER_PARAM", "EXPERT_FORMAT_BITS", "Attention",
+    "load_json", "save_json", "cache_root", "default_pack_dir", "run_record_path", "runs_root", "tiny_root", "DENSE_BYTES_PER_PARAM", "EXPERT_FORMAT_BITS", "Attention",
     "AttentionKind", "ModelSpec", "PINNABLE_KNOBS", "SCHEMA_VERSION", "Alternative", "ExpertTier", "Gate", "Goals",
     "GPUInfo", "GPURankMemory", "HardwareProfile", "HostInfo", "LedgerItem", "Launch", "MemoryLedger",
     "Objective", "Placement", "Plan", "Prediction", "Reason", "RunRecord", "StorageInfo", "Term", "ValueSource",

@@ -86,12 +86,3 @@ def load_any(path: str | os.PathLike[str]) -> Plan | RunRecord | HardwareProfile
     if isinstance(data, dict) and "gpus" in data and "host" in data:
         return _validate(HardwareProfile, p, data)
     raise SchemaError(f"{p}: not a moetplan plan, run record or hardware profile (no 'kind' field)")
-
-
-def run_record_path(plan_path: str | os.PathLike[str], rank: int = 0) -> Path:
-    """Where the runtime writes what a served plan measured: `<plan>.run.json` next to the plan (rank > 0 gets
-    its own `<plan>.run.rank<r>.json`)."""
-    p = Path(plan_path)
-    stem = p.name[:-5] if p.name.endswith(".json") else p.name
-    suffix = ".run.json" if rank == 0 else f".run.rank{rank}.json"
-    return p.with_name(stem + suffix)

@@ -9,7 +9,6 @@ the user config dir, which load_calibration() layers on top.
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -180,12 +179,9 @@ def calibration_dir() -> Path:
 
 
 def user_config_dir() -> Path:
-    env = os.environ.get("MOETPLAN_CONFIG_DIR")
-    if env:
-        return Path(env)
-    import platformdirs
+    from moetplan.contract.paths import config_root
 
-    return Path(platformdirs.user_config_dir("moetplan"))
+    return config_root()
 
 
 def user_calibration_path() -> Path:

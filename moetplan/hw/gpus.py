@@ -190,3 +190,17 @@ def query_gpus() -> GpuReport:
     if report.driver_available and not report.gpus:
         report.warnings.append("the NVIDIA driver is loaded but reports no GPU")
     return report
+
+
+def local_gpu_count() -> int:
+    """NVIDIA GPUs the driver reports here (0 without a driver): decides CPU-backend vs GPU plans."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no library: no GPU
+        return 0

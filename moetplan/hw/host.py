@@ -8,12 +8,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import platform
 import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moetplan.contract.machine import cpu_model  # noqa: F401 (re-used by the probe)
 from moetplan.contract import HostInfo
 
 GIB = 1024**3
@@ -44,16 +44,6 @@ def _meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
     except OSError:
         pass
     return out
-
-
-def cpu_model(path: str = "/proc/cpuinfo") -> str | None:
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.lower().startswith(("model name", "hardware", "cpu model")):
-                return line.split(":", 1)[1].strip() or None
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def _numa_nodes(root: str = "/sys/devices/system/node") -> int | None:

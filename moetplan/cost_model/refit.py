@@ -1,12 +1,9 @@
-"""`moetplan calibrate run1.json run2.json ...`: refit this machine's cost-model factors from measured runs."""
+"""Refit this machine's cost-model factors from measured run records (`moetplan calibrate` calls `calibrate_runs`)."""
 from __future__ import annotations
 
-import json
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
 
-import typer
 import yaml
 
 from moetplan.cost_model.calibration import (
@@ -111,16 +108,9 @@ def write_user_calibration(new: Calibration, hw: HardwareProfile, path: Path, ru
     atomic_write_text(path, header + yaml.safe_dump(data, sort_keys=False))
 
 
-def calibrate_command(
-    runs: list[Path] = typer.Argument(..., help="Run records (run.json) from `moetplan bench` or the runtime"),
-    box: Optional[str] = typer.Option(None, "--box", help="hwdb box id, when the runs name no plan"),
-    hw_path: Optional[Path] = typer.Option(None, "--hw", help="Hardware profile (hw.json), when the runs name no plan"),
-    model: Optional[str] = typer.Option(None, "--model", help="Model name or config.json, when the runs name none"),
-    out: Optional[Path] = typer.Option(None, "--out", help="Where to write the factors (default: user config dir)"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Fit and report, write nothing"),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output"),
-) -> None:
-    """Refit the cost model's efficiency factors for this machine from measured runs; report error before/after."""
+def calibrate_runs(runs: list[Path], *, box: str | None = None, hw_path: Path | None = None,
+                   model: str | None = None, out: Path | None = None, dry_run: bool = False) -> dict:
+    """Refit this machine's factors from run records; write them unless dry_run; -> the report (JSON-ready)."""
     for p in runs:
         if not p.exists():
             raise UsageError(f"{p}: no such run record; run `moetplan bench --out {p}` first")
@@ -157,29 +147,5 @@ def calibrate_command(
                          for m in meas if "gate_fire_share" in m.extra],
         },
     }
-    if as_json:
-        typer.echo(json.dumps(result, indent=2))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"Cost-model calibration ({family}, {len(runs)} run record(s))")
-    for col in ("run", "metric", "measured", "predicted before", "error", "predicted after", "error"):
-        left = col in ("run", "metric")
-        table.add_column(col, justify="left" if left else "right", overflow="fold" if left else "ellipsis")
-    for b, a in zip(before, after):
-        table.add_row(b.row_id, b.metric, f"{b.measured:.1f}", f"{b.predicted:.1f}", f"{b.error:+.1%}",
-                      f"{a.predicted:.1f}", f"{a.error:+.1%}")
-    con = Console()
-    con.print(table)
-    mb, ma = result["before"]["median_abs_error"], result["after"]["median_abs_error"]
-    con.print(f"median |error|: {mb:.1%} -> {ma:.1%}")
-    for (r, m, pb), (_, _, pa) in zip(zm_before, zm_after):
-        con.print(f"{r}: zero-miss step share measured {m:.0%}, predicted {pb:.0%} -> {pa:.0%} "
-                  f"(miss correlation {current.routing.miss_correlation:.3g} -> {new.routing.miss_correlation:.3g})")
-    gate = result["gate_fire_share"]
-    if gate["measured"]:
-        shares = ", ".join(f"{g['share']:.0%}" for g in gate["measured"])
-        con.print(f"FP4 gate fired on {shares} of decode steps: "
-                  f"fire share {gate['before']:.0%} -> {gate['after']:.0%} (median)")
-    con.print("not written (--dry-run)" if dry_run else f"written to {target}")
+    result["_target"] = str(target)
+    return result

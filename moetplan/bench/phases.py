@@ -18,244 +18,26 @@ served, and whatever was measured is kept. With `out=`, the record is rewritten 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import statistics
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import httpx
-import typer
 
-from moetplan.contract.errors import MoetplanError, UsageError
-from moetplan.launch import probes
-from moetplan.contract import Plan, RunRecord, SchemaError, load_json, save_json
+from moetplan.bench import probes
+from moetplan.bench.client import BenchClient, StreamResult, _describe
+from moetplan.contract import Plan, RunRecord, SchemaError, load_json, run_record_path, save_json
+from moetplan.contract.errors import UsageError
 
 # Prompt for the decode and batch runs: short so prefill barely counts, long enough to look like a request.
 DECODE_PROMPT_TOKENS = 32
 # Answers to probes are short; long enough for "The passcode is 12345." in chatty models.
 PROBE_ANSWER_TOKENS = 16
 COHERENCE_TOKENS = 192
-
-
-# --------------------------------------------------------------------------- one streamed request
-
-
-@dataclass
-class StreamResult:
-    """Timing and tokens of one streamed completion; `error` is set when it did not finish cleanly."""
-
-    t_start: float
-    chunk_times: list[float] = field(default_factory=list)
-    t_end: float | None = None
-    text: str = ""
-    prompt_tokens: int | None = None  # from usage
-    completion_tokens: int | None = None  # from usage
-    finish_reason: str | None = None
-    error: str | None = None
-    unresponsive: bool = False  # the failure cost a full timeout (stall, connect failure): server may be gone
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def n_chunks(self) -> int:
-        return len(self.chunk_times)
-
-    @property
-    def tokens(self) -> int:
-        return self.completion_tokens if self.completion_tokens is not None else self.n_chunks
-
-    @property
-    def token_source(self) -> str:
-        return "usage" if self.completion_tokens is not None else "chunks"
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.chunk_times[0] - self.t_start if self.chunk_times else None
-
-    @property
-    def decode_tok_s(self) -> float | None:
-        """Tokens after the first chunk's over first-to-last chunk time (None with < 2 chunks)."""
-        if self.n_chunks < 2:
-            return None
-        span = self.chunk_times[-1] - self.chunk_times[0]
-        first_chunk_tokens = max(1.0, self.tokens / self.n_chunks)  # a chunk may hold several tokens
-        return (self.tokens - first_chunk_tokens) / span if span > 0 else None
-
-
-def _describe(exc: BaseException, url: str, timeout: float) -> str:
-    if isinstance(exc, httpx.ConnectError):
-        return f"cannot connect to {url} ({exc}); is the server running and the --url right?"
-    if isinstance(exc, httpx.ConnectTimeout):
-        return f"connecting to {url} timed out after {timeout:g} s"
-    if isinstance(exc, httpx.ReadTimeout):
-        return f"stalled: no data for {timeout:g} s (raise --timeout if the server is just slow)"
-    if isinstance(exc, httpx.RemoteProtocolError):
-        return f"connection dropped by the server mid-response ({exc})"
-    if isinstance(exc, (httpx.ReadError, httpx.WriteError)):
-        return f"connection broken ({type(exc).__name__}: {exc})"
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-        return "gave up: the request ran past its wall-clock cap"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _http_error(resp: httpx.Response, body: bytes) -> str:
-    try:
-        msg = json.loads(body).get("error", {})
-        msg = msg.get("message", msg) if isinstance(msg, dict) else msg
-    except (ValueError, AttributeError):
-        msg = body[:200].decode(errors="replace")
-    return f"HTTP {resp.status_code} from {resp.request.url.path}: {msg}"
-
-
-class BenchClient:
-    """Streams completions from one OpenAI-compatible server with bounded waits.
-
-    After `give_up_after` requests in a row that each cost a full timeout (stalls, connect failures), the
-    remaining requests fail at once instead of waiting out their timeouts one by one.
-    """
-
-    def __init__(self, url: str, model: str | None, timeout: float, chat: bool = False, max_connections: int = 16,
-                 give_up_after: int = 3):
-        self.url = url.rstrip("/")
-        self.give_up_after = give_up_after
-        self.unresponsive_streak = 0
-        self.last_unresponsive: str | None = None
-        self.model = model
-        self.timeout = timeout
-        self.chat = chat
-        # ignore_eos / stream_options are not OpenAI core fields; dropped after the first 400 that names them.
-        self.send_extras = True
-        self.extras_note: str | None = None
-        self._client = httpx.AsyncClient(
-            base_url=self.url,
-            timeout=httpx.Timeout(timeout),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
-
-    async def get(self, path: str, timeout: float | None = None) -> httpx.Response:
-        return await self._client.get(path, timeout=timeout or self.timeout)
-
-    async def get_json(self, path: str, timeout: float | None = None) -> tuple[Any, httpx.Headers]:
-        resp = await self.get(path, timeout)
-        resp.raise_for_status()
-        return resp.json(), resp.headers
-
-    def _body(self, prompt: str, max_tokens: int, ignore_eos: bool, extras: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, "stream": True}
-        if self.model:
-            body["model"] = self.model
-        if self.chat:
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            body["prompt"] = prompt
-        if extras:
-            body["stream_options"] = {"include_usage": True}
-            if ignore_eos:
-                body["ignore_eos"] = True
-        return body
-
-    async def stream(self, prompt: str, max_tokens: int, ignore_eos: bool = False) -> StreamResult:
-        # The hard cap bounds a server that trickles bytes without tokens; generous so slow servers finish.
-        if self.unresponsive_streak >= self.give_up_after:
-            return StreamResult(t_start=time.perf_counter(), unresponsive=True,
-                                error=f"not sent: the server failed {self.unresponsive_streak} requests in a row "
-                                      f"(last: {self.last_unresponsive})")
-        cap = self.timeout * 2 + max_tokens * self.timeout / 4
-        try:
-            res = await asyncio.wait_for(self._stream(prompt, max_tokens, ignore_eos), timeout=cap)
-        except (TimeoutError, asyncio.TimeoutError) as e:
-            res = StreamResult(t_start=time.perf_counter(), error=_describe(e, self.url, self.timeout),
-                               unresponsive=True)
-        if res.unresponsive:
-            self.unresponsive_streak += 1
-            self.last_unresponsive = res.error
-        elif res.ok:
-            self.unresponsive_streak = 0
-        return res
-
-    async def _stream(self, prompt: str, max_tokens: int, ignore_eos: bool) -> StreamResult:
-        path = "/v1/chat/completions" if self.chat else "/v1/completions"
-        for attempt in (0, 1):
-            extras = self.send_extras
-            res = StreamResult(t_start=time.perf_counter())
-            try:
-                body = self._body(prompt, max_tokens, ignore_eos, extras)
-                async with self._client.stream("POST", path, json=body) as resp:
-                    if resp.status_code != 200:
-                        body = await resp.aread()
-                        res.error = _http_error(resp, body)
-                        text = body.decode(errors="replace")
-                        if (attempt == 0 and extras and resp.status_code in (400, 422)
-                                and any(k in text for k in ("ignore_eos", "stream_options"))):
-                            self.send_extras = False
-                            self.extras_note = ("server rejected ignore_eos/stream_options; ran without them "
-                                                "(token counts from chunks, decode may stop at EOS)")
-                            continue
-                        return res
-                    await self._read_events(resp, res)
-            except Exception as e:  # noqa: BLE001 - every transport failure becomes this request's error
-                res.error = _describe(e, self.url, self.timeout)
-                res.unresponsive = isinstance(e, (httpx.TimeoutException, httpx.ConnectError))
-            res.t_end = time.perf_counter()
-            return res
-        raise AssertionError("unreachable")
-
-    async def _read_events(self, resp: httpx.Response, res: StreamResult) -> None:
-        done = False
-        malformed: list[str] = []
-        last_progress = time.perf_counter()
-        async for line in resp.aiter_lines():
-            now = time.perf_counter()
-            if now - last_progress > self.timeout:
-                res.error = f"stalled: no tokens for {self.timeout:g} s although the connection is alive"
-                res.unresponsive = True
-                return
-            line = line.strip()
-            if not line.startswith("data:"):
-                continue  # blank separators, SSE comments / keep-alives, event: lines
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            try:
-                event = json.loads(data)
-                if not isinstance(event, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError:
-                malformed.append(data[:60])
-                continue
-            if "error" in event:
-                err = event["error"]
-                res.error = f"server error mid-stream: {err.get('message', err) if isinstance(err, dict) else err}"
-                return
-            usage = event.get("usage")
-            if isinstance(usage, dict):
-                res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
-                res.completion_tokens = usage.get("completion_tokens", res.completion_tokens)
-            for choice in event.get("choices") or []:
-                piece = choice.get("text")
-                if piece is None:
-                    piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    res.chunk_times.append(now)
-                    res.text += piece
-                    last_progress = now
-                if choice.get("finish_reason"):
-                    res.finish_reason = choice["finish_reason"]
-        if malformed:
-            res.error = f"{len(malformed)} malformed SSE chunk(s), first: {malformed[0]!r}"
-        elif not done:
-            res.error = f"stream ended without [DONE] after {res.n_chunks} chunk(s) (connection dropped?)"
 
 
 # --------------------------------------------------------------------------- prompt lengths
@@ -287,7 +69,7 @@ class TokenScale:
 
 def machine_info() -> dict[str, Any]:
     """The machine running the bench client (the server may be elsewhere)."""
-    from moetplan.report import machine
+    from moetplan.contract import machine
 
     info = machine.machine_info(role="bench client", httpx_version=httpx.__version__)
     try:  # GPUs are informative when client and server share the box; absence is normal
@@ -364,8 +146,6 @@ def server_side_record(plan_path: str | None, since: float) -> dict[str, Any]:
     if not plan_path:
         return {}
     try:
-        from moetplan.runtime.records import run_record_path
-
         path = run_record_path(plan_path)
         if not path.exists() or path.stat().st_mtime < since:
             return {}
@@ -758,86 +538,6 @@ def total_steps(s: BenchSettings) -> int:
     return n
 
 
-# --------------------------------------------------------------------------- rendering and the CLI command
-
-
-def _fmt(v: Any, digits: int = 1) -> str:
-    return "—" if v is None else (f"{v:,.{digits}f}" if isinstance(v, (int, float)) else str(v))
-
-
-_VERDICT_STYLE = {"PASS": "green", "FAIL": "red", "ERROR": "bold red", "SKIP": "yellow"}
-
-
-def _verdict(v: Any) -> str:
-    return f"[{_VERDICT_STYLE.get(str(v), 'white')}]{v}[/]"
-
-
-def render_run(rec: RunRecord, console: Any) -> None:
-    """Rich tables for people: speed, prefill by length, batch curve, probes, errors."""
-    from rich.table import Table
-
-    m = rec.measured
-    title = f"moetplan bench — {rec.model_id or '?'} at {rec.server.get('url', '?')}"
-    speed = Table(title=title, title_justify="left")
-    speed.add_column("metric")
-    speed.add_column("value", justify="right")
-    speed.add_column("note", style="dim")
-    failed = "[red]not measured[/] (see errors below)"
-
-    def row(label: str, key: str, unit: str, note: str) -> None:
-        v = m.get(key)
-        speed.add_row(label, "—" if v is None else f"{_fmt(v)} {unit}", failed if v is None else note)
-
-    row("decode (single stream)", "decode_tok_s", "tok/s",
-        f"median of {len(m.get('decode_runs_tok_s', []))} run(s), {m.get('max_tokens')} tokens each")
-    row("time to first token", "ttft_ms", "ms",
-        f"prompt of ~{m.get('ttft_prompt_tokens', DECODE_PROMPT_TOKENS)} tokens")
-    row("prefill", "prefill_tok_s", "tok/s", f"at {m.get('prefill_len')} prompt tokens")
-    row("aggregate decode", "aggregate_tok_s", "tok/s", f"at concurrency {m.get('aggregate_concurrency')}")
-    if "token_count_source" in m:
-        tpc = m.get("tokens_per_chunk")
-        speed.add_row("token counts from", str(m["token_count_source"]),
-                      f"{_fmt(tpc, 2)} tokens per streamed chunk" if tpc is not None else "")
-    console.print(speed)
-
-    if m.get("prefill_by_len"):
-        t = Table(title="prefill by prompt length", title_justify="left")
-        for col in ("target tokens", "prompt tokens", "prefill tok/s", "TTFT ms"):
-            t.add_column(col, justify="right")
-        for k, v in sorted(m["prefill_by_len"].items(), key=lambda kv: int(kv[0])):
-            t.add_row(k, _fmt(m.get("prefill_prompt_tokens", {}).get(k), 0), _fmt(v),
-                      _fmt(m.get("ttft_ms_by_len", {}).get(k)))
-        console.print(t)
-    if m.get("batch_curve"):
-        t = Table(title="batch curve (aggregate output tok/s)", title_justify="left")
-        t.add_column("concurrency", justify="right")
-        t.add_column("tok/s", justify="right")
-        t.add_column("per stream", justify="right")
-        for k, v in sorted(m["batch_curve"].items(), key=lambda kv: int(kv[0])):
-            t.add_row(k, _fmt(v), _fmt(v / int(k)))
-        console.print(t)
-
-    p = rec.probes
-    if p:
-        t = Table(title="quality probes", title_justify="left")
-        t.add_column("probe")
-        t.add_column("result")
-        t.add_column("detail", style="dim")
-        for n, v in sorted(p.get("needle", {}).items(), key=lambda kv: int(kv[0])):
-            t.add_row(f"needle @ {n} tokens", _verdict(v), "passcode retrieval at mid-context")
-        if "arithmetic" in p:
-            a = p["arithmetic"]
-            t.add_row("arithmetic", _verdict(a.get("result")), f"{a.get('passed')}/{a.get('total')} exact")
-        if "coherence" in p:
-            c = p["coherence"]
-            t.add_row("coherence", _verdict(c.get("result")), str(c.get("reason", "")))
-        console.print(t)
-        for note in p.get("notes", []):
-            console.print(f"[yellow]note:[/] {note}")
-    for err in rec.errors:
-        console.print(f"[red]error:[/] {err}")
-
-
 def parse_int_list(option: str, text: str) -> tuple[int, ...]:
     """'512,2048' -> (512, 2048); '' or 'none' -> (); anything else is a UsageError naming the option."""
     text = text.strip()
@@ -851,53 +551,3 @@ def parse_int_list(option: str, text: str) -> tuple[int, ...]:
     if any(v < 1 for v in vals):
         raise UsageError(f"{option} '{text}' has a value below 1; use positive integers")
     return vals
-
-
-def bench_command(
-    url: str = typer.Option(..., "--url", help="Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000"),
-    plan: Optional[Path] = typer.Option(None, "--plan",
-                                        help="plan.json whose placement and concurrency this run measures"),
-    model: Optional[str] = typer.Option(None, "--model",
-                                        help="Model id to request (default: the plan's, else the first in /v1/models)"),
-    prompt_lens: str = typer.Option("512,2048", "--prompt-lens", help="Prompt lengths (tokens) for prefill tok/s"),
-    concurrency: str = typer.Option("1,4,8", "--concurrency", help="Concurrent streams for the batch curve"),
-    runs: int = typer.Option(3, "--runs", help="Timed runs per point (median reported)"),
-    max_tokens: int = typer.Option(128, "--max-tokens", help="Tokens generated per decode / batch request"),
-    needle_lens: str = typer.Option("1024,4096", "--needle-lens",
-                                    help="Context lengths for needle retrieval ('' = none)"),
-    timeout: float = typer.Option(60.0, "--timeout", help="Seconds without data before a request counts as stalled"),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the run record here (atomically, after every phase)"),
-    json_out: bool = typer.Option(False, "--json", help="Print the run record as JSON instead of tables"),
-    no_probes: bool = typer.Option(False, "--no-probes", help="Skip the quality probes"),
-    chat: bool = typer.Option(False, "--chat", help="Use /v1/chat/completions instead of /v1/completions"),
-    resume: bool = typer.Option(False, "--resume",
-                                help="Keep what --out already holds; measure only what is missing or failed"),
-) -> None:
-    """Measure a served model: decode, prefill, TTFT, batch curve, and quality probes -> run record."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
-
-    kwargs = dict(
-        model=model, plan=plan, prompt_lens=parse_int_list("--prompt-lens", prompt_lens),
-        concurrency=parse_int_list("--concurrency", concurrency), runs=runs, max_tokens=max_tokens,
-        needle_lens=parse_int_list("--needle-lens", needle_lens), timeout=timeout, out=out,
-        probes=not no_probes, chat=chat, resume=resume,
-    )
-    err = Console(stderr=True)
-    with Bar(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-             console=err, transient=True) as bar:
-        task = bar.add_task("connecting", total=None)
-
-        def progress(what: str, steps: int, total: int) -> None:
-            bar.update(task, description=what, advance=steps, total=total)
-
-        rec = run_bench(url, progress=progress, **kwargs)  # type: ignore[arg-type]
-    if json_out:
-        sys.stdout.write(rec.model_dump_json(indent=2) + "\n")
-    else:
-        console = Console()
-        render_run(rec, console)
-        if out is not None:
-            console.print(f"run record: {out}")
-    if rec.errors:
-        raise typer.Exit(code=MoetplanError.exit_code)

@@ -1,4 +1,4 @@
-"""The `moetplan probe` command: parse, call run_probe, render or write JSON. Heavy imports stay inside."""
+"""`moetplan probe`: parse, call run_probe, render or write JSON. Heavy imports stay inside."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -145,9 +145,9 @@ def get_tiny(name: str) -> TinyModel:
 
 
 def default_cache_root() -> Path:
-    import platformdirs
+    from moetplan.contract import tiny_root
 
-    return Path(os.environ.get("MOETPLAN_CACHE_DIR") or platformdirs.user_cache_dir("moetplan")) / "tiny"
+    return tiny_root()
 
 
 def _fingerprint(tm: TinyModel) -> str:

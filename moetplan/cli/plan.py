@@ -1,62 +1,17 @@
-"""The moetplan command line: thin — parse, call, render. Commands live in their area's module."""
+"""`moetplan plan`, `diff`, `schema` and the hwdb lists (`models`, `gpus`, `boxes`)."""
 from __future__ import annotations
-
-import sys
-
-import typer
-
-from moetplan.contract.errors import MoetplanError
-
-app = typer.Typer(
-    name="moetplan",
-    help="Plan, launch and measure frontier MoE models on the GPUs you have.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-# --- command registrations (one line per command; implementations live in their area) ---
-# (filled in per area)
-from moetplan.hw.command import probe_command; app.command("probe")(probe_command)  # noqa: E402,E702
-from moetplan.launch.bench import bench_command; app.command("bench")(bench_command)  # noqa: E402,E702
-from moetplan.runtime.quantize_ckpt import quantize_command; app.command("quantize")(quantize_command)  # noqa: E402,E702
-from moetplan.cost_model.command import calibrate_command; app.command("calibrate")(calibrate_command)  # noqa: E402,E702
-from moetplan.launch.run import run_command; app.command("run")(run_command)  # noqa: E402,E702
-from moetplan.runtime.kernels import build_kernels_command; app.command("build-kernels")(build_kernels_command)  # noqa: E402,E702
-from moetplan.runtime.trace import replay_command; app.command("replay")(replay_command)  # noqa: E402,E702
-# --- end registrations ---
-
-
-# =========================================================================== plan, diff, schema, lists (lead)
 
 import json as _json
 from pathlib import Path as _Path
 from typing import List, Optional
 
-from rich.console import Console as _Console
+import typer
 
-_out = _Console()
-_err = _Console(stderr=True)
-
-
-def _fail(e: MoetplanError, as_json: bool = False) -> None:
-    from moetplan.contract.errors import InfeasibleError
-
-    if as_json:
-        doc = {"error": str(e), "exit_code": e.exit_code}
-        if isinstance(e, InfeasibleError):
-            doc.update(shortfalls=e.shortfalls, suggestions=e.suggestions)
-        print(_json.dumps(doc, indent=2))
-    elif isinstance(e, InfeasibleError):
-        from moetplan.report.plan_view import render_infeasible
-
-        render_infeasible(e, _err)
-    else:
-        _err.print(f"[bold red]error:[/] {e}")
-    raise typer.Exit(e.exit_code)
+from moetplan.cli.common import fail
+from moetplan.cli.common import out as console
+from moetplan.contract import MoetplanError
 
 
-@app.command("plan")
 def plan_cmd(
     model: str = typer.Option(..., "--model", "-m", help="hwdb id/alias (glm-5.2, ds4-flash, ...) or a local "
                               "config.json / checkpoint folder"),
@@ -79,7 +34,8 @@ def plan_cmd(
     """Solve the placement, predict tok/s and name the bottleneck."""
     from moetplan.contract.errors import UsageError
     from moetplan.models import resolve_model
-    from moetplan.plan.hardware import resolve_hardware
+    from moetplan.hw.resolve import resolve_hardware
+    from moetplan.launch.command import build_launch
     from moetplan.contract import Goals, save_json
     from moetplan.contract import parse_tokens as _parse_tokens
     from moetplan.plan.solver import parse_set, solve
@@ -98,8 +54,9 @@ def plan_cmd(
                       pack_dir=pack_dir)
         plan = solve(spec, profile, goals)
         plan.warnings = notes + plan.warnings
+        plan.launch = build_launch(plan)
     except MoetplanError as e:
-        _fail(e, as_json)
+        fail(e, as_json)
         return
     if out:
         save_json(plan, out)
@@ -110,21 +67,20 @@ def plan_cmd(
 
         whatifs = None
         if explain:
-            from moetplan.cost_model import whatifs as _whatifs
+            from moetplan.plan.whatifs import whatifs as _whatifs
 
             whatifs = _whatifs(plan.model, plan.hardware, plan.placement)
-        render_plan(plan, _out, explain=explain, whatifs=whatifs)
+        render_plan(plan, console, explain=explain, whatifs=whatifs)
         if out:
-            _out.print(f"wrote {out}")
+            console.print(f"wrote {out}")
     if plot:
         from moetplan.report.plot import pareto_plot
 
-        pareto_plot(spec, profile, goals, plot)
+        pareto_plot(plan, plot)
         if not as_json:
-            _out.print(f"wrote {plot}")
+            console.print(f"wrote {plot}")
 
 
-@app.command("diff")
 def diff_cmd(
     a: str = typer.Argument(..., help="plan.json"),
     b: str = typer.Argument(..., help="plan.json or run.json"),
@@ -150,7 +106,7 @@ def diff_cmd(
         else:
             raise UsageError(f"{b}: diff needs a plan.json or run.json (got a hardware profile)")
     except MoetplanError as e:
-        _fail(e, as_json)
+        fail(e, as_json)
         return
     labels = (_Path(a).name, _Path(b).name)
     if as_json:
@@ -158,23 +114,21 @@ def diff_cmd(
     elif markdown:
         print(diff_markdown(rows, labels, all_rows), end="")
     else:
-        _out.print(diff_table(rows, title, labels, all_rows))
+        console.print(diff_table(rows, title, labels, all_rows))
 
 
-@app.command("schema")
 def schema_cmd(which: str = typer.Argument("plan", help="plan | hw | run")) -> None:
     """Print the JSON Schema of plan.json, hw.json or run.json."""
     from moetplan.contract import HardwareProfile, Plan, RunRecord
 
     cls = {"plan": Plan, "hw": HardwareProfile, "hardware": HardwareProfile, "run": RunRecord}.get(which)
     if cls is None:
-        _fail(__import__("moetplan.contract.errors", fromlist=["UsageError"]).UsageError(
+        fail(__import__("moetplan.contract.errors", fromlist=["UsageError"]).UsageError(
             f"schema '{which}': choose plan, hw or run"))
         return
     print(_json.dumps(cls.model_json_schema(), indent=2))
 
 
-@app.command("models")
 def models_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
     """List the models in hwdb."""
     from rich.table import Table
@@ -193,10 +147,9 @@ def models_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
     for s in specs:
         t.add_row(s.id, s.name, f"{s.num_layers}/{s.moe_layers}", f"{s.n_routed_experts} ({s.top_k})",
                   f"{s.routed_gib('2bit'):.1f}", f"{s.dense_bytes() / 2**30:.1f}", ", ".join(s.aliases))
-    _out.print(t)
+    console.print(t)
 
 
-@app.command("gpus")
 def gpus_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
     """List the GPUs in hwdb."""
     from rich.table import Table
@@ -213,10 +166,9 @@ def gpus_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
     for g in infos:
         t.add_row(g.hwdb_id or "", g.name, f"{g.vram_gib:.0f}", f"{g.mem_bw_gbps:.0f}", g.compute_capability,
                   "yes" if g.fp8 else "", "yes" if g.fp4 else "", f"{g.pcie_gen or '?'} x{g.pcie_width or '?'}")
-    _out.print(t)
+    console.print(t)
 
 
-@app.command("boxes")
 def boxes_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
     """List the reference boxes in hwdb."""
     from rich.table import Table
@@ -233,18 +185,4 @@ def boxes_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
     t.add_column("machine", overflow="fold")
     for p in profs:
         t.add_row(p.box_id or "", hardware_line(p))
-    _out.print(t)
-
-
-def main() -> None:
-    try:
-        app()
-    except MoetplanError as e:  # pragma: no cover - exercised through CliRunner in tests
-        from rich.console import Console
-
-        Console(stderr=True).print(f"[bold red]error:[/] {e}")
-        sys.exit(e.exit_code)
-
-
-if __name__ == "__main__":
-    main()
+    console.print(t)

@@ -1,0 +1,234 @@
+"""One streamed request against an OpenAI-compatible server, timed the way a stopwatch would time it.
+
+`BenchClient.stream` posts a completion (or chat completion) with stream=True and records the request's own
+start and end, and a timestamp for every server-sent event, including events whose text is empty (a token that
+ends inside a multi-byte character, a role-only chat delta): tokens arrive in events, and skipping the empty ones
+shortens the measured span. Every request has a stall timeout (no byte for `timeout` s), a no-progress timeout
+(bytes but no tokens) and a hard wall cap, so a bench never hangs.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+# --------------------------------------------------------------------------- one streamed request
+
+
+@dataclass
+class StreamResult:
+    """Timing and tokens of one streamed completion; `error` is set when it did not finish cleanly."""
+
+    t_start: float
+    chunk_times: list[float] = field(default_factory=list)
+    t_end: float | None = None
+    text: str = ""
+    prompt_tokens: int | None = None  # from usage
+    completion_tokens: int | None = None  # from usage
+    finish_reason: str | None = None
+    error: str | None = None
+    unresponsive: bool = False  # the failure cost a full timeout (stall, connect failure): server may be gone
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunk_times)
+
+    @property
+    def tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else self.n_chunks
+
+    @property
+    def token_source(self) -> str:
+        return "usage" if self.completion_tokens is not None else "chunks"
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunk_times[0] - self.t_start if self.chunk_times else None
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Tokens after the first chunk's over first-to-last chunk time (None with < 2 chunks)."""
+        if self.n_chunks < 2:
+            return None
+        span = self.chunk_times[-1] - self.chunk_times[0]
+        first_chunk_tokens = max(1.0, self.tokens / self.n_chunks)  # a chunk may hold several tokens
+        return (self.tokens - first_chunk_tokens) / span if span > 0 else None
+
+
+def _describe(exc: BaseException, url: str, timeout: float) -> str:
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot connect to {url} ({exc}); is the server running and the --url right?"
+    if isinstance(exc, httpx.ConnectTimeout):
+        return f"connecting to {url} timed out after {timeout:g} s"
+    if isinstance(exc, httpx.ReadTimeout):
+        return f"stalled: no data for {timeout:g} s (raise --timeout if the server is just slow)"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return f"connection dropped by the server mid-response ({exc})"
+    if isinstance(exc, (httpx.ReadError, httpx.WriteError)):
+        return f"connection broken ({type(exc).__name__}: {exc})"
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return "gave up: the request ran past its wall-clock cap"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _http_error(resp: httpx.Response, body: bytes) -> str:
+    try:
+        msg = json.loads(body).get("error", {})
+        msg = msg.get("message", msg) if isinstance(msg, dict) else msg
+    except (ValueError, AttributeError):
+        msg = body[:200].decode(errors="replace")
+    return f"HTTP {resp.status_code} from {resp.request.url.path}: {msg}"
+
+
+class BenchClient:
+    """Streams completions from one OpenAI-compatible server with bounded waits.
+
+    After `give_up_after` requests in a row that each cost a full timeout (stalls, connect failures), the
+    remaining requests fail at once instead of waiting out their timeouts one by one.
+    """
+
+    def __init__(self, url: str, model: str | None, timeout: float, chat: bool = False, max_connections: int = 16,
+                 give_up_after: int = 3):
+        self.url = url.rstrip("/")
+        self.give_up_after = give_up_after
+        self.unresponsive_streak = 0
+        self.last_unresponsive: str | None = None
+        self.model = model
+        self.timeout = timeout
+        self.chat = chat
+        # ignore_eos / stream_options are not OpenAI core fields; dropped after the first 400 that names them.
+        self.send_extras = True
+        self.extras_note: str | None = None
+        self._client = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def get(self, path: str, timeout: float | None = None) -> httpx.Response:
+        return await self._client.get(path, timeout=timeout or self.timeout)
+
+    async def get_json(self, path: str, timeout: float | None = None) -> tuple[Any, httpx.Headers]:
+        resp = await self.get(path, timeout)
+        resp.raise_for_status()
+        return resp.json(), resp.headers
+
+    def _body(self, prompt: str, max_tokens: int, ignore_eos: bool, extras: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+        if self.model:
+            body["model"] = self.model
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        if extras:
+            body["stream_options"] = {"include_usage": True}
+            if ignore_eos:
+                body["ignore_eos"] = True
+        return body
+
+    async def stream(self, prompt: str, max_tokens: int, ignore_eos: bool = False) -> StreamResult:
+        # The hard cap bounds a server that trickles bytes without tokens; generous so slow servers finish.
+        if self.unresponsive_streak >= self.give_up_after:
+            return StreamResult(t_start=time.perf_counter(), unresponsive=True,
+                                error=f"not sent: the server failed {self.unresponsive_streak} requests in a row "
+                                      f"(last: {self.last_unresponsive})")
+        cap = self.timeout * 2 + max_tokens * self.timeout / 4
+        try:
+            res = await asyncio.wait_for(self._stream(prompt, max_tokens, ignore_eos), timeout=cap)
+        except (TimeoutError, asyncio.TimeoutError) as e:
+            res = StreamResult(t_start=time.perf_counter(), error=_describe(e, self.url, self.timeout),
+                               unresponsive=True)
+        if res.unresponsive:
+            self.unresponsive_streak += 1
+            self.last_unresponsive = res.error
+        elif res.ok:
+            self.unresponsive_streak = 0
+        return res
+
+    async def _stream(self, prompt: str, max_tokens: int, ignore_eos: bool) -> StreamResult:
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
+        for attempt in (0, 1):
+            extras = self.send_extras
+            res = StreamResult(t_start=time.perf_counter())
+            try:
+                body = self._body(prompt, max_tokens, ignore_eos, extras)
+                async with self._client.stream("POST", path, json=body) as resp:
+                    if resp.status_code != 200:
+                        body = await resp.aread()
+                        res.error = _http_error(resp, body)
+                        text = body.decode(errors="replace")
+                        if (attempt == 0 and extras and resp.status_code in (400, 422)
+                                and any(k in text for k in ("ignore_eos", "stream_options"))):
+                            self.send_extras = False
+                            self.extras_note = ("server rejected ignore_eos/stream_options; ran without them "
+                                                "(token counts from chunks, decode may stop at EOS)")
+                            continue
+                        return res
+                    await self._read_events(resp, res)
+            except Exception as e:  # noqa: BLE001 - every transport failure becomes this request's error
+                res.error = _describe(e, self.url, self.timeout)
+                res.unresponsive = isinstance(e, (httpx.TimeoutException, httpx.ConnectError))
+            res.t_end = time.perf_counter()
+            return res
+        raise AssertionError("unreachable")
+
+    async def _read_events(self, resp: httpx.Response, res: StreamResult) -> None:
+        done = False
+        malformed: list[str] = []
+        last_progress = time.perf_counter()
+        async for line in resp.aiter_lines():
+            now = time.perf_counter()
+            if now - last_progress > self.timeout:
+                res.error = f"stalled: no tokens for {self.timeout:g} s although the connection is alive"
+                res.unresponsive = True
+                return
+            line = line.strip()
+            if not line.startswith("data:"):
+                continue  # blank separators, SSE comments / keep-alives, event: lines
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            try:
+                event = json.loads(data)
+                if not isinstance(event, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError:
+                malformed.append(data[:60])
+                continue
+            if "error" in event:
+                err = event["error"]
+                res.error = f"server error mid-stream: {err.get('message', err) if isinstance(err, dict) else err}"
+                return
+            usage = event.get("usage")
+            if isinstance(usage, dict):
+                res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+                res.completion_tokens = usage.get("completion_tokens", res.completion_tokens)
+            for choice in event.get("choices") or []:
+                piece = choice.get("text")
+                if piece is None:
+                    piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    res.chunk_times.append(now)
+                    res.text += piece
+                    last_progress = now
+                if choice.get("finish_reason"):
+                    res.finish_reason = choice["finish_reason"]
+        if malformed:
+            res.error = f"{len(malformed)} malformed SSE chunk(s), first: {malformed[0]!r}"
+        elif not done:
+            res.error = f"stream ended without [DONE] after {res.n_chunks} chunk(s) (connection dropped?)"
+
+

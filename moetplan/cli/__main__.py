@@ -1,0 +1,3 @@
+from moetplan.cli import main
+
+main()

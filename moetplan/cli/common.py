@@ -1,0 +1,29 @@
+"""What every command shares: the consoles and the one way a MoetplanError becomes a message and an exit code."""
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+
+from moetplan.contract import InfeasibleError, MoetplanError
+
+out = Console()
+err = Console(stderr=True)
+
+
+def fail(e: MoetplanError, as_json: bool = False) -> None:
+    """Print the error (JSON with --json; the infeasible answer's shortfalls and suggestions) and exit with its
+    code; never a traceback."""
+    if as_json:
+        doc = {"error": str(e), "exit_code": e.exit_code}
+        if isinstance(e, InfeasibleError):
+            doc.update(shortfalls=e.shortfalls, suggestions=e.suggestions)
+        print(json.dumps(doc, indent=2))
+    elif isinstance(e, InfeasibleError):
+        from moetplan.report.plan_view import render_infeasible
+
+        render_infeasible(e, err)
+    else:
+        err.print(f"[bold red]error:[/] {e}")
+    raise typer.Exit(e.exit_code)

@@ -1,0 +1,192 @@
+"""`moetplan run`: plan if needed, launch vLLM under the plan, supervise it until Ctrl-C / SIGTERM."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+
+from moetplan import __version__
+from moetplan import contract as _schema
+from moetplan.contract import MoetplanError, UsageError, load_json, runs_root, save_json
+from moetplan.hw.gpus import local_gpu_count
+from moetplan.launch.command import DEFAULT_HOST, DEFAULT_PORT, build_launch, is_cpu_plan, shell_line
+from moetplan.launch.run import serve
+from moetplan.plan.cpu_backend import plan_for_cpu
+
+EXPERT_FORMAT_CHOICES = ("2bit", "unquantized")
+
+
+def set_expert_format(plan: Any, expert_format: str) -> None:
+    if expert_format not in EXPERT_FORMAT_CHOICES:
+        raise UsageError(f"--experts {expert_format}: choose one of {', '.join(EXPERT_FORMAT_CHOICES)}")
+    plan.placement.expert_format = expert_format
+
+
+def resolve_plan(plan_path: str | None, model: str | None, *, box: str | None = None, gpus: str | None = None,
+                 hw: str | None = None, context: str | None = None, set_: list[str] | None = None,
+                 experts: str | None = None, run_dir: str | None = None) -> tuple[Any, Path, bool]:
+    """-> (plan, path the runtime will read it from, whether that file was written by this run)."""
+    if bool(plan_path) == bool(model):
+        raise UsageError("give either a plan.json or --model NAME (e.g. `moetplan run --model tiny-moe`)")
+    if plan_path:
+        plan = load_json(_schema.Plan, plan_path)
+        path = Path(plan_path).resolve()
+        if experts and experts != plan.placement.expert_format:
+            set_expert_format(plan, experts)
+            path = path.with_name(f"{path.stem}.{experts}.json")
+            save_json(plan, path)
+            return plan, path, True
+        return plan, path, False
+
+    from moetplan.models import tiny
+
+    ctx = None
+    if context:
+        from moetplan.contract import parse_tokens as _parse_tokens
+
+        try:
+            ctx = _parse_tokens(context)
+        except ValueError:
+            raise UsageError(f"--context {context}: not a token count (e.g. 4096 or 32k)") from None
+    if tiny.is_tiny(model):  # type: ignore[arg-type]
+        ckpt = tiny.ensure_tiny_checkpoint(model)  # type: ignore[arg-type]
+        from moetplan.models import resolve_model
+
+        spec = resolve_model(str(ckpt))
+        spec.id, spec.name = model, model  # type: ignore[assignment]
+        if box or gpus or hw:
+            plan = _solve(spec, box, gpus, hw, ctx, set_)
+        else:
+            plan = _solve_here(spec, ctx, set_, experts or "2bit")
+        plan.launch.model_path = str(ckpt)
+        plan.launch.served_model_name = model
+    else:
+        from moetplan.models import resolve_model
+
+        spec = resolve_model(model)  # type: ignore[arg-type]
+        plan = _solve(spec, box, gpus, hw, ctx, set_)
+    if experts:
+        set_expert_format(plan, experts)
+    plan.moetplan_version = plan.moetplan_version or __version__
+    name = plan.launch.served_model_name or spec.id.replace(":", "-").replace("/", "-")
+    folder = Path(run_dir) if run_dir else runs_root() / name
+    path = (folder / "plan.json").resolve()
+    save_json(plan, path)
+    return plan, path, True
+
+
+def _solve(spec: Any, box: str | None, gpus: str | None, hw: str | None, ctx: int | None,
+           set_: list[str] | None) -> Any:
+    from moetplan.hw.resolve import resolve_hardware
+    from moetplan.plan.solver import parse_set, solve
+
+    profile, notes = resolve_hardware(hw, box, gpus, probe_progress=False)
+    plan = solve(spec, profile, _schema.Goals(context=ctx, pinned=parse_set(set_ or [])))
+    plan.warnings = notes + plan.warnings
+    return plan
+
+
+def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str) -> Any:
+    """Plan for this machine: its GPUs through the solver, or the CPU backend when it has none."""
+    if local_gpu_count() == 0:
+        pins = {}
+        for item in set_ or []:
+            k, _, v = item.partition("=")
+            pins[k.strip()] = v.strip()
+        unknown = set(pins) - {"context", "max_num_seqs"}
+        if unknown:
+            raise UsageError(f"--set {', '.join(sorted(unknown))}: a CPU-backend plan takes only context and "
+                             "max_num_seqs")
+        from moetplan.contract import parse_tokens as _parse_tokens
+
+        try:
+            context = _parse_tokens(pins["context"]) if "context" in pins else ctx
+            seqs = int(pins.get("max_num_seqs", 4))
+        except ValueError:
+            raise UsageError(f"--set {' '.join(set_ or [])}: not a number") from None
+        return plan_for_cpu(spec, context=context, expert_format=experts, max_num_seqs=seqs)
+    return _solve(spec, None, None, None, ctx, set_)
+
+
+def check_gpus_here(plan: Any) -> None:
+    """A GPU plan needs its GPUs on this machine; say so before vLLM fails in its own words."""
+    if is_cpu_plan(plan):
+        return
+    have, want = local_gpu_count(), plan.placement.tp * plan.placement.pp
+    if have < want:
+        where = plan.hardware.box_id or plan.hardware.description or "another machine"
+        raise UsageError(
+            f"this plan is for {want} GPU(s) ({where}); this machine has {have}. Use --dry-run to print its "
+            "command, run it on that machine, or plan for this one (`moetplan run --model NAME` without --box)"
+        )
+
+
+def run_command(
+    plan_file: Optional[str] = typer.Argument(None, metavar="[PLAN.JSON]", help="plan to serve"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="plan first: tiny-moe, tiny-moe-mla, tiny-moe-fp8, an hwdb "
+                                        "model id or a checkpoint folder"),
+    box: Optional[str] = typer.Option(None, "--box", help="with --model: plan for a reference box"),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="with --model: inline GPUs, e.g. 2xrtx-5090"),
+    hw: Optional[str] = typer.Option(None, "--hw", help="with --model: HardwareProfile JSON"),
+    context: Optional[str] = typer.Option(None, "--context", help="with --model: wanted context"),
+    set_: List[str] = typer.Option([], "--set", help="with --model: pin a knob name=value"),
+    experts: Optional[str] = typer.Option(None, "--experts", help="routed experts: 2bit (default) or "
+                                          "unquantized (checkpoint precision; for correctness checks)"),
+    host: str = typer.Option(DEFAULT_HOST, "--host"),
+    port: int = typer.Option(DEFAULT_PORT, "--port"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the vLLM command and environment, start nothing"),
+    logs: bool = typer.Option(False, "--logs", help="stream the server log to stderr"),
+    timeout: float = typer.Option(900.0, "--timeout", help="seconds to wait for the server to become healthy"),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="with --model: where plan.json, the log and "
+                                          "the run record go (default: the user cache dir)"),
+    as_json: bool = typer.Option(False, "--json", help="JSON lines (events) instead of text"),
+    vllm_args: List[str] = typer.Argument(None, hidden=True),
+) -> None:
+    """Serve a model under a plan through vLLM (extra vLLM flags after `--`)."""
+    from rich.console import Console
+
+    console, err = Console(), Console(stderr=True)
+    extra = list(vllm_args or [])
+    try:
+        if plan_file and (plan_file.startswith("-") or (model and not plan_file.endswith(".json"))):
+            # After `--` click hands every word to the positionals: the first belongs to the vLLM flags.
+            extra, plan_file = [plan_file, *extra], None
+        plan, plan_path, written = resolve_plan(plan_file, model, box=box, gpus=gpus, hw=hw, context=context,
+                                                set_=set_, experts=experts, run_dir=run_dir)
+        if dry_run:
+            launch = build_launch(plan, plan_path=str(plan_path), host=host, port=port, extra_args=extra)
+            if as_json:
+                print(json.dumps({"argv": launch.argv, "env": launch.env, "model_path": launch.model_path,
+                                  "served_model_name": launch.served_model_name, "plan": str(plan_path),
+                                  "backend": "cpu" if is_cpu_plan(plan) else "cuda"}, indent=2))
+            else:
+                _render_dry_run(launch, plan, plan_path, console)
+            return
+        check_gpus_here(plan)
+        rc = serve(plan, plan_path, host=host, port=port, show_logs=logs, as_json=as_json, timeout=timeout,
+                   extra_args=extra, console=console, err=err)
+    except MoetplanError as e:
+        if as_json:
+            print(json.dumps({"event": "error", "error": str(e), "exit_code": e.exit_code}))
+        else:
+            err.print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(e.exit_code)
+    if rc:
+        raise typer.Exit(rc)
+
+
+def _render_dry_run(launch: Any, plan: Any, plan_path: Path, console: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"vLLM launch for {launch.served_model_name} ({'CPU' if is_cpu_plan(plan) else 'CUDA'})",
+              show_header=True, header_style="bold")
+    t.add_column("environment")
+    t.add_column("value", overflow="fold")
+    for k, v in sorted(launch.env.items()):
+        t.add_row(k, v)
+    console.print(t)
+    console.print("[bold]command[/]")
+    console.print(shell_line(launch), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"[dim]plan: {plan_path}[/]")
