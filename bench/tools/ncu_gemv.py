@@ -1,11 +1,11 @@
-"""Driver for Nsight Compute on the MoE stages (issue 8): a few eager calls of one MoE layer at the given model
+"""Driver for Nsight Compute on the MoE stages: a few eager calls of one MoE layer at the given model
 shape and token count, so that ncu has launches to profile: the decode stages at few tokens, the prefill stages
 (`-k regex:prefill_stage`) at many.
 
     ncu --set full --clock-control none -k regex:gemv_stage --launch-skip 2 --launch-count 2 \
-        -o gemv python3 bench/ncu_gemv.py --model DeepSeek-V4-Flash --tokens 8
+        -o gemv python3 bench/tools/ncu_gemv.py --model DeepSeek-V4-Flash --tokens 8
     ncu --set full --clock-control none -k regex:prefill_stage --launch-count 2 \
-        -o prefill python3 bench/ncu_gemv.py --tokens 8192 --calls 1
+        -o prefill python3 bench/tools/ncu_gemv.py --tokens 8192 --calls 1
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.kernels import model_shapes, resident_layer  # noqa: E402
 from moetplan.runtime import ops  # noqa: E402
 from moetplan.runtime.format import RowLayout  # noqa: E402

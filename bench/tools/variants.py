@@ -1,11 +1,11 @@
 """Side-by-side kernel variants: one experiment file from the bench runs of several source trees.
 
-bench/variants.sh builds one tree per `label:patch` and runs bench/kernels.py in each, interleaved and repeated;
+bench/tools/variants.sh builds one tree per `label:patch` and runs bench/kernels.py in each, interleaved and repeated;
 this script folds those runs into ONE json (the device call returns only a few files, so separate run files get
 lost) with every run's code named, and prints the per-point time ratios of each variant over the first label:
 
-    python3 bench/variants.py --out experiment.json --base 3989ed2 --note "what was compared" \\
-        a=runs/decode_a1.json,runs/decode_a2.json  s1@bench/results/h22_variants/ns1.patch=runs/decode_s11.json
+    python3 bench/tools/variants.py --out experiment.json --base 3989ed2 --note "what was compared" \\
+        a=runs/decode_a1.json,runs/decode_a2.json  s1@/tmp/ns1.patch=runs/decode_s11.json
 
 A label's runs are matched to the first label's by repetition (run i over run i) and by decode point
 (model, tokens, variant), so the ratios are side by side in time. Written atomically.
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moetplan.plan.schema import atomic_write_text  # noqa: E402
 
 

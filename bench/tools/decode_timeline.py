@@ -3,8 +3,8 @@ CUDA graph) replayed under the CUDA profiler (CUPTI through torch.profiler); per
 the mean / total duration, and how much of the step the kernels cover (the union of their intervals: with PDL
 consecutive kernels overlap, the rest is launch gaps).
 
-    PYTHONPATH=. python3 bench/decode_timeline.py --models DeepSeek-V4-Flash --tokens 1,8 \
-        --out bench/results/decode_timeline_h200.json
+    PYTHONPATH=. python3 bench/tools/decode_timeline.py --models DeepSeek-V4-Flash --tokens 1,8 \
+        --out decode_timeline_h200.json
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels import atomic_write_json, capture, machine_info, model_shapes, resident_layer, time_events  # noqa: E402
+from bench.kernels import (atomic_write_json, capture, machine_info, model_shapes, resident_layer,  # noqa: E402
+                           time_events)
 from moetplan.runtime import kernels as kmod, ops  # noqa: E402
 from moetplan.runtime.format import RowLayout  # noqa: E402
 
@@ -90,7 +90,7 @@ def timeline(m: dict[str, Any], T: int, layers_in_step: int, gen: torch.Generato
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/decode_timeline_h200.json")
+    ap.add_argument("--out", default="decode_timeline_h200.json")
     ap.add_argument("--models", default="DeepSeek-V4-Flash")
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--layers", type=int, default=32, help="MoE layers per captured step")

@@ -2,7 +2,7 @@
 // per block, one block per SM, each warpgroup issuing steps of 8 x m64nNk16 (both operands from shared memory) and
 // waiting for the previous step, as the wgmma prefill stages do. Operand values are whatever shared memory holds:
 // only the time matters. Prints TFLOPS per layout and N.
-//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -o /tmp/wgmma_rate bench/cuda/wgmma_rate.cu && /tmp/wgmma_rate
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -o /tmp/wgmma_rate bench/tools/cuda/wgmma_rate.cu && /tmp/wgmma_rate
 #include <cstdio>
 #include <cstdint>
 #include <cuda_runtime.h>

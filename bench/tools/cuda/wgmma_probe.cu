@@ -1,7 +1,7 @@
 // Standalone check of the wgmma layout the prefill stages rely on (sm_90a): one m64n64k16 with A from registers
 // (mma.sync fragment layout) and B from shared memory (K-major, no swizzle, core matrices of 8 rows x 16 bytes,
 // LBO between the two K halves, SBO between 8-row groups). Prints the max error against a host reference.
-//   nvcc -arch=sm_90a -o /tmp/wgmma_probe bench/cuda/wgmma_probe.cu && /tmp/wgmma_probe
+//   nvcc -arch=sm_90a -o /tmp/wgmma_probe bench/tools/cuda/wgmma_probe.cu && /tmp/wgmma_probe
 #include <cuda_bf16.h>
 #include <cstdio>
 #include <cstdint>

@@ -1,4 +1,4 @@
-"""Pipe utilization of the decode stages from Nsight Compute's raw CSV (issue 8; docs/KERNELS.md, H26).
+"""Pipe utilization of the decode stages from Nsight Compute's raw CSV (docs/KERNELS.md).
 
 Why: on Hopper the integer ALU pipe (PRMT, LOP3, SHF: the 2-bit decode) executes 16 lanes per cycle per SM
 sub-partition, half the issue rate, so a stage whose instructions are mostly ALU work is bound by that pipe before
@@ -8,8 +8,8 @@ instruction counts were collected, and writes JSON.
 
     ncu --section ComputeWorkloadAnalysis --section SpeedOfLight --section SchedulerStats --clock-control none \\
         --metrics sm__inst_executed_pipe_alu.sum,sm__inst_executed.sum -k regex:gemv_stage --launch-skip 2 \\
-        --launch-count 2 --page raw --csv python3 bench/ncu_gemv.py --tokens 8 > raw.csv
-    python3 bench/ncu_pipes.py raw.csv --label DS4-T8 --weights 302e6 --out pipes.json
+        --launch-count 2 --page raw --csv python3 bench/tools/ncu_gemv.py --tokens 8 > raw.csv
+    python3 bench/tools/ncu_pipes.py raw.csv --label DS4-T8 --weights 302e6 --out pipes.json
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
-"""Instruction mix of a kernel's main loop, from `cuobjdump -sass` output (docs/KERNELS.md, H22).
+"""Instruction mix of a kernel's main loop, from `cuobjdump -sass` output (docs/KERNELS.md, "SASS without a device").
 
 The main loop is the innermost backward branch whose range holds the kernel's first MMA instruction (the rule
-bench/ncu_stalls.py uses on Nsight Compute's SASS page). Printed: the loop's instruction count and opcode mix,
+bench/tools/ncu_stalls.py uses on Nsight Compute's SASS page). Printed: the loop's instruction count and opcode mix,
 and its round body up to the first refill instruction in it — a cp.async copy (LDGSTS), or for a TMA / bulk-copy
 ring the mbarrier arrive that announces the copies' bytes (SYNCS.ARRIVE.TRANS64) or the copy itself (UTMALDG,
 UBLKCP) — which is where the decode stages refill their ring: instructions there per MMA give the per-weight cost
 of a round (a decode-stage MMA is 8 weights per lane).
 
     moetplan build-kernels --arch 9.0 && cuobjdump -sass $MOETPLAN_KERNEL_CACHE/moetplan_moe-*/moetplan_moe*.so > k.sass
-    python3 bench/sass_loop.py k.sass gemv_stage_kernelILb1ELb0ELi1ELb0E
+    python3 bench/tools/sass_loop.py k.sass gemv_stage_kernelILb1ELb0ELi1ELb0E
 """
 from __future__ import annotations
 

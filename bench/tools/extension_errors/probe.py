@@ -1,11 +1,11 @@
 """Do errors raised in C++ extension code reach Python as exceptions on this machine, or crash the process?
 
-H25 found the moetplan extension segfaulting (inside std::ostream::_M_insert<long>) on a TORCH_CHECK that formats
-a number, on the lent H200 (torch 2.11 + CUDA 13, g++ 13), while string-only messages raised (csrc/moe_kernels.cu
+The moetplan extension once segfaulted (inside std::ostream::_M_insert<long>) on a TORCH_CHECK that formats a
+number, on the lent H200 (torch 2.11 + CUDA 13, g++ 13), while string-only messages raised (csrc/moe_kernels.cu
 MOET_CHECK now formats numbers itself). Each case runs in its own process under a SIGSEGV handler that prints the
 native stack; the results go to one JSON file:
 
-    python3 bench/extension_errors/probe.py [--out bench/results/extension_errors.json] [--cases a,b]
+    python3 bench/tools/extension_errors/probe.py [--out extension_errors.json] [--cases a,b]
 
 Cases: cpp_check / cpp_num / cpp_std (g++-compiled extension: TORCH_CHECK with a string, with a number,
 std::runtime_error), cu_check / cu_num / cu_std (the same from nvcc-compiled host code, csrc/'s flags), torch_num
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE.parent.parent))
+sys.path.insert(0, str(HERE.parents[2]))
 CASES = ["cpp_check", "cpp_num", "cpp_std", "cu_check", "cu_num", "cu_std", "torch_num", "moetplan"]
 BUILD = Path(os.environ.get("MOETPLAN_PROBE_BUILD", "/tmp/moetplan-extension-errors"))
 
@@ -60,7 +60,7 @@ def run_case(case: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/extension_errors.json")
+    ap.add_argument("--out", default="extension_errors.json")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -1,15 +1,14 @@
-"""Read-pattern ceiling of the decode stages (issue 8): pure-read kernels (bench/cuda/read_pattern.cu) that touch
-the same bytes in the order the decode stages do, against a tile-major order and torch.sum, in one run.
+"""Read-pattern ceiling of the decode stages: pure-read kernels (bench/cuda/read_pattern.cu) that touch the same
+bytes in the order the decode stages do, against a tile-major order and torch.sum, in one run.
 
-    python3 bench/read_pattern.py --out bench/results/read_pattern_h200.json
-    python3 bench/read_pattern.py --patterns ring_gemv,ring_tile --warps 16 --out bench/results/read_pattern_ring_h200.json
-    python3 bench/read_pattern.py --patterns ring_gemv,ring_tile --warps 16 --pdl --out bench/results/read_pattern_pdl_h200.json
+    python3 bench/tools/read_pattern.py --out read_pattern_h200.json
+    python3 bench/tools/read_pattern.py --patterns ring_gemv,ring_tile --warps 16 [--pdl] --out read_pattern_ring.json
 
-The ring_* patterns replay the decode stages' memory side as built (a per-warp cp.async ring, no decode), in their
-row-major order and in a tile-major one (docs/KERNELS.md, H23); "stream" reads each warp's share of the bytes
-front to back (bench/layer_ceiling.py times a decode layer's launches with it). Per pattern and row length
-(1024 B = K 4096 2-bit codes, 512 B = K 2048): GB/s over a 4 GiB buffer in one launch, and over slices of a decode
-step's size (back to back in one CUDA graph), as a share of torch.sum's rate.
+The ring_* patterns replay the cp.async ring's memory side (a per-warp ring, no decode), in the stages' row-major
+order and in a tile-major one (docs/KERNELS.md, "What was tried": a tile-major pool); "stream" reads each warp's
+share of the bytes front to back (bench/layer_ceiling.py times a decode layer's launches with it). Per pattern and
+row length (1024 B = K 4096 2-bit codes, 512 B = K 2048): GB/s over a 4 GiB buffer in one launch, and over slices
+of a decode step's size (back to back in one CUDA graph), as a share of torch.sum's rate.
 
 --pdl runs every pattern twice, without and with programmatic dependent launch (the kernels issue their first
 two rounds, then wait for the previous one and release the next, as the decode stages do), both with shared
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.kernels import GIB, MIB, atomic_write_json, capture, machine_info, time_events  # noqa: E402
 
 PATTERNS = {0: "tile_linear", 1: "gemv", 2: "quad256", 3: "gemv+scales", 4: "ring_gemv", 5: "ring_tile",
@@ -34,7 +33,7 @@ PATTERNS = {0: "tile_linear", 1: "gemv", 2: "quad256", 3: "gemv+scales", 4: "rin
 
 def load_module():
     """Build (or take from torch's extension cache) bench/cuda/read_pattern.cu for sm_90."""
-    return load("moetplan_read_pattern", [str(Path(__file__).parent / "cuda" / "read_pattern.cu")],
+    return load("moetplan_read_pattern", [str(Path(__file__).resolve().parents[1] / "cuda" / "read_pattern.cu")],
                 extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)
 
 

@@ -2,11 +2,11 @@
 # Wheels the lent GPU machine lacks for moetplan (its image has torch, typer, rich, numpy, pyyaml, psutil,
 # safetensors, nvidia-ml-py, xxhash, httpx; not pydantic or platformdirs), for its Python 3.12, into .whl/
 # (git-ignored; a device call names it in `carry` and installs it first, docs/KERNELS.md "Device runs"):
-#   bash bench/device_wheels.sh
+#   bash bench/tools/device_wheels.sh
 #   run: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 rm -rf .whl && mkdir -p .whl
 # The versions the project's venv (scripts/setup.sh) resolved, else this python's (one of each: two stop the
 # install there).

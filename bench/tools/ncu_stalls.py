@@ -1,9 +1,9 @@
-"""Stall-reason summary of an Nsight Compute SASS page (issue 8): per kernel, the share of warp stall samples
+"""Stall-reason summary of an Nsight Compute SASS page: per kernel, the share of warp stall samples
 by reason and the instructions (by opcode) that collect them. Input: the csv that
 
     ncu -i REPORT.ncu-rep --page source --csv --print-source sass > sass.csv
 
-writes (bench/gpu_session.sh's ncu step does). Usage: python3 bench/ncu_stalls.py sass.csv [more.csv ...]
+writes (bench/gpu_session.sh's ncu step does). Usage: python3 bench/tools/ncu_stalls.py sass.csv [more.csv ...]
 """
 from __future__ import annotations
 

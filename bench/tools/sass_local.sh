@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The decode stages' registers, shared memory and round bodies from SASS, on a machine without a GPU (nvcc only):
 # compiles csrc/moe_kernels.cu of a tree to a cubin against the venv's (CPU) torch headers, with empty stand-ins
-# for the CUDA-library headers a CPU torch does not ship, then cuobjdump -res-usage and bench/sass_loop.py per
-# gemv stage form. How the numbers in docs/KERNELS.md under "SASS, no device" were made.
-#   bash bench/sass_local.sh [TREE]          (default: this checkout; ARCH=90a, OUT=/tmp/moetplan-sass)
-# e.g. a variant:  git worktree add /tmp/v HEAD && (cd /tmp/v && patch -p1 < $PWD/bench/results/h24_variants/X.patch)
-#                  bash bench/sass_local.sh /tmp/v
+# for the CUDA-library headers a CPU torch does not ship, then cuobjdump -res-usage and bench/tools/sass_loop.py per
+# gemv stage form. How the numbers in docs/KERNELS.md under "SASS without a device" were made.
+#   bash bench/tools/sass_local.sh [TREE]          (default: this checkout; ARCH=90a, OUT=/tmp/moetplan-sass)
+# e.g. a variant:  git worktree add /tmp/v HEAD && (cd /tmp/v && patch -p1 < /tmp/X.patch)
+#                  bash bench/tools/sass_local.sh /tmp/v
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 tree=$(cd "${1:-$root}" && pwd)
 ARCH=${ARCH:-90a}
 OUT=${OUT:-/tmp/moetplan-sass}
@@ -30,5 +30,5 @@ echo "== gemv stages (sm_$ARCH): registers, spill stack, static shared memory"
 "$cuobjdump" -res-usage "$OUT/k.cubin" 2>&1 | grep -A1 "gemv_stage" | grep -oE "Function [^ :]+|REG:[0-9]+|STACK:[0-9]+|SHARED:[0-9]+" | paste - - - -
 for f in $(grep -oE "Function : _ZN4moet17gemv_stage_kernel[A-Za-z0-9_]+" "$OUT/k.sass" | awk '{print $3}' | sort -u); do
   echo "== $f"
-  "$PY" "$root/bench/sass_loop.py" "$OUT/k.sass" "$f"
+  "$PY" "$root/bench/tools/sass_loop.py" "$OUT/k.sass" "$f"
 done
