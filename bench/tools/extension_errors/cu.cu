@@ -1,4 +1,4 @@
-// bench/extension_errors/probe.py: errors raised from nvcc-compiled host code, built as csrc/ is.
+// bench/tools/extension_errors/probe.py: errors raised from nvcc-compiled host code, built as csrc/ is.
 #include <torch/extension.h>
 #include <stdexcept>
 
