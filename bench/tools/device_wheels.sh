@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels the lent GPU machine lacks for moetplan (its image has torch, typer, rich, numpy, pyyaml, psutil,
 # safetensors, nvidia-ml-py, xxhash, httpx; not pydantic or platformdirs), for its Python 3.12, into .whl/
-# (git-ignored; a device call names it in `carry` and installs it first, docs/KERNELS.md "Device runs"):
+# (git-ignored; a device call names it in `carry` and installs it first, docs/KERNELS.md "Reproducing"):
 #   bash bench/tools/device_wheels.sh
 #   run: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Kernel variants side by side in one device call (docs/KERNELS.md, "Device runs"): one source tree per "label:patch" in
+# Kernel variants side by side in one device call (docs/KERNELS.md, "Reproducing"): one source tree per "label:patch" in
 # $VARIANTS (the first is the baseline; an empty patch = this tree), built in parallel with their own kernel
 # caches, then bench/kernels.py's decode section in each tree in turn, $REPS times, then one experiment file
 # (bench/tools/variants.py: every run with its code, ratios over the baseline) — a single file, because a device call
