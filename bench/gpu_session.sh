@@ -16,8 +16,8 @@ for s in $steps; do
   case $s in
     probe)   timeout 240 bash -c "$(declare -f mp); mp probe --pack-dir /tmp/mp-packs --out $OUT/hw_h200_probe.json" \
                > "$OUT/probe.log" 2>&1; echo "probe rc=$?"; tail -40 "$OUT/probe.log" ;;
-    errors)  # do errors raised in extension code reach Python here, or crash the process (docs/KERNELS.md H25)
-             timeout 300 python3 bench/extension_errors/probe.py --out "$OUT/extension_errors_h200.json" \
+    errors)  # do errors raised in extension code reach Python here, or crash the process (docs/KERNELS.md)
+             timeout 300 python3 bench/tools/extension_errors/probe.py --out "$OUT/extension_errors_h200.json" \
                > "$OUT/errors.log" 2>&1; echo "errors rc=$?"; cat "$OUT/errors.log" ;;
     tests)   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ > "$OUT/pytest_gpu.log" 2>&1
              echo "pytest rc=$?"; tail -25 "$OUT/pytest_gpu.log" ;;
@@ -25,20 +25,20 @@ for s in $steps; do
              echo "tiers rc=$?"; tail -20 "$OUT/tiers.log" ;;
     kernels) timeout 300 python3 bench/kernels.py --quick --out "$OUT/kernels_h200.json" > "$OUT/kernels.log" 2>&1
              echo "kernels rc=$?"; tail -30 "$OUT/kernels.log" ;;
-    pattern) timeout 240 python3 bench/read_pattern.py --out "$OUT/read_pattern_h200.json" > "$OUT/pattern.log" 2>&1
+    pattern) timeout 240 python3 bench/tools/read_pattern.py --out "$OUT/read_pattern_h200.json" > "$OUT/pattern.log" 2>&1
              echo "pattern rc=$?"; tail -20 "$OUT/pattern.log" ;;
     ncu)     # Nsight Compute on the decode stages (DeepSeek-V4-Flash, NCU_TOKENS tokens, default 8): details page +
              # per-instruction stall samples (SASS csv).
              nt=${NCU_TOKENS:-8}
              timeout 240 ncu --set full --import-source no --clock-control none -k regex:gemv_stage --launch-skip 2 \
-               --launch-count 2 -o "$OUT/gemv_t$nt" python3 bench/ncu_gemv.py --tokens "$nt" > "$OUT/ncu_t$nt.log" 2>&1
+               --launch-count 2 -o "$OUT/gemv_t$nt" python3 bench/tools/ncu_gemv.py --tokens "$nt" > "$OUT/ncu_t$nt.log" 2>&1
              echo "ncu rc=$?"
              ncu -i "$OUT/gemv_t$nt.ncu-rep" --page details > "$OUT/ncu_gemv_t$nt.txt" 2>&1
              ncu -i "$OUT/gemv_t$nt.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_gemv_t${nt}_sass.csv" 2>&1
              ncu -i "$OUT/gemv_t$nt.ncu-rep" --page raw --csv > "$OUT/ncu_gemv_t${nt}_raw.csv" 2>&1
              rm -f "$OUT/gemv_t$nt.ncu-rep"; grep -E "Duration|Issue Slots Busy|DRAM Throughput" "$OUT/ncu_gemv_t$nt.txt"
-             python3 bench/ncu_stalls.py "$OUT/ncu_gemv_t${nt}_sass.csv" | tee "$OUT/ncu_gemv_t${nt}_stalls.txt" ;;
-    pipes)   # pipe shares of the decode stages (Nsight Compute raw metrics; bench/ncu_pipes.py): the integer ALU pipe
+             python3 bench/tools/ncu_stalls.py "$OUT/ncu_gemv_t${nt}_sass.csv" | tee "$OUT/ncu_gemv_t${nt}_stalls.txt" ;;
+    pipes)   # pipe shares of the decode stages (Nsight Compute raw metrics; bench/tools/ncu_pipes.py): the integer ALU pipe
              # (the 2-bit decode) against issue, DRAM and the SM clock; DeepSeek-V4-Flash at 1 and 8 tokens, Kimi at 8.
              csvs=(); labels=(); weights=()
              for spec in "DeepSeek-V4-Flash 1" "DeepSeek-V4-Flash 8" "Kimi-K2.7-Code 8"; do
@@ -47,16 +47,16 @@ for s in $steps; do
                  # shellcheck disable=SC2086
                  timeout 150 ncu --section ComputeWorkloadAnalysis --section SpeedOfLight --section SchedulerStats \
                    $extra --clock-control none -k regex:gemv_stage --launch-skip 2 --launch-count 2 --page raw --csv \
-                   --log-file "$f" python3 bench/ncu_gemv.py --model "$1" --tokens "$2" > "$f.log" 2>&1
+                   --log-file "$f" python3 bench/tools/ncu_gemv.py --model "$1" --tokens "$2" > "$f.log" 2>&1
                  grep -q '^"ID"' "$f" && break
                done
                csvs+=("$f"); labels+=(--label "$1 T=$2")
                w=$(grep -o 'weights=[0-9]*' "$f.log" | cut -d= -f2); weights+=(--weights "${w:-0}")
              done
-             python3 bench/ncu_pipes.py "${csvs[@]}" "${labels[@]}" "${weights[@]}" --out "$OUT/ncu_pipes_h200.json" \
+             python3 bench/tools/ncu_pipes.py "${csvs[@]}" "${labels[@]}" "${weights[@]}" --out "$OUT/ncu_pipes_h200.json" \
                > "$OUT/pipes.log" 2>&1; echo "pipes rc=$?"; tail -40 "$OUT/pipes.log" ;;
-    timeline) # per-kernel durations of the decode step (bench/decode_timeline.py), all three model shapes
-             timeout 200 python3 bench/decode_timeline.py --models DeepSeek-V4-Flash,GLM-5.2,Kimi-K2.7-Code \
+    timeline) # per-kernel durations of the decode step (bench/tools/decode_timeline.py), all three model shapes
+             timeout 200 python3 bench/tools/decode_timeline.py --models DeepSeek-V4-Flash,GLM-5.2,Kimi-K2.7-Code \
                --tokens 1,2,8 --out "$OUT/decode_timeline_h200.json" > "$OUT/timeline.log" 2>&1
              echo "timeline rc=$?"; grep -v -i warn "$OUT/timeline.log" | tail -20 ;;
     e4m3)    # the opt-in e4m3 w13 stage's distance from the bf16 stage (bench/e4m3_precision.py)
@@ -65,7 +65,7 @@ for s in $steps; do
     ncu-prefill)  # Nsight Compute on the prefill stages (DeepSeek-V4-Flash, 8192 tokens, w13 + w2 of one call).
              k=${MOETPLAN_PREFILL_KERNEL:-auto}; re=$([ "$k" = wgmma ] && echo prefill_wgmma || echo prefill_stage)
              timeout 240 ncu --set full --clock-control none -k "regex:$re" --launch-count 2 -o "$OUT/prefill" \
-               python3 bench/ncu_gemv.py --tokens 8192 --calls 1 > "$OUT/ncu_prefill.log" 2>&1; echo "ncu rc=$?"
+               python3 bench/tools/ncu_gemv.py --tokens 8192 --calls 1 > "$OUT/ncu_prefill.log" 2>&1; echo "ncu rc=$?"
              ncu -i "$OUT/prefill.ncu-rep" --page details > "$OUT/ncu_prefill_t8192.txt" 2>&1
              ncu -i "$OUT/prefill.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_prefill_sass.csv" 2>&1
              rm -f "$OUT/prefill.ncu-rep"; grep -E "Duration|Issue Slots Busy|Tensor" "$OUT/ncu_prefill_t8192.txt" ;;

@@ -1,4 +1,4 @@
-"""Kernel benchmark (issue 8, item 4): MoE decode and prefill through moetplan.runtime.ops on one CUDA GPU.
+"""Kernel benchmark: MoE decode and prefill through moetplan.runtime.ops on one CUDA GPU.
 
 In one run:
   1. the device's streaming-read bandwidth: a large torch.sum over several GB, and a CUDA graph of back-to-back
@@ -117,20 +117,19 @@ def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return g
 
 
-# How the benchmark's scale bytes are drawn (--scales). "gauss" (the default since H28): the UE8M0 exponent of the
-# largest |w| of 32 standard-normal weights per block, what the quantizer gives Gaussian rows (within a 512-weight
-# round the blocks span at most 2-3 binades; heavier tails, docs/KERNELS.md H28). "uniform": every block
-# independently uniform over 8 binades (116..123), what every result before H28 was taken with. The bf16 decode is
-# data-independent, but the int8 w13 stage takes a second pass over a round whose rows span more than 4 binades,
-# which "uniform" makes almost every round.
+# How the benchmark's scale bytes are drawn (--scales). "gauss" (the default): the UE8M0 exponent of the largest
+# |w| of 32 standard-normal weights per block, what the quantizer gives Gaussian rows (within a 512-weight round the
+# blocks span at most 2-3 binades; heavier tails: bench/scale_spread.py). "uniform": every block independently
+# uniform over 8 binades (116..123). The bf16 decode is data-independent, but the int8 stages take a second pass
+# over a round whose rows span more than 4 binades, which "uniform" makes almost every round.
 SCALES = "gauss"
 
 
 def random_scales(n: int, size: int, gen: torch.Generator) -> torch.Tensor:
     if SCALES == "gauss":
         # max |N(0, 1)| of 32 draws by its inverse CDF: P(max <= a) = (2 Phi(a) - 1)^32. In float64: in float32
-        # u^(1/32) rounds to 1 for u above ~1 - 2e-6, ndtri(1) is inf, and such blocks got byte 140 (the clamp),
-        # 19 binades above their row (H28's and H29's first runs; docs/KERNELS.md H29).
+        # u^(1/32) rounds to 1 for u above ~1 - 2e-6, ndtri(1) is inf, and such blocks would get byte 140 (the
+        # clamp), 19 binades above their row.
         u = torch.rand(n, size, device=gen.device, generator=gen, dtype=torch.float64).clamp_(1e-12, 1 - 1e-7)
         amax = torch.special.ndtri((u.pow(1 / 32) + 1) / 2)
         return (120 + torch.floor(torch.log2(amax))).clamp_(100, 140).to(torch.uint8)
@@ -495,8 +494,8 @@ def main() -> int:
                          "from one slot: the stages' speed with their rows in the L2); the first (the default path) "
                          "is the headline figure")
     ap.add_argument("--scales", choices=("uniform", "gauss"), default="gauss",
-                    help="how the expert rows' scale bytes are drawn: 'gauss' (the default since H28: what Gaussian "
-                         "weights quantize to) or 'uniform' over 8 binades per block (every result before H28)")
+                    help="how the expert rows' scale bytes are drawn: 'gauss' (the default: what Gaussian "
+                         "weights quantize to) or 'uniform' over 8 binades per block")
     ap.add_argument("--prefill-kernels", default="auto,tiled:2,wgmma,warp",
                     help="MOETPLAN_PREFILL_KERNEL values to time, optionally name:variant (MOETPLAN_PREFILL_VARIANT); the "
                          "first (the default path) is the headline figure")
@@ -510,7 +509,7 @@ def main() -> int:
         return 2
     out = Path(args.out)
     mod = kernels.get_module()
-    res: dict[str, Any] = {"benchmark": "moetplan kernels (issue 8)", "machine": machine_info(),
+    res: dict[str, Any] = {"benchmark": "moetplan kernels", "machine": machine_info(),
                            "command": " ".join(["python3"] + sys.argv), "kernels_built": mod is not None,
                            "scales": SCALES,
                            "fallback_reason": kernels.fallback_reason(),

@@ -1,4 +1,4 @@
-"""Launch-structure ceiling of decode (issue 8): the bytes of each decode step read by pure streaming kernels
+"""Launch-structure ceiling of decode: the bytes of each decode step read by pure streaming kernels
 (bench/cuda/read_pattern.cu, pattern "stream": no rows, no decode, no MMA) in the launch structure of a layer, all
 MoE layers of a step back to back in one CUDA graph, as a share of the large-read bandwidth measured in the same
 run (the issue's 80% reference) and next to the real decode stages timed in the same run.
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernels import (MIB, atomic_write_json, capture, decode_case, machine_info, model_shapes,  # noqa: E402
                            read_bandwidth, routing, time_events)
-from bench.read_pattern import PATTERNS, load_module  # noqa: E402
+from bench.tools.read_pattern import PATTERNS, load_module  # noqa: E402
 from moetplan.runtime.format import RowLayout  # noqa: E402
 
 STREAM = next(m for m, n in PATTERNS.items() if n == "stream")
@@ -89,7 +89,7 @@ def main() -> int:
     bw = read_bandwidth(quick=True)
     ref = bw["large_sum"]["gbps"]
     print(f"read bandwidth (large sum) {ref:.0f} GB/s", flush=True)
-    res: dict[str, Any] = {"benchmark": "decode launch-structure ceiling (issue 8)", "machine": machine_info(),
+    res: dict[str, Any] = {"benchmark": "decode launch-structure ceiling", "machine": machine_info(),
                            "command": "python3 " + " ".join(sys.argv), "read_bandwidth": bw, "points": []}
     buf_bytes = int(args.gib * 1024**3) // TILE * TILE
     buf = torch.randint(0, 256, (buf_bytes,), dtype=torch.uint8, device="cuda")

@@ -1,4 +1,4 @@
-"""Quality of 2-bit experts, + FP4 reserve, + confidence gate against the float model, on a trained tiny MoE (issue 9).
+"""Quality of 2-bit experts, + FP4 reserve, + confidence gate against the float model, on a trained tiny MoE.
 
     .venv/bin/python bench/quality.py                      # train (cached) + evaluate, write bench/results/quality_tiny.json
     .venv/bin/python bench/quality.py --tau 0.5 --eval-tokens 1024
@@ -118,7 +118,7 @@ def main() -> int:
         print(f"reserve share {share}: {reserve_sweep[str(share)]}", flush=True)
 
     out = {
-        "benchmark": "moetplan quality: 2-bit vs +FP4 reserve vs +reserve+gate (issue 9)",
+        "benchmark": "moetplan quality: 2-bit vs +FP4 reserve vs +reserve+gate",
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([".venv/bin/python", "bench/quality.py", *sys.argv[1:]]),
         "machine": machine_info(),

@@ -3,11 +3,11 @@
 // Why a second decode path: the first one (moe_stage_kernel in scan mode) launched one short-lived block per
 // (expert, 32 rows) that split K over 4 warps: every block paid a chain of dependent loads (topk_ids -> slot_of
 // -> codes) before its first code byte arrived, kept only one chunk in flight per warp, and the w2 stage turned
-// the fp32 intermediate into bf16 hi/lo in its inner loop. It read 1.0-1.2 TB/s on the H200.
+// the fp32 intermediate into bf16 hi/lo in its inner loop.
 //
 // Here:
 //   - One launch per stage over all (expert pass, 16-row tile) units of the layer, a unit read in rounds (NS
-//     16-byte pieces of each of its two rows per thread, NS = gemv_ns(K), 1 since H22). A block takes a
+//     16-byte pieces of each of its two rows per thread, NS = gemv_ns(K), at most GEMV_MAX_NS). A block takes a
 //     contiguous range of units and its 4 warps split the range's rounds evenly (a unit may straddle warps:
 //     its parts are summed through shared memory at the end, in warp order), with one block per resident slot,
 //     so every warp slot of the device streams the same number of rounds to one ("balanced", when the units
@@ -55,7 +55,7 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// ---- TMA ring (sm_90+, K a multiple of GEMV_BULK_K; the default on Hopper since H25) ----------------------------
+// ---- TMA ring (sm_90+, K a multiple of GEMV_BULK_K; the default on Hopper) --------------------------------------
 // A round is 512 weights of each of the tile's 16 rows: 128 contiguous code bytes and 16 scale bytes per row,
 // brought by the TMA engine as one box each of the pool's code and scale bytes (tensor maps a.tm_q, a.tm_s:
 // [slot][half][row][byte], half = gate / up rows of w13, one half of H rows for w2; a box is 16 rows or 2 x 8),
@@ -71,7 +71,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // bytes (a quarter-warp's LDS.128 of rows g and g + 1 meets 2-way bank conflicts there: 4 of the round's ~500
 // instructions).
 constexpr int GEMV_BULK_K = 512;      // weights per row in a round: K must be a multiple of it
-constexpr int GEMV_BULK_STAGES = 3;  // 4 measured 1.00-1.02x the time of 3 at every decode point (H25)
+constexpr int GEMV_BULK_STAGES = 3;  // 4 measured no faster (docs/KERNELS.md, "What was tried")
 constexpr int GEMV_BULK_CODES = 16 * (GEMV_BULK_K / 4);  // 16 rows x 128 code bytes
 constexpr int GEMV_BULK_STAGE = GEMV_BULK_CODES + 16 * 16;  // 2304 = 18 x 128: every box lands 128-byte aligned
 constexpr int GEMV_BULK_TX = GEMV_BULK_STAGE;             // bytes per round (out-of-range boxes count in full)
@@ -187,11 +187,9 @@ struct GemvArgs {
 };
 
 // Unscaled-free 2-bit decode: same table trick as decode_2bit (scale folded into the bf16 exponent).
-// Right shifts are plain shifts (SHF, integer ALU pipe), left shifts multiplies (IMAD.SHL, FMA pipe). Right shifts
-// used to be high multiplies (`__umulhi(x, 1 << (32 - n))`, IMAD.HI) to keep them off the ALU pipe, which PRMT and
-// LOP3 load; measured on the H200 (docs/KERNELS.md, H21) that made every decode point 2-10% slower: IMAD.HI costs
-// the FMA pipe two issue cycles and ptxas schedules 4 stall cycles behind each one, and the ALU pipe was only a
-// third busy (Nsight Compute), so it is not what binds.
+// Right shifts are plain shifts (SHF, integer ALU pipe), left shifts multiplies (IMAD.SHL, FMA pipe). Not high
+// multiplies (`__umulhi`, IMAD.HI) to spare the ALU pipe: IMAD.HI costs the FMA pipe two issue cycles and ptxas
+// schedules 4 stall cycles behind each one, which made every decode point slower (docs/KERNELS.md, "What was tried").
 // (a & m) | o in one LOP3: written out because the compiler splits it into two when m and o are immediates.
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t m, uint32_t o) {
   uint32_t d;
@@ -256,7 +254,6 @@ __device__ __forceinline__ ScaleWord scale_word(uint32_t sw) {
 // The decode table of byte k (0..3) of a ScaleWord: bytes h_k, h_k + 1, h_k | 0x80, (h_k + 1) | 0x80 (the
 // rowdot form, (b >> 1) * 0x01010101 + 0x81800100; h_k <= 0x7F, so no carry between bytes below scale byte 254,
 // where the +-4 values overflow anyway). Byte k of h by one PRMT (zero-extended), then one multiply-add (FMA pipe).
-// (It was a shift and a high multiply on the FMA pipe; the PRMT measured 0-1% faster per layer, H21.)
 template <int K>
 __device__ __forceinline__ uint32_t scale_table(const ScaleWord& s) {
   const uint32_t hk = prmt(s.h, 0u, 0x4440u + K);
@@ -267,11 +264,10 @@ __device__ __forceinline__ uint32_t scale_table(const ScaleWord& s) {
 __device__ __forceinline__ int paired_pos(int r) { return r < 4 ? 2 * r : 2 * (r - 4) + 1; }
 
 // Pieces per thread and row in a round of the decode stages for contraction length K (csrc: launch_gemv_ns), at
-// most GEMV_MAX_NS. One piece (a quad reads 64 contiguous bytes of a row per round) measured 0.82-0.93x the time
-// per layer of four (256 bytes) on the H200 at every point (docs/KERNELS.md, H22), though four is the better DRAM
-// read order: the stages are bound by the L2, which serves the B fragments that miss the L1 (Nsight Compute: L2
-// 77% busy at 37% of DRAM with four, 55% at 40% with one), and the smaller ring (1 KB of codes per warp and round
-// instead of 4) leaves the L1 more of the SM. Where DRAM order binds instead, raise GEMV_MAX_NS: the 2- and
+// most GEMV_MAX_NS. One piece (a quad reads 64 contiguous bytes of a row per round) makes the faster stage on the
+// H200, though four (256 bytes) is the better DRAM read order: the stages wait on the L2, which serves the B
+// fragments that miss the L1, and the smaller ring (1 KB of codes per warp and round instead of 4) leaves the L1
+// more of the SM (docs/KERNELS.md, "What was tried"). Where DRAM order binds instead, raise GEMV_MAX_NS: the 2- and
 // 4-piece code paths stay in the source and are compiled (and then covered by the GPU tests) only under the cap.
 constexpr int GEMV_MAX_NS = 1;
 __host__ __device__ __forceinline__ int gemv_ns(int K) {
@@ -279,8 +275,8 @@ __host__ __device__ __forceinline__ int gemv_ns(int K) {
 }
 
 // The B operand planes (xp, act) are stored in the decode stages' consumption order, so that the 4 threads of a
-// quad read 64 contiguous bytes per load (in K order they would read 4 pieces 64 * NS weights apart: 4 lines per
-// load, and the L1 ran at 88% on those and the code loads). Natural 16-byte unit n (8 weights, paired order)
+// quad read 64 contiguous bytes per load (in K order they would read 4 pieces 64 * NS weights apart: 4 L1 lines
+// per load). Natural 16-byte unit n (8 weights, paired order)
 // of a plane: piece ph = n / 8 of the row (64 weights), group sub = n % 8 in it; piece ph is read by thread
 // t = (ph / ns) % 4 in round rr = ph / (4 ns) as its piece j = ph % ns; stored at ((rr ns + j) 8 + sub) 4 + t.
 __host__ __device__ __forceinline__ int b_pos(int n, int ns) {
@@ -342,9 +338,9 @@ __global__ void xprep_kernel(const XT* x, __nv_bfloat16* xp, int T, int H, int* 
 // m16n8k32 MMA takes the 16 weights of a thread that two m16n8k16 ones took: per 16 weights 4 PRMT + 2 LOP3 +
 // 3 shifts + 1 MMA.
 // Where it pays: sm_89 and sm_120 (RTX 40 / 50, RTX PRO) run e4m3 mma.sync on the tensor cores. sm_90 does not:
-// ptxas expands it into e4m3 -> f16 conversions (F2FP) and f16 HMMAs, and on the H200 the layer took 1.09-1.17x
-// the bf16 stages' time (a wgmma form, Hopper's fp8 tensor-core path, took 1.16-1.54x: docs/KERNELS.md, H19).
-// Off by default until measured on an sm_89 / sm_120 GPU.
+// ptxas expands it into e4m3 -> f16 conversions (F2FP) and f16 HMMAs, and on the H200 the layer is slower than
+// with the bf16 stages (a wgmma form, Hopper's fp8 tensor-core path, slower still: docs/KERNELS.md, "What was
+// tried"). Off by default until timed on an sm_89 / sm_120 GPU.
 // The block scale cannot ride in the byte as it does in bf16 (e4m3 spans 2^-9 .. 2^8), so it is split: the table
 // of a block holds code * 2^(b - base) with base = (largest scale byte of the row in this round, over the quad)
 // - 13, and the MMA results are scaled by 2^(base - 120) per row and round in fp32. A block more than 12 binades
@@ -472,8 +468,8 @@ __device__ __forceinline__ uint32_t max_byte(uint32_t a) {
 // ---- int8 A operand (the TMA ring's stages, ops.I8_DECODE / ops.I8_W2) ----------------------------------------------
 //
 // Why: per 16 weights the bf16 A operand costs 8 PRMT + 4 LOP3 + 1 SHF on the integer ALU pipe (+ 2 IMAD.SHL and 4
-// HMUL2 on the FMA pipe) and two m16n8k16 MMAs, and that ALU pipe is what the stages queue on (docs/KERNELS.md,
-// H26-H27). As int8 one PRMT looks up four weights from a constant-per-block table (selector nibble = 4 | code),
+// HMUL2 on the FMA pipe) and two m16n8k16 MMAs, and that ALU pipe is what the stages queue on (docs/KERNELS.md).
+// As int8 one PRMT looks up four weights from a constant-per-block table (selector nibble = 4 | code),
 // and one m16n8k32 MMA - native IMMA on sm_80+, unlike e4m3 on sm_90 - takes the 16 weights two bf16 MMAs took:
 // per 16 weights 4 PRMT + 2 LOP3 + 1 SHF (+ 2 HMUL2) + 1 MMA.
 // The block scale rides in the table as a shift: a round's 16 blocks of a row are taken against the round's
@@ -592,10 +588,9 @@ __device__ __forceinline__ void i8_bulk_round(uint32_t st, int g, int t, const u
 // The three loads per pair form two dependent steps (topk id, then both slot tables at once): this runs before
 // any code byte of the block can be requested, so each step is a global-memory latency on every block's start.
 // Pair q (< GEMV_MAX_PAIRS = 64) lives in lane q % 32 of half q / 32, in registers. Equal ids are found with one
-// match per half and 32 shuffles across the halves, not by scanning shared memory: the scans (a lane compared its
-// id with every earlier pair, then counted and listed the later ones: up to ~220 dependent shared-memory loads
-// per lane at 64 pairs) kept the block's other warps at its barrier for 10% of the w2 stage's stall samples at
-// 8 tokens (Nsight Compute, H21).
+// match per half and 32 shuffles across the halves, not by scanning shared memory (a lane comparing its id with
+// every earlier pair: up to ~220 dependent shared-memory loads per lane at 64 pairs, with the block's other warps
+// waiting at its barrier).
 template <int NP, typename Args>
 __device__ __forceinline__ int decode_routing(const Args& a, int lane, int* ep_slot, int* ep_cnt, int (*ep_pair)[NP]) {
   constexpr unsigned FULL = 0xffffffffu;
@@ -667,10 +662,10 @@ __device__ __forceinline__ int decode_routing(const Args& a, int lane, int* ep_s
 // token's row group (an int counter per (token, group), a release atomic); the warp whose arrival completes the
 // group's k partial rows acquires and sums them in j order (__ldcg) into out: the combine kernel's order and
 // arithmetic, so results stay bit-identical run to run. No float atomics.
-// Why not __threadfence: on sm_90 it is MEMBAR.SC + CCTL.IVALL, i.e. every unit emptied its SM's L1, and with
-// it the B operand the other warps were reading (Nsight Compute, w2 stage: 9% of stall samples on the fence,
-// 14% on B loads). A release atomic by lane 0 after __syncwarp (which orders the lanes' stores before it)
-// publishes the whole warp's rows without touching the L1; only the completing arrival pays the acquire.
+// Why not __threadfence: on sm_90 it is MEMBAR.SC + CCTL.IVALL, i.e. every unit would empty its SM's L1, and with
+// it the B operand the other warps are reading. A release atomic by lane 0 after __syncwarp (which orders the
+// lanes' stores before it) publishes the whole warp's rows without touching the L1; only the completing arrival
+// pays the acquire.
 __device__ __forceinline__ int atomic_add_release_gpu(int* p, int v) {
   int old;
   asm volatile("atom.add.release.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -763,9 +758,7 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, float (&v)[4], 
 // SPLIT: 2 planes (hi, lo) and 4 pairs per pass (columns 4..7 = lo of pairs 0..3); else 1 plane, 8 pairs.
 //
 // Access pattern: a warp streams its units in rounds; in a round every thread reads NS contiguous 16-byte pieces
-// of each of its two rows and the 2*NS scale bytes of those pieces in one load per row. (bench/read_pattern.py on
-// the H200: quads reading 256 contiguous bytes of a row, NS = 4, read 93-96% of torch.sum's rate with no compute,
-// 64 bytes 67%; yet NS = 1 is the faster stage, since the stages wait on the L2, not DRAM: gemv_ns, H22.)
+// of each of its two rows and the 2*NS scale bytes of those pieces in one load per row (NS: gemv_ns).
 // Piece j of round rr of thread t sits at 16-byte index (rr * 4 + t) * NS + j of the row; the B operand planes
 // are read at the same K (the K order is free: codes and B agree on it, and within a piece the order is the
 // paired one; the planes are stored in consumption order, b_pos). A round's buffer of the cp.async
@@ -809,15 +802,14 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
   // This warp's rounds [rb, re) of the layer's (unit, round) sequence (round r of unit u is u * RPU + r).
   // Plain: contiguous unit ranges per warp, and the block's warps on neighbouring ranges: units are expert-pass
   // major, so a block's warps mostly stream tiles of the same pass and read the same B rows, which then stay in
-  // the L1 (interleaving warps over blocks gave every warp of an SM its own pass: at 8 tokens the w2 stage's B
-  // rows of 16 passes, 8 KB each, did not fit the ~88 KB of L1 beside the rings; 6% L1 hits, B loads 13% of its
-  // stall samples). The launch sizes the grid so that every warp has units, so no SM is left with idle warps.
+  // the L1 (interleaving warps over blocks would give every warp of an SM its own pass: at 8 tokens the w2 stage's
+  // B rows of 16 passes, 8 KB each, do not fit the L1 beside the rings). The launch sizes the grid so that every
+  // warp has units, so no SM is left with idle warps.
   // Balanced (gemv_plan's choice when the units outnumber the warp slots: 2-8 tokens on the target models): a block
   // takes a contiguous unit range and its warps split the range's rounds evenly, so a unit may straddle warps, and
-  // every warp slot of the device streams (plain left 64 of the H200's 2112 slots empty at 4-8 tokens, and at 2
-  // tokens ran DeepSeek-V4-Flash's 3072 w13 units on 1536 warps). Plain took 0.7-6.4% longer per layer there (H200,
-  // docs/KERNELS.md H20). With fewer units than slots (1 token) plain stays: DeepSeek-V4-Flash's w13 stage went
-  // from 4 to 3 rounds per warp balanced and still took longer (more warps contending, parts to sum). A
+  // every warp slot of the device streams (plain can leave slots empty: at 2 tokens DeepSeek-V4-Flash's 3072 w13
+  // units would run on 1536 warps). With fewer units than slots (1 token) plain stays: balanced gives each warp
+  // fewer rounds but more warps contend and there are parts to sum (docs/KERNELS.md, "What was tried"). A
   // straddling unit's parts are summed after the loop, in warp order (deterministic), by the warp that holds its
   // first round.
   // First round of warp w of this block (w = GEMV_WARPS: the block's end). Recomputed after the loop rather than
@@ -890,7 +882,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 4) gemv_stage_kernel(const __
   // A buffer is refilled after the MMAs that used its bytes, behind a __syncwarp (lanes read their neighbours').
   // One shared buffer for either ring (the cp.async ring's codes and scales too): with two __shared__ arrays ptxas
   // rebuilt the ring addresses every round (S2R, LEA, IMAD: w13 round body 248 instructions on sm_90a, 229 from one
-  // base; bench/sass_local.sh), 2-4% of a layer's time on the H200 (H25).
+  // base; bench/tools/sass_local.sh).
   constexpr int RING_BYTES = BULK ? GEMV_WARPS * GEMV_BULK_STAGES * GEMV_BULK_STAGE
                                   : GEMV_WARPS * GEMV_ROUNDS * (2 * NS + 1) * 32 * 16;
   __shared__ __align__(128) uint8_t ring_raw[RING_BYTES];

@@ -40,8 +40,8 @@ namespace moet {
 // Host-side checks build their message with std::to_string and hand TORCH_CHECK one std::string, never numbers:
 // on the lent H200 (torch 2.11 + CUDA 13, g++ 13) a TORCH_CHECK formatting a number from this nvcc-compiled file
 // segfaulted inside std::ostream::_M_insert<long> instead of raising, while string-only messages raised
-// (docs/KERNELS.md H25; bench/extension_errors/probe.py checks a machine for it). MOET_CHECK(cond, parts...) takes
-// the same parts as TORCH_CHECK: string literals, strings, integers, floats.
+// (docs/KERNELS.md, "Calling it"; bench/tools/extension_errors/probe.py checks a machine for it).
+// MOET_CHECK(cond, parts...) takes the same parts as TORCH_CHECK: string literals, strings, integers, floats.
 inline void msg_part(std::string& s, const char* v) { s += v; }
 inline void msg_part(std::string& s, const std::string& v) { s += v; }
 inline void msg_part(std::string& s, bool v) { s += v ? "true" : "false"; }
@@ -806,13 +806,11 @@ int gemv_max_blocks() {
 // or plain (every warp whole units, the same number to one, fewest warps that keep that number minimal). `rounds`
 // is the longest warp's. Balanced is never longer (a block's ceil(units / blocks) units over 4 warps) and fills
 // every warp slot, but with at most one unit per warp slot plain already has no imbalance worth removing, and there
-// balanced's extra warps and straddling parts cost: DeepSeek-V4-Flash at 1 token (1536 units for 2112 slots),
-// Nsight Compute, w13 30.0 vs 28.6 us and w2 20.9 vs 19.1 us. With more units than warp slots plain took 0.7-6.4%
-// longer per layer (H200, every model shape at 2-8 tokens; docs/KERNELS.md, H20). So mode -1 (the default) takes
-// balanced exactly when units outnumber plain_eighths / 8 of the warp slots (8: the slots); 0 / 1 force plain /
-// balanced. The int8 stages keep plain up to 1.75x the slots (14): there two whole units per warp beat a block's
-// units spread over its warps at 1.45-1.70x (GLM-5.2 and Kimi-K2.7-Code at 1 token, DeepSeek-V4-Flash at 2: 0.96-0.99x
-// the layer time), balanced wins from 1.94x on (every shape at 2-8 tokens otherwise; H200, docs/KERNELS.md H30).
+// balanced's extra warps and straddling parts cost; with more units than warp slots plain is slower (both measured
+// on the H200: docs/KERNELS.md, "What was tried"). So mode -1 (the default) takes balanced exactly when units
+// outnumber plain_eighths / 8 of the warp slots (8: the slots); 0 / 1 force plain / balanced. The int8 stages keep
+// plain up to 1.75x the slots (14): there two whole units per warp measured faster than a block's units spread over
+// its warps up to 1.70x the slots, balanced faster from 1.94x on.
 constexpr int64_t GEMV_I8_PLAIN_EIGHTHS = 14;  // the int8 stages: plain up to 1.75x the warp slots (below)
 struct GemvPlan {
   bool balanced;
@@ -842,7 +840,7 @@ bool decode_bulk_available();
 bool decode_bulk_default();
 
 // Which ring brings a decode stage's rounds (gemv_stage's and gemv_plan's `ring`): -1 the default (the TMA ring
-// where it can run on a Hopper GPU — measured faster there, H25 — else the cp.async ring), 0 the cp.async ring, 1
+// where it can run on a Hopper GPU, where it measured faster, else the cp.async ring), 0 the cp.async ring, 1
 // the TMA ring (any sm_90+ GPU; an error where it cannot run).
 // The TMA ring (gemv_stage_kernel's BULK form) takes a stage on sm_90+ with K a multiple of its 512-weight rounds
 // and 16-byte aligned rows (a.pool etc.; the plan query passes none and asks only about the device and K).
@@ -996,7 +994,7 @@ bool decode_bulk_available() {
   return ok == 1;
 }
 
-// The TMA ring is the default ring on Hopper (compute capability 9.x), where H25 timed it faster at every decode
+// The TMA ring is the default ring on Hopper (compute capability 9.x), where it measured faster at every decode
 // point. Blackwell (sm_100, sm_120) runs it too, but untimed there: opt-in (ring 1, ops.DECODE_RING = "tma") until
 // bench/kernels.py measures "gemv+tma" against "gemv+cp.async" on such a GPU. Once per process.
 bool decode_bulk_default() {

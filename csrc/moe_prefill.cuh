@@ -4,7 +4,7 @@
 //
 // Why a second prefill path: the first version's tiles give each warp its own 32 rows x 32 pairs and load B from
 // global memory per warp, so every B element is fetched by every warp that needs it and one warp per block keeps
-// few loads in flight: 0.44-0.62x torch bf16 grouped mm at 2048 tokens, 0.25x at 8192 (docs/KERNELS.md). Here
+// few loads in flight, well behind torch's bf16 grouped mm from 2048 tokens on (docs/KERNELS.md). Here
 // a block of 8 warps shares one B tile per K step (64 pairs x 128 K, bf16, loaded once by cp.async,
 // S-stage ring), and a warp reuses each decoded A fragment for all the n8 tiles it owns (8 in the default layout).
 //
@@ -17,9 +17,9 @@
 constexpr int PF_BM = 128;     // weight rows per block (w13: 64 gate rows + the matching 64 up rows)
 constexpr int PF_BK = 128;     // K per pipeline step
 constexpr int PF_WARPS = 8;    // per block; their layout over the tile: MT below
-// Block passes of PF_BN = 64 pairs. 128-pair passes (8 n8 tiles per warp on a 4 x 2 warp grid, 176-186 registers,
-// one block per SM) were 5-8% slower on the H200 at 8192 tokens (two blocks per SM hide more latency) and 19-43%
-// slower at 2048, where experts have ~50 pairs (bench/results/kernels_h200_prefill_bn_experiment.json).
+// Block passes of PF_BN = 64 pairs. 128-pair passes (8 n8 tiles per warp on a 4 x 2 warp grid, one block per SM)
+// measured slower: two blocks per SM hide more latency, and at 2048 tokens experts have only ~50 pairs
+// (docs/KERNELS.md, "What was tried").
 constexpr int PF_BN = 64;
 
 struct PrefillArgs {

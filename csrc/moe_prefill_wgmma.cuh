@@ -3,11 +3,10 @@
 // the cp.async helpers, the decode).
 //
 // Why: the mma.sync tiles (moe_prefill.cuh) reach ~45% of the tensor pipe on the H200 and mma.sync itself runs at
-// about half of wgmma's rate, so at 8192 tokens they stay below torch's bf16 grouped mm. Earlier wgmma versions had
-// every warp both decode and issue MMAs (0.48-0.71x the tiled stages); a first warp-specialized one (one producer
-// warpgroup gathering B rows with cp.async and decoding) ran 0.67x: Nsight Compute showed the consumers waiting for
-// the producer, and the producer stalled behind its 16 cp.async per thread and step (docs/KERNELS.md). So B no
-// longer goes through threads at all:
+// about half of wgmma's rate, so at 8192 tokens they stay below torch's bf16 grouped mm. wgmma forms where every
+// warp both decodes and issues MMAs, or where a producer warpgroup gathers B rows with cp.async, were slower than
+// the tiled stages (the consumers wait for the producer, which stalls behind its cp.async copies; docs/KERNELS.md,
+// "What was tried"). So B does not go through threads at all:
 //   - the B operand is stored in global memory already in the shared-memory tile layout, per pass and K step
 //     (`tile_b_kernel` gathers and pairs x for w13; the w13 epilogue writes the intermediate that way for w2), so
 //     one thread of a loader warp (warp 16) moves a step's B tile with one bulk copy (TMA engine) into a 3-stage
@@ -24,7 +23,7 @@
 // j = wg*32 + q*8 + (r & 7), so warp q's accumulator rows g and g + 8 are the gate and up of one j (SiLU(gate) * up
 // in registers); for w2 it is block row wg*64 + 16q + r. Both operands are K-major no-swizzle core matrices (8 rows x
 // 16 bytes; LBO = 128 between the two K halves of a k16, SBO = 2048 between 8-row groups; checked on its own by
-// bench/cuda/wgmma_probe.cu) in the paired K order of the tiled stages: chunk c of a row holds natural elements
+// bench/tools/cuda/wgmma_probe.cu) in the paired K order of the tiled stages: chunk c of a row holds natural elements
 // 8c .. 8c + 7 paired, so k16 MMA kk reads chunks 2kk, 2kk + 1 of both and the permutation cancels. A B tile of
 // pass y and step kt (128 pairs x 128 K, 32 KB) is stored at (y * K/128 + kt) * 32 KB in global memory, pair column
 // c's chunk ch at (c / 8) * 2048 + ch * 128 + (c % 8) * 16 (`ws_b_offset`); a pass of N columns reads the first

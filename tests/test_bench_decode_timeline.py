@@ -1,4 +1,5 @@
-"""bench/decode_timeline.py's bookkeeping, on the CPU: the union of kernel intervals and the kernel short names."""
+"""bench/tools/decode_timeline.py's bookkeeping, on the CPU: the union of kernel intervals and the kernel short
+names."""
 from __future__ import annotations
 
 import pytest

@@ -13,7 +13,7 @@ def kernels_bench(load_bench):
 def test_gauss_scale_bytes_have_no_far_outliers(kernels_bench, monkeypatch):
     # The largest |N(0, 1)| of 32 draws sits between 2^-1 and 2^3: bytes 119..122. The float32 form of the model
     # rounded u^(1/32) to 1 for u near 1 and gave byte 140 (ndtri(1) = inf) to ~2e-6 of the blocks: 20 of
-    # these 8M, each 19 binades above its row (docs/KERNELS.md H29).
+    # these 8M, each 19 binades above its row.
     monkeypatch.setattr(kernels_bench, "SCALES", "gauss")
     b = kernels_bench.random_scales(2048, 4096, torch.Generator().manual_seed(0))
     assert b.dtype == torch.uint8 and b.shape == (2048, 4096)

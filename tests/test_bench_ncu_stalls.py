@@ -1,4 +1,4 @@
-"""bench/ncu_stalls.py: the stall summary of an Nsight Compute SASS page (a small csv written here)."""
+"""bench/tools/ncu_stalls.py: the stall summary of an Nsight Compute SASS page (a small csv written here)."""
 from __future__ import annotations
 
 import csv
@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.ncu_stalls import kernels, summary  # noqa: E402
+from bench.tools.ncu_stalls import kernels, summary  # noqa: E402
 
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_wait", "stall_long_sb",
           "stall_barrier", "stall_wait (Not Issued)"]

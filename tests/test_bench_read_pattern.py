@@ -1,4 +1,5 @@
-"""bench/read_pattern.py: its pattern table matches the CUDA dispatch, and bad --patterns fail before any build."""
+"""bench/tools/read_pattern.py: its pattern table matches the CUDA dispatch, and bad --patterns fail before any
+build."""
 from __future__ import annotations
 
 import re
@@ -10,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import read_pattern  # noqa: E402
+from bench.tools import read_pattern  # noqa: E402
 
 CU = (ROOT / "bench" / "cuda" / "read_pattern.cu").read_text()
 

@@ -1,4 +1,4 @@
-"""bench/sass_loop.py: the main loop of a kernel in cuobjdump -sass text, its mix and round body."""
+"""bench/tools/sass_loop.py: the main loop of a kernel in cuobjdump -sass text, its mix and round body."""
 from __future__ import annotations
 
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.sass_loop import function_body, main, report  # noqa: E402
+from bench.tools.sass_loop import function_body, main, report  # noqa: E402
 
 SASS = """
         Function : _ZN4moet5otherEv

@@ -1,4 +1,4 @@
-"""bench/variants.py: bench runs of several source trees folded into one experiment file, ratios side by side."""
+"""bench/tools/variants.py: bench runs of several source trees folded into one experiment file, ratios side by side."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.variants import build, main, parse_spec  # noqa: E402
+from bench.tools.variants import build, main, parse_spec  # noqa: E402
 
 
 def _run(path: Path, us: dict[tuple[str, int], float]) -> str:

@@ -1,5 +1,5 @@
 """Host-side checks in csrc/ go through MOET_CHECK (csrc/moe_kernels.cu): a TORCH_CHECK that formats a number from
-the nvcc-compiled source segfaulted on the H200 instead of raising (docs/KERNELS.md H25)."""
+the nvcc-compiled source segfaulted on the lent H200 instead of raising (docs/KERNELS.md, "Calling it")."""
 from __future__ import annotations
 
 import re

@@ -81,9 +81,9 @@ def test_deepseek_v4_flash_at_one_token_stays_plain(plan):
 
 
 def test_int8_stages_stay_plain_up_to_one_and_three_quarters_of_the_slots(plan):
-    # The int8 stages' default (H30, H200): plain up to 1.75x the warp slots, where two whole units per warp beat
-    # balanced (GLM-5.2 w2 at 1 token: 3072 units, Kimi-K2.7-Code w2 at 1 token: 3584, DeepSeek-V4-Flash at 2
-    # tokens: 3072, for 2112 slots), balanced above (4096 units at 2 tokens on).
+    # The int8 stages' default: plain up to 1.75x the warp slots, where two whole units per warp measured faster
+    # than balanced on the H200 (GLM-5.2 w2 at 1 token: 3072 units, Kimi-K2.7-Code w2 at 1 token: 3584,
+    # DeepSeek-V4-Flash at 2 tokens: 3072, for 2112 slots), balanced above (4096 units at 2 tokens on).
     e = kernels_constant("GEMV_I8_PLAIN_EIGHTHS")
     assert e == 14
     rpu = 4

@@ -1,4 +1,4 @@
-"""bench/ncu_pipes.py reads Nsight Compute's raw CSV (no GPU needed: a CSV in the tool's layout)."""
+"""bench/tools/ncu_pipes.py reads Nsight Compute's raw CSV (no GPU needed: a CSV in the tool's layout)."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("ncu_pipes", ROOT / "bench" / "ncu_pipes.py")
+spec = importlib.util.spec_from_file_location("ncu_pipes", ROOT / "bench" / "tools" / "ncu_pipes.py")
 ncu_pipes = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ncu_pipes)
 

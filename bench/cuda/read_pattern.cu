@@ -1,4 +1,5 @@
-// Access-pattern microbenchmark for the decode stages (bench/read_pattern.py): pure reads, no decode, no MMA.
+// Access-pattern microbenchmark for the decode stages (bench/tools/read_pattern.py, bench/layer_ceiling.py): pure
+// reads, no decode, no MMA.
 // Every pattern reads the same bytes (N bytes cut into 16-row tiles of RB bytes per row, one warp streaming a
 // contiguous range of tiles, 8 x 16-byte loads in flight per thread); only which bytes a load instruction
 // touches differs:
@@ -8,7 +9,7 @@
 //                    (a quad covers 64 bytes of a row per chunk; 16 rows 1 row-length apart per instruction);
 //   2 "quad256":     thread (g, t) reads 64 contiguous bytes (4 x 16) of rows g and g + 8 at t * 64 + 256 * c;
 //   3 "gemv+scales": pattern 1 plus the 2-byte scale loads of the gemv stages (scales region after the codes).
-// The rest replay the gemv stages' memory side as built since H22 (a per-warp cp.async ring of 2 rounds, read
+// The rest replay the gemv stages' cp.async ring's memory side (a per-warp cp.async ring of 2 rounds, read
 // back from shared memory, no decode), to separate what the read order costs from what the compute costs:
 //   4 "ring_gemv":   a round = 16 B of rows g and g + 8 per thread at (round * 4 + t) * 16 (16 rows x 64 B per
 //                    warp round, cp.async.cg) plus each row's 4 aligned scale bytes (cp.async.ca), as the stages;
@@ -221,13 +222,13 @@ __global__ void __launch_bounds__(128) read_kernel(const uint8_t* buf, const uin
 
 using ReadKernel = void (*)(const uint8_t*, const uint8_t*, int64_t, int, uint32_t*);
 
-// The kernel of a mode (bench/read_pattern.py PATTERNS: its keys are this table's indices).
+// The kernel of a mode (bench/tools/read_pattern.py PATTERNS: its keys are this table's indices).
 ReadKernel kernel_of(int64_t mode) {
   static const ReadKernel kernels[] = {read_kernel<0>, read_kernel<1>, read_kernel<2>, read_kernel<3>, read_kernel<4>,
                                        read_kernel<5>, read_kernel<6>, read_kernel<7>, read_kernel<8>,
                                        read_kernel<9>};
   TORCH_CHECK(mode >= 0 && mode < int64_t(sizeof(kernels) / sizeof(kernels[0])), "read_pattern: unknown mode ", mode,
-              " (bench/read_pattern.py PATTERNS)");
+              " (bench/tools/read_pattern.py PATTERNS)");
   return kernels[mode];
 }
 
