@@ -18,12 +18,14 @@ from moetplan.contract import RunRecord, load_json, save_json
 from test_bench_helpers import tiny_plan
 
 # Small, fast settings: every bench below finishes in about a second on 2 cores.
-FAST: dict[str, Any] = dict(prompt_lens=(128, 512), concurrency=(1, 3), runs=2, max_tokens=16,
+# Decode must dominate a timed request (its rate is cross-checked against the request's wall clock): 48 tokens at
+# the fake's 500 tok/s take ~96 ms beside the ~10-20 ms of HTTP and prefill a request costs here.
+FAST: dict[str, Any] = dict(prompt_lens=(128, 512), concurrency=(1, 3), runs=2, max_tokens=48,
                             needle_lens=(256,), timeout=5.0)
 
 
 def fake(**cfg: Any) -> FakeOpenAIServer:
-    cfg.setdefault("decode_tok_s", 2000.0)
+    cfg.setdefault("decode_tok_s", 500.0)
     cfg.setdefault("prefill_tok_s", 50000.0)
     return FakeOpenAIServer(FakeServerConfig(**cfg))
 
@@ -42,7 +44,7 @@ def test_healthy_server_gives_every_metric_and_probe(tmp_path: Path) -> None:
     assert m["prefill_prompt_tokens"] == {"128": 128, "512": 512}
     assert m["prefill_len"] == 512 and m["prefill_tok_s"] == m["prefill_by_len"]["512"]
     assert m["token_count_source"] == "usage" and m["prompt_count_source"] == "usage"
-    assert m["tokens_per_chunk"] == 1.0
+    assert m["tokens_per_event"] == 1.0
     assert rec.probes["needle"] == {"256": "PASS"}
     assert rec.probes["arithmetic"]["result"] == "PASS" and rec.probes["arithmetic"]["passed"] == 5
     assert rec.probes["coherence"]["result"] == "PASS"
@@ -66,21 +68,21 @@ def test_streams_use_usage_and_ignore_eos() -> None:
     assert len(set(prompts)) == len(prompts)
 
 
-def test_multi_token_chunks_are_counted_by_usage_not_chunks() -> None:
-    # speculative decoding emits several tokens per chunk; counting chunks would report a quarter of the rate
+def test_multi_token_events_are_counted_by_usage_not_events() -> None:
+    # speculative decoding emits several tokens per event; counting events would report a quarter of the rate
     with fake(decode_tok_s=100.0, tokens_per_chunk=4) as srv:
         rec = run_bench(srv.url, prompt_lens=(64,), concurrency=(1,), runs=2, max_tokens=32, needle_lens=(),
                         probes=False, timeout=5.0)
     assert rec.errors == []
-    assert rec.measured["tokens_per_chunk"] == pytest.approx(4.0, abs=0.5)
-    assert 60 < rec.measured["decode_tok_s"] < 140  # ~100; chunk counting would say ~25
+    assert rec.measured["tokens_per_event"] == pytest.approx(4.0, abs=0.5)
+    assert 60 < rec.measured["decode_tok_s"] < 140  # ~100; event counting would say ~25
 
 
-def test_server_without_usage_falls_back_to_chunks_and_says_so() -> None:
+def test_server_without_usage_falls_back_to_events_and_says_so() -> None:
     with fake(modes={"no_usage"}) as srv:
         rec = run_bench(srv.url, **FAST)
     assert rec.errors == []
-    assert rec.measured["token_count_source"].startswith("chunks")
+    assert rec.measured["token_count_source"].startswith("events")
     assert rec.measured["prompt_count_source"].startswith("estimate")
     assert rec.measured["decode_tok_s"] > 0 and rec.measured["prefill_tok_s"] > 0
 
@@ -170,13 +172,42 @@ def test_wrong_answers_and_loops_fail_probes_without_errors() -> None:
     assert rec.probes["coherence"]["result"] == "FAIL" and "loop" in rec.probes["coherence"]["reason"]
 
 
-def test_lengths_past_the_served_context_are_skipped_with_a_reason() -> None:
+def test_lengths_past_the_served_context_are_skipped_with_a_note_not_an_error() -> None:
     with fake(max_model_len=400) as srv:
         rec = run_bench(srv.url, **{**FAST, "needle_lens": (256, 1024)})
+    assert rec.errors == []
     assert set(rec.measured["prefill_by_len"]) == {"128"}
-    assert any(e.startswith("prefill@512") and "max_model_len 400" in e for e in rec.errors)
+    assert any(n.startswith("prefill@512 skipped") and "max_model_len 400" in n for n in rec.notes)
     assert rec.probes["needle"] == {"256": "PASS", "1024": "SKIP"}
-    assert any("needle@1024" in n for n in rec.probes["notes"])
+    assert any("needle@1024" in n for n in rec.notes)
+
+
+def test_default_lengths_are_fitted_to_the_served_context() -> None:
+    with fake(max_model_len=1000) as srv:
+        rec = run_bench(srv.url, concurrency=(1,), runs=1, max_tokens=48, timeout=5.0)
+    assert rec.errors == []
+    # 512 fits; 2048 becomes the longest prompt that leaves room for a token (5% slack for word counts).
+    assert sorted(map(int, rec.measured["prefill_by_len"])) == [512, int(999 * 0.95)]
+    assert sorted(map(int, rec.probes["needle"])) == [int((1000 - 16) * 0.95)]
+    assert any("to fit the server's max_model_len 1000" in n for n in rec.notes)
+
+
+def test_bunched_events_are_an_error_in_the_record_not_a_rate() -> None:
+    """A proxy that holds the stream and releases it at once: event times say nothing about decode."""
+    with fake(modes={"bunched"}) as srv:
+        rec = run_bench(srv.url, prompt_lens=(64,), concurrency=(1,), runs=2, max_tokens=48, needle_lens=(),
+                        probes=False, timeout=5.0)
+    assert "decode_tok_s" not in rec.measured
+    assert any(e.startswith("decode_tok_s") and "wall-clock" in e and "bunched" in e for e in rec.errors)
+
+
+def test_empty_events_are_timed_too() -> None:
+    """Tokens that end inside a multi-byte character stream as empty text; skipping them shortens the span."""
+    with fake(modes={"empty_text"}) as srv:
+        rec = run_bench(srv.url, prompt_lens=(64,), concurrency=(1,), runs=2, max_tokens=48, needle_lens=(),
+                        probes=False, timeout=5.0)
+    assert rec.errors == []
+    assert 350 < rec.measured["decode_tok_s"] < 650  # the fake's 500
 
 
 def test_plan_supplies_model_concurrency_and_placement(tmp_path: Path) -> None:
@@ -231,7 +262,7 @@ runner = CliRunner()
 
 def test_cli_json_and_table(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
-    args = ["--prompt-lens", "128", "--concurrency", "1,2", "--runs", "2", "--max-tokens", "16",
+    args = ["--prompt-lens", "128", "--concurrency", "1,2", "--runs", "2", "--max-tokens", "48",
             "--needle-lens", "256", "--timeout", "5"]
     with fake() as srv:
         res = runner.invoke(app, ["bench", "--url", srv.url, "--json", "--out", str(out), *args])
@@ -251,7 +282,7 @@ def test_cli_exit_code_on_failures_and_bad_lists() -> None:
     assert res.exit_code == 1
     assert json.loads(res.stdout)["errors"]
     res = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:1", "--concurrency", "x"])
-    assert isinstance(res.exception, UsageError) and "--concurrency" in str(res.exception)
+    assert res.exit_code == 2 and "--concurrency" in res.output and "Traceback" not in res.output
 
 
 def test_resume_keeps_what_was_measured_and_retries_what_failed(tmp_path: Path) -> None:
@@ -278,7 +309,7 @@ def test_resume_refuses_a_record_of_other_settings(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     with fake() as srv:
         run_bench(srv.url, out=out, **{**FAST, "needle_lens": (), "probes": False})
-        with pytest.raises(UsageError, match="--max-tokens 16"):
+        with pytest.raises(UsageError, match="--max-tokens 48"):
             run_bench(srv.url, out=out, resume=True, **{**FAST, "max_tokens": 32})
         with pytest.raises(UsageError, match="needs --out"):
             run_bench(srv.url, resume=True, **FAST)
@@ -320,7 +351,7 @@ def test_runtime_kpis_come_from_the_server_record_and_metrics(tmp_path: Path) ->
 
 def test_keepalives_without_tokens_count_as_a_stall() -> None:
     t0 = time.monotonic()
-    with fake(modes={"trickle"}, fail_after_chunks=1, fail_filter=lambda b: b["max_tokens"] == 16) as srv:
+    with fake(modes={"trickle"}, fail_after_chunks=1, fail_filter=lambda b: b["max_tokens"] == 48) as srv:
         rec = run_bench(srv.url, **{**FAST, "timeout": 0.4, "probes": False, "needle_lens": ()})
     assert time.monotonic() - t0 < 20
     assert any(e.startswith("decode_tok_s") and "no tokens for 0.4 s although the connection is alive" in e

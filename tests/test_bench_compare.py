@@ -71,8 +71,8 @@ def test_placement_mismatch() -> None:
 
 def test_bench_record_compares_against_its_plan() -> None:
     plan = tiny_plan(concurrency=2)
-    with FakeOpenAIServer(FakeServerConfig(decode_tok_s=2000.0, prefill_tok_s=50000.0)) as srv:
-        run = run_bench(srv.url, plan=plan, prompt_lens=(128,), concurrency=(1,), runs=2, max_tokens=16,
+    with FakeOpenAIServer(FakeServerConfig(decode_tok_s=500.0, prefill_tok_s=50000.0)) as srv:
+        run = run_bench(srv.url, plan=plan, prompt_lens=(128,), concurrency=(1,), runs=2, max_tokens=48,
                         needle_lens=(), probes=False, timeout=5.0)
     r = rows_by_metric(compare(plan, run))
     for metric in ("decode_tok_s", "aggregate_tok_s", "prefill_tok_s", "ttft_ms"):

@@ -194,13 +194,50 @@ def test_run_command_flow_with_a_stand_in_server(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["run", str(plan_path), "--json", "--logs", "--port", str(port)])
     events = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
     kinds = [e["event"] for e in events]
-    assert kinds[0] == "starting" and "ready" in kinds and kinds[-1] == "stopped", kinds
+    assert kinds[:2] == ["plan", "starting"] and "ready" in kinds and kinds[-1] == "stopped", kinds
+    assert events[0]["summary"].startswith("plan: ") and "predicted" in events[0]["summary"]
     ready = next(e for e in events if e["event"] == "ready")
     assert ready["model"] == "fake-model" and ready["endpoint"] == f"http://127.0.0.1:{port}/v1"
     assert ready["run_record"].endswith("plan.run.json")
     assert "server: up" in [e.get("message") for e in events]
     exited = next(e for e in events if e["event"] == "exited")
+    assert exited["crashed"] and exited["returncode"] == 3 and "error code 3" in exited["message"]
     assert "code 3" in exited["message"] and any("Application startup complete" in ln for ln in exited["tail"])
     assert events[-1]["leftover"] == []
     assert res.exit_code == 1
     assert (tmp_path / "plan.server.log").exists()
+
+
+def test_describe_exit_tells_a_crash_from_a_clean_exit():
+    from moetplan.launch.supervisor import describe_exit
+
+    # vLLM's API server exits 0 after its engine core died of an illegal instruction: that is a crash.
+    tail = ["(EngineCore pid=7) Fatal Python error: Illegal instruction", "(APIServer pid=6) INFO shutting down"]
+    what, crashed = describe_exit(0, tail)
+    assert crashed and "Fatal Python error: Illegal instruction" in what and "exit code 0" in what
+    what, crashed = describe_exit(-9, [])
+    assert crashed and "SIGKILL" in what and "OOM" in what
+    what, crashed = describe_exit(-11, [])
+    assert crashed and "SIGSEGV" in what
+    what, crashed = describe_exit(2, ["usage: vllm serve ..."])
+    assert crashed and "error code 2" in what
+    what, crashed = describe_exit(0, ["INFO Application shutdown complete."])
+    assert not crashed and "cleanly" in what
+
+
+def test_a_silent_load_reports_that_it_is_still_loading(tmp_path):
+    """No new log line for a while: wait_ready says so, with the elapsed time and the last stage."""
+    script = tmp_path / "slow.py"
+    script.write_text("import time\nprint('INFO Initializing a V1 LLM engine', flush=True)\ntime.sleep(30)\n")
+    srv = Server([sys.executable, str(script)], {}, tmp_path / "slow.log", port=_port())
+    heard: list[str] = []
+    srv.start()
+    try:
+        with pytest.raises(ServerTimeoutError):
+            srv.wait_ready(timeout=2.5, on_progress=heard.append, poll_s=0.1, heartbeat_s=1.0)
+    finally:
+        srv.stop(timeout=5)
+    assert "engine: starting" in heard
+    beats = [h for h in heard if h.startswith("still loading")]
+    assert beats and "last: engine: starting" in beats[0]
+

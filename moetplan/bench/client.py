@@ -19,12 +19,21 @@ import httpx
 # --------------------------------------------------------------------------- one streamed request
 
 
+# A decode rate computed from event timestamps that is this many times the request's own wall-clock rate is an
+# error in the record (events bunched by a proxy or the client's reads), not a result.
+RATE_CROSSCHECK = 1.5
+
+
 @dataclass
 class StreamResult:
-    """Timing and tokens of one streamed completion; `error` is set when it did not finish cleanly."""
+    """Timing and tokens of one streamed completion; `error` is set when it did not finish cleanly.
+
+    `event_times` holds the arrival time of every server-sent event that carries generated tokens, including
+    events whose text is empty (a token ending inside a multi-byte character); a chat stream's opening role-only
+    delta carries none and is not counted."""
 
     t_start: float
-    chunk_times: list[float] = field(default_factory=list)
+    event_times: list[float] = field(default_factory=list)
     t_end: float | None = None
     text: str = ""
     prompt_tokens: int | None = None  # from usage
@@ -38,29 +47,48 @@ class StreamResult:
         return self.error is None
 
     @property
-    def n_chunks(self) -> int:
-        return len(self.chunk_times)
+    def n_events(self) -> int:
+        return len(self.event_times)
 
     @property
     def tokens(self) -> int:
-        return self.completion_tokens if self.completion_tokens is not None else self.n_chunks
+        return self.completion_tokens if self.completion_tokens is not None else self.n_events
 
     @property
     def token_source(self) -> str:
-        return "usage" if self.completion_tokens is not None else "chunks"
+        return "usage" if self.completion_tokens is not None else "events"
 
     @property
     def ttft_s(self) -> float | None:
-        return self.chunk_times[0] - self.t_start if self.chunk_times else None
+        return self.event_times[0] - self.t_start if self.event_times else None
+
+    @property
+    def wall_tok_s(self) -> float | None:
+        """Generated tokens over the request's own wall time (send to end of stream), TTFT included."""
+        if self.t_end is None or self.t_end <= self.t_start or not self.tokens:
+            return None
+        return self.tokens / (self.t_end - self.t_start)
 
     @property
     def decode_tok_s(self) -> float | None:
-        """Tokens after the first chunk's over first-to-last chunk time (None with < 2 chunks)."""
-        if self.n_chunks < 2:
+        """Tokens after the first event's over the first-to-last event time (None with < 2 events)."""
+        if self.n_events < 2:
             return None
-        span = self.chunk_times[-1] - self.chunk_times[0]
-        first_chunk_tokens = max(1.0, self.tokens / self.n_chunks)  # a chunk may hold several tokens
-        return (self.tokens - first_chunk_tokens) / span if span > 0 else None
+        span = self.event_times[-1] - self.event_times[0]
+        first_event_tokens = max(1.0, self.tokens / self.n_events)  # an event may hold several tokens (MTP)
+        return (self.tokens - first_event_tokens) / span if span > 0 else None
+
+    def rate_mismatch(self, limit: float = RATE_CROSSCHECK) -> str | None:
+        """Why this request's decode rate cannot be believed, or None: it must not exceed the wall-clock rate
+        of the same request by more than `limit` (decode excludes TTFT, so it may exceed it by a little)."""
+        d, w = self.decode_tok_s, self.wall_tok_s
+        if d is None or w is None:
+            return None
+        if d > limit * w:
+            return (f"decode {d:,.1f} tok/s from event times is {d / w:.1f}x the request's wall-clock "
+                    f"{w:,.1f} tok/s ({self.tokens} tokens in {self.t_end - self.t_start:.2f} s): the events "
+                    "arrived bunched, so they do not time decode")
+        return None
 
 
 def _describe(exc: BaseException, url: str, timeout: float) -> str:
@@ -216,19 +244,23 @@ class BenchClient:
             if isinstance(usage, dict):
                 res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
                 res.completion_tokens = usage.get("completion_tokens", res.completion_tokens)
+            carries = False
             for choice in event.get("choices") or []:
-                piece = choice.get("text")
-                if piece is None:
-                    piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    res.chunk_times.append(now)
-                    res.text += piece
-                    last_progress = now
+                if "text" in choice:  # /v1/completions: every choice event is a generated token (text may be "")
+                    piece, carries = choice.get("text") or "", True
+                else:  # chat: a delta with content; the opening {"role": ...} delta generates nothing
+                    delta = choice.get("delta") or {}
+                    piece = delta.get("content") or ""
+                    carries = carries or bool(piece) or ("content" in delta and "role" not in delta)
+                res.text += piece
                 if choice.get("finish_reason"):
                     res.finish_reason = choice["finish_reason"]
+            if carries:
+                res.event_times.append(now)
+                last_progress = now
         if malformed:
             res.error = f"{len(malformed)} malformed SSE chunk(s), first: {malformed[0]!r}"
         elif not done:
-            res.error = f"stream ended without [DONE] after {res.n_chunks} chunk(s) (connection dropped?)"
+            res.error = f"stream ended without [DONE] after {res.n_events} event(s) (connection dropped?)"
 
 

@@ -19,7 +19,10 @@ be checked against known ones. Failure modes (`FakeServerConfig.modes`) exercise
   error_event   send an OpenAI-style `{"error": ...}` event mid-stream (as vLLM does when the engine fails)
   wrong         wrong answers to the needle and arithmetic prompts
   repeat        degenerate looping text instead of varied words (the classic 2-bit failure)
-  no_usage      never send `usage` (clients must fall back to counting chunks)
+  no_usage      never send `usage` (clients must fall back to counting events)
+  empty_text    every third token streams as an empty text event (a token ending inside a UTF-8 character)
+  bunched       generate at the decode rate but hold every event back and send them all at the end (a
+                buffering proxy): event times then say nothing about decode
   reject_extras answer 400 to non-OpenAI fields (ignore_eos, stream_options), like a strict server
   http_500      answer every completion with a 500
 
@@ -41,7 +44,7 @@ from typing import Any, Callable
 
 FAILURE_MODES = frozenset(
     {"drop", "malformed", "stall", "trickle", "error_event", "wrong", "repeat", "no_usage", "reject_extras",
-     "http_500"}
+     "http_500", "empty_text", "bunched"}
 )
 _NON_OPENAI_FIELDS = ("ignore_eos", "stream_options")
 
@@ -229,10 +232,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         obj = "chat.completion.chunk" if chat else "text_completion"
 
+        held: list[str] = []
+
         def event(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
             payload = {"id": "cmpl-fake", "object": obj, "created": 0, "model": cfg.model, "choices": choices}
             payload.update(extra or {})
-            self._chunk(f"data: {json.dumps(payload)}\n\n")
+            line = f"data: {json.dumps(payload)}\n\n"
+            if "bunched" in modes:
+                held.append(line)
+            else:
+                self._chunk(line)
 
         try:
             if chat:
@@ -270,12 +279,14 @@ class _Handler(BaseHTTPRequestHandler):
                     self.close_connection = True
                     return
                 last = n == len(groups) - 1
-                text = "".join(group)
+                text = "" if "empty_text" in modes and n % 3 == 1 else "".join(group)
                 delta = {"delta": {"content": text}} if chat else {"text": text}
                 event([{"index": 0, **delta, "finish_reason": finish if last else None}])
             opts = body.get("stream_options") or {}
             if opts.get("include_usage") and "no_usage" not in modes:
                 event([], {"usage": usage})
+            if held:
+                self._chunk("".join(held))
             self._chunk("data: [DONE]\n\n")
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()

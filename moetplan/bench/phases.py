@@ -1,15 +1,18 @@
 """`moetplan bench`: measure a served model through any OpenAI-compatible server and record it as a RunRecord.
 
 What is measured, all from streamed (SSE) /v1/completions responses:
-  decode_tok_s     single stream, median of `runs` requests after a warm-up; tokens after the first over the
-                   time from first to last token (so TTFT is excluded)
+  decode_tok_s     single stream, median of `runs` requests after a warm-up; tokens after the first event's
+                   over the time from the first to the last token-bearing event (TTFT excluded), each run
+                   cross-checked against the same request's wall-clock tokens/s (client.RATE_CROSSCHECK)
   ttft_ms          time to first token of those short-prompt requests (median)
   prefill_by_len   prompt tokens / TTFT at each requested prompt length (median of `runs`)
   batch_curve      aggregate output tok/s with c concurrent streams: all tokens / wall time of the batch
   aggregate_tok_s  the batch curve at the plan's concurrency, else at the highest one measured
 Token counts come from the server's `usage` (stream_options.include_usage); servers that do not send it are
-counted by content chunks, and the record says which (`token_count_source`). Chunks can carry several tokens
-(speculative decoding), so the record also keeps the mean tokens per chunk.
+counted by token-bearing events, and the record says which (`token_count_source`). An event can carry several
+tokens (speculative decoding), so the record also keeps the mean tokens per event. Lengths that do not fit the
+server's max_model_len are skipped with a note (`notes`), not counted as failures; the default lengths are fitted
+to it.
 
 Robustness: every request has a stall timeout (no byte for `timeout` s), a no-progress timeout (bytes but no
 tokens) and a hard wall cap, so bench never hangs; a failed request is reported against the metric or probe it
@@ -158,19 +161,27 @@ def server_side_record(plan_path: str | None, since: float) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the bench
 
 
+DEFAULT_PROMPT_LENS = (512, 2048)
+DEFAULT_NEEDLE_LENS = (1024, 4096)
+# Prompts are built from words and land near, not on, their token target: leave this share of the context free.
+FIT_SLACK = 0.05
+
+
 @dataclass
 class BenchSettings:
-    prompt_lens: tuple[int, ...] = (512, 2048)
+    prompt_lens: tuple[int, ...] = DEFAULT_PROMPT_LENS
     concurrency: tuple[int, ...] = (1, 4, 8)
     runs: int = 3
     max_tokens: int = 128
-    needle_lens: tuple[int, ...] = (1024, 4096)
+    needle_lens: tuple[int, ...] = DEFAULT_NEEDLE_LENS
     needle_depth: float = 0.5
     arithmetic_n: int = 5
     timeout: float = 60.0
     warmup: int = 1
     probes: bool = True
     chat: bool = False
+    fitted: tuple[str, ...] = ()  # settings left at their defaults ("prompt_lens", "needle_lens"): fitted to the
+    # server's context
 
     def validate(self) -> None:
         def bad(what: str, fix: str) -> UsageError:
@@ -207,7 +218,7 @@ class _Bench:
         self.scale = TokenScale()
         self.rng = random.Random()  # unseeded on purpose: fresh prompts defeat the server's prefix cache
         self.sources: set[str] = set()
-        self.chunk_tokens = [0, 0]  # (tokens, chunks) of multi-chunk streams with usage
+        self.event_tokens = [0, 0]  # (tokens, events) of multi-event streams with usage
         self.max_model_len: int | None = record.server.get("max_model_len")
 
     # ---- helpers
@@ -221,15 +232,42 @@ class _Bench:
     def error(self, where: str, msg: str) -> None:
         self.rec.errors.append(f"{where}: {msg}")
 
+    def note(self, msg: str) -> None:
+        if msg not in self.rec.notes:
+            self.rec.notes.append(msg)
+
+    def limit(self, gen: int) -> int | None:
+        """The longest prompt (tokens) that leaves room for `gen` generated tokens, or None (no limit known)."""
+        if self.max_model_len is None:
+            return None
+        return int((self.max_model_len - gen) * (1 - FIT_SLACK))
+
     def fits(self, prompt_tokens: int, gen: int) -> bool:
-        return self.max_model_len is None or prompt_tokens + gen <= self.max_model_len
+        lim = self.limit(gen)
+        return lim is None or prompt_tokens <= lim
+
+    def fit_lengths(self) -> None:
+        """Default lengths that do not fit the server's context are brought down to the longest that does, so
+        the defaults measure a long prompt on any server; lengths the user asked for are kept (and skipped)."""
+        if self.max_model_len is None:
+            return
+        for attr, gen in (("prompt_lens", 1), ("needle_lens", PROBE_ANSWER_TOKENS)):
+            if attr not in self.s.fitted:
+                continue
+            lim = self.limit(gen)
+            old = getattr(self.s, attr)
+            new = tuple(sorted({min(n, lim) for n in old if lim and lim > 0}))
+            if new != old:
+                setattr(self.s, attr, new)
+                self.note(f"{attr.replace('_', '-')} {','.join(map(str, old))} -> {','.join(map(str, new))} to fit "
+                          f"the server's max_model_len {self.max_model_len}")
 
     def _note(self, res: StreamResult) -> None:
         if res.ok:
             self.sources.add(res.token_source)
-            if res.n_chunks >= 2 and res.completion_tokens is not None:  # one-token prefill probes say nothing
-                self.chunk_tokens[0] += res.completion_tokens
-                self.chunk_tokens[1] += res.n_chunks
+            if res.n_events >= 2 and res.completion_tokens is not None:  # one-token prefill probes say nothing
+                self.event_tokens[0] += res.completion_tokens
+                self.event_tokens[1] += res.n_events
 
     async def words_request(self, n_tokens: int, max_tokens: int, ignore_eos: bool = True) -> StreamResult:
         words = self.scale.words_for("words", n_tokens)
@@ -256,19 +294,22 @@ class _Bench:
         if "decode_tok_s" in self.rec.measured:  # resumed: measured by the earlier run
             self.advance("decode (kept)", self.s.runs)
             return
-        rates, ttfts, failures = [], [], []
+        rates, walls, ttfts, failures = [], [], [], []
         for i in range(self.s.runs):
             res = await self.words_request(DECODE_PROMPT_TOKENS, self.s.max_tokens)
-            if res.ok and res.decode_tok_s:
+            bad = res.rate_mismatch() if res.ok else None
+            if res.ok and res.decode_tok_s and not bad:
                 rates.append(res.decode_tok_s)
+                walls.append(res.wall_tok_s)
                 ttfts.append(res.ttft_s * 1000)
             else:
-                failures.append(res.error or f"only {res.n_chunks} chunk(s); cannot time decode")
+                failures.append(bad or res.error or f"only {res.n_events} token event(s); cannot time decode")
             self.advance(f"decode run {i + 1}", 1)
         m = self.rec.measured
         if rates:
             m["decode_tok_s"] = round(statistics.median(rates), 3)
             m["decode_runs_tok_s"] = [round(r, 3) for r in rates]
+            m["decode_runs_wall_tok_s"] = [round(r, 3) for r in walls]  # same requests, TTFT included
             m["ttft_ms"] = round(statistics.median(ttfts), 2)
             words = self.scale.words_for("words", DECODE_PROMPT_TOKENS)
             m["ttft_prompt_tokens"] = self.scale.tokens_for("words", words)
@@ -285,8 +326,8 @@ class _Bench:
                 self.advance(f"prefill {n} (kept)", self.s.runs)
                 continue
             if not self.fits(n, 1):
-                self.error(f"prefill@{n}", f"skipped: exceeds the server's max_model_len {self.max_model_len} "
-                                           "(drop it from --prompt-lens or serve a longer context)")
+                self.note(f"prefill@{n} skipped: with 1 generated token it does not fit the server's max_model_len "
+                          f"{self.max_model_len} (drop it from --prompt-lens or serve a longer context)")
                 self.advance(f"prefill {n}", self.s.runs)
                 continue
             rates, ttfts, failures, toks = [], [], [], []
@@ -349,8 +390,8 @@ class _Bench:
                 continue
             if not self.fits(n, PROBE_ANSWER_TOKENS):
                 results[str(n)] = "SKIP"
-                self.rec.probes.setdefault("notes", []).append(
-                    f"needle@{n} skipped: exceeds the server's max_model_len {self.max_model_len}")
+                self.note(f"needle@{n} skipped: with {PROBE_ANSWER_TOKENS} answer tokens it does not fit the "
+                          f"server's max_model_len {self.max_model_len}")
                 self.advance(f"needle {n}", 1)
                 continue
             case = probes.needle_case(self.rng, self.scale.words_for("prose", n), self.s.needle_depth)
@@ -404,11 +445,11 @@ class _Bench:
         self.rec.measured = m = {**{k: m[k] for k in head}, **{k: v for k, v in m.items() if k not in head}}
         if self.sources:
             m["token_count_source"] = ("usage" if self.sources == {"usage"} else
-                                       "chunks (server sent no usage)" if self.sources == {"chunks"} else
+                                       "events (server sent no usage)" if self.sources == {"events"} else
                                        "mixed (usage on some responses only)")
-        if self.chunk_tokens[1]:
+        if self.event_tokens[1]:
             # > 1 means the server streams several tokens per step (speculative decoding / MTP)
-            m["tokens_per_chunk"] = round(self.chunk_tokens[0] / self.chunk_tokens[1], 3)
+            m["tokens_per_event"] = round(self.event_tokens[0] / self.event_tokens[1], 3)
         m["max_tokens"], m["runs"] = self.s.max_tokens, self.s.runs
         if self.c.extras_note:
             self.rec.server["note"] = self.c.extras_note
@@ -449,6 +490,7 @@ async def _run(url: str, model: str | None, s: BenchSettings, plan: Plan | None,
                 save_json(rec, out)
             return rec  # nothing else can work when /v1/models does not
         b = _Bench(client, s, rec, out, plan, progress)
+        b.fit_lengths()
         phases = [b.warmup, b.decode, b.prefill, b.batch]
         if s.probes:
             phases += [b.needle, b.arithmetic, b.coherence]
@@ -496,11 +538,11 @@ def run_bench(
     *,
     model: str | None = None,
     plan: Plan | str | os.PathLike[str] | None = None,
-    prompt_lens: Iterable[int] = (512, 2048),
+    prompt_lens: Iterable[int] | None = None,
     concurrency: Iterable[int] = (1, 4, 8),
     runs: int = 3,
     max_tokens: int = 128,
-    needle_lens: Iterable[int] = (1024, 4096),
+    needle_lens: Iterable[int] | None = None,
     timeout: float = 60.0,
     out: str | os.PathLike[str] | None = None,
     probes: bool = True,
@@ -521,9 +563,11 @@ def run_bench(
     if plan is not None and not isinstance(plan, Plan):
         plan_path = str(plan)
         plan = load_plan(plan)
-    s = BenchSettings(prompt_lens=tuple(prompt_lens), concurrency=tuple(concurrency), runs=runs,
-                      max_tokens=max_tokens, needle_lens=tuple(needle_lens), timeout=timeout, warmup=warmup,
-                      probes=probes, chat=chat)
+    fitted = tuple(n for n, v in (("prompt_lens", prompt_lens), ("needle_lens", needle_lens)) if v is None)
+    s = BenchSettings(prompt_lens=tuple(DEFAULT_PROMPT_LENS if prompt_lens is None else prompt_lens),
+                      concurrency=tuple(concurrency), runs=runs, max_tokens=max_tokens,
+                      needle_lens=tuple(DEFAULT_NEEDLE_LENS if needle_lens is None else needle_lens),
+                      timeout=timeout, warmup=warmup, probes=probes, chat=chat, fitted=fitted)
     model, s.concurrency = _plan_defaults(plan, model, s.concurrency)
     s.validate()
     return asyncio.run(_run(url, model, s, plan, plan_path, Path(out) if out else None,

@@ -40,9 +40,9 @@ def render_run(rec: RunRecord, console: Any) -> None:
     row("prefill", "prefill_tok_s", "tok/s", f"at {m.get('prefill_len')} prompt tokens")
     row("aggregate decode", "aggregate_tok_s", "tok/s", f"at concurrency {m.get('aggregate_concurrency')}")
     if "token_count_source" in m:
-        tpc = m.get("tokens_per_chunk")
+        tpe = m.get("tokens_per_event")
         speed.add_row("token counts from", str(m["token_count_source"]),
-                      f"{_fmt(tpc, 2)} tokens per streamed chunk" if tpc is not None else "")
+                      f"{_fmt(tpe, 2)} tokens per streamed event" if tpe is not None else "")
     console.print(speed)
 
     if m.get("prefill_by_len"):
@@ -77,7 +77,7 @@ def render_run(rec: RunRecord, console: Any) -> None:
             c = p["coherence"]
             t.add_row("coherence", _verdict(c.get("result")), str(c.get("reason", "")))
         console.print(t)
-        for note in p.get("notes", []):
-            console.print(f"[yellow]note:[/] {note}")
+    for note in rec.notes:
+        console.print(f"[yellow]note:[/] {note}")
     for err in rec.errors:
         console.print(f"[red]error:[/] {err}")

@@ -2,12 +2,15 @@
 area and renders; no typer below this package."""
 from __future__ import annotations
 
+import functools
 import sys
+from typing import Any, Callable
 
 import typer
 
 from moetplan.cli.bench import bench_command
 from moetplan.cli.calibrate import calibrate_command
+from moetplan.cli.common import fail
 from moetplan.cli.kernels import build_kernels_command
 from moetplan.cli.plan import boxes_cmd, diff_cmd, gpus_cmd, models_cmd, plan_cmd, schema_cmd
 from moetplan.cli.probe import probe_command
@@ -24,13 +27,26 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+def _answers_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A MoetplanError anywhere below a command becomes its message and exit code, never a traceback."""
+
+    @functools.wraps(fn)
+    def command(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MoetplanError as e:
+            fail(e, bool(kwargs.get("as_json") or kwargs.get("json_out")))
+
+    return command
+
+
 for _name, _fn in (
     ("probe", probe_command), ("plan", plan_cmd), ("run", run_command), ("bench", bench_command),
     ("diff", diff_cmd), ("quantize", quantize_command), ("calibrate", calibrate_command),
     ("replay", replay_command), ("build-kernels", build_kernels_command), ("models", models_cmd),
     ("gpus", gpus_cmd), ("boxes", boxes_cmd), ("schema", schema_cmd),
 ):
-    app.command(_name)(_fn)
+    app.command(_name)(_answers_errors(_fn))
 
 
 def main() -> None:

@@ -18,11 +18,12 @@ def bench_command(
                                         help="plan.json whose placement and concurrency this run measures"),
     model: Optional[str] = typer.Option(None, "--model",
                                         help="Model id to request (default: the plan's, else the first in /v1/models)"),
-    prompt_lens: str = typer.Option("512,2048", "--prompt-lens", help="Prompt lengths (tokens) for prefill tok/s"),
+    prompt_lens: Optional[str] = typer.Option(None, "--prompt-lens", help="Prompt lengths (tokens) for prefill "
+                                              "tok/s (default 512,2048, fitted to the server's max_model_len)"),
     concurrency: str = typer.Option("1,4,8", "--concurrency", help="Concurrent streams for the batch curve"),
     runs: int = typer.Option(3, "--runs", help="Timed runs per point (median reported)"),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Tokens generated per decode / batch request"),
-    needle_lens: str = typer.Option("1024,4096", "--needle-lens",
+    needle_lens: Optional[str] = typer.Option(None, "--needle-lens",
                                     help="Context lengths for needle retrieval ('' = none)"),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds without data before a request counts as stalled"),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the run record here (atomically, after every phase)"),
@@ -37,9 +38,9 @@ def bench_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 
     kwargs = dict(
-        model=model, plan=plan, prompt_lens=parse_int_list("--prompt-lens", prompt_lens),
+        model=model, plan=plan, prompt_lens=None if prompt_lens is None else parse_int_list("--prompt-lens", prompt_lens),
         concurrency=parse_int_list("--concurrency", concurrency), runs=runs, max_tokens=max_tokens,
-        needle_lens=parse_int_list("--needle-lens", needle_lens), timeout=timeout, out=out,
+        needle_lens=None if needle_lens is None else parse_int_list("--needle-lens", needle_lens), timeout=timeout, out=out,
         probes=not no_probes, chat=chat, resume=resume,
     )
     err = Console(stderr=True)

@@ -5,6 +5,7 @@ import json
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from moetplan.contract import InfeasibleError, MoetplanError
 
@@ -25,5 +26,5 @@ def fail(e: MoetplanError, as_json: bool = False) -> None:
 
         render_infeasible(e, err)
     else:
-        err.print(f"[bold red]error:[/] {e}")
+        err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True, highlight=False)
     raise typer.Exit(e.exit_code)

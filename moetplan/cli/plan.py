@@ -91,6 +91,7 @@ def diff_cmd(
     """What changed between two plans and what it costs; or a plan vs a measured run."""
     from moetplan.contract.errors import UsageError
     from moetplan.contract import Plan, RunRecord, load_any
+    from moetplan.report.compare import check_same_model
     from moetplan.report.diff import diff_markdown, diff_plan_run, diff_plans, diff_table
 
     try:
@@ -102,6 +103,7 @@ def diff_cmd(
         if isinstance(db, Plan):
             rows, title = diff_plans(da, db), "plan vs plan"
         elif isinstance(db, RunRecord):
+            check_same_model(da, db, a, b)
             rows, title = diff_plan_run(da, db), "plan vs measured run"
         else:
             raise UsageError(f"{b}: diff needs a plan.json or run.json (got a hardware profile)")

@@ -14,7 +14,7 @@ def probe_command(
     pack_dir: Optional[Path] = typer.Option(
         None, "--pack-dir", help="Directory the pack files will live in (default: user cache dir/moetplan/packs)"
     ),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the HardwareProfile JSON here (for plan --hw)"),
+    out: Path = typer.Option(Path("hw.json"), "--out", help="Where the HardwareProfile JSON goes (for plan --hw)"),
     as_json: bool = typer.Option(False, "--json", help="Print the HardwareProfile JSON on stdout, no table"),
 ) -> None:
     """Measure what this machine can move: GPUs, host memory and memlock, pack-dir disk reads, copy rates."""
@@ -27,11 +27,13 @@ def probe_command(
     except KeyboardInterrupt:
         typer.echo("probe interrupted; its temporary test file was removed", err=True)
         raise typer.Exit(130) from None
-    if out is not None:
+    try:
         save_json(result.profile, out)
+    except OSError as e:
+        typer.echo(f"error: cannot write {out}: {e.strerror or e}; pass --out PATH", err=True)
+        raise typer.Exit(1) from None
     if as_json:
         typer.echo(result.profile.model_dump_json(indent=2))
         return
     render_profile(result.profile, result.details, elapsed_s=result.elapsed_s)
-    if out is not None:
-        typer.echo(f"wrote {out}")
+    typer.echo(f"wrote {out} (use it with `moetplan plan --hw {out}`)")

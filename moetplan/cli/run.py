@@ -165,6 +165,15 @@ def run_command(
                 _render_dry_run(launch, plan, plan_path, console)
             return
         check_gpus_here(plan)
+        from moetplan.report.plan_view import plan_line
+
+        line = plan_line(plan)
+        if as_json:
+            print(json.dumps({"event": "plan", "summary": line, "plan": str(plan_path),
+                              "placement": plan.placement.model_dump(mode="json"),
+                              "predicted_decode_tok_s": plan.prediction.decode_tok_s}), flush=True)
+        else:
+            console.print(line, highlight=False)
         rc = serve(plan, plan_path, host=host, port=port, show_logs=logs, as_json=as_json, timeout=timeout,
                    extra_args=extra, console=console, err=err)
     except MoetplanError as e:

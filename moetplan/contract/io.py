@@ -48,9 +48,16 @@ class SchemaError(UsageError):
 def _read_json(path: str | os.PathLike[str]) -> tuple[Path, Any]:
     p = Path(path)
     try:
-        return p, json.loads(p.read_text())
+        return p, json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SchemaError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise SchemaError(f"{p}: is a directory, not a JSON file") from None
+    except PermissionError:
+        raise SchemaError(f"{p}: not readable (permission denied)") from None
+    except UnicodeDecodeError:
+        raise SchemaError(f"{p}: binary data, not a JSON text file; pass a plan.json, run.json or hw.json "
+                          "written by moetplan") from None
     except json.JSONDecodeError as e:
         raise SchemaError(f"{p}: not valid JSON ({e.msg} at line {e.lineno}); regenerate it") from None
 

@@ -193,6 +193,7 @@ class Prediction(_Model):
     aggregate_tok_s: float = 0.0
     prefill_tok_s: float = 0.0
     ttft_ms: float | None = None
+    prefill_prompt_tokens: int | None = Field(None, description="Prompt length prefill_tok_s and ttft_ms refer to")
     bottleneck: str = ""
     step_ms: float = 0.0
     tokens_per_step: float = 1.0
@@ -266,4 +267,5 @@ class RunRecord(_Model):
     probes: dict[str, Any] = Field(default_factory=dict, description="Quality probes: PASS/FAIL per probe")
     machine: dict[str, Any] = Field(default_factory=dict)
     server: dict[str, Any] = Field(default_factory=dict)
-    errors: list[str] = Field(default_factory=list)
+    errors: list[str] = Field(default_factory=list, description="What failed (a bench with errors exits 1)")
+    notes: list[str] = Field(default_factory=list, description="What was skipped or adjusted, and why")

@@ -55,7 +55,8 @@ def prefill_run(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     rt = rates(hw, placement)
     r = calib.routing
     curve = curve or curve_for(model, r)
-    P = int(prompt_tokens or r.prefill_prompt_tokens)
+    # A prompt no longer than the served context (the reference length is for long-context plans).
+    P = int(prompt_tokens or min(r.prefill_prompt_tokens, max(1, placement.context - 1)))
     chunk = max(1, min(placement.max_num_batched_tokens, P))
     n_chunks = math.ceil(P / chunk)
     tp = placement.tp

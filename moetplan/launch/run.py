@@ -29,7 +29,7 @@ def serve(plan: Any, plan_path: Path, *, host: str, port: int, show_logs: bool, 
             pass
     launch = build_launch(plan, plan_path=str(plan_path), host=host, port=port, python=sys.executable,
                           extra_args=extra_args)
-    from moetplan.launch.supervisor import Server, ServerDiedError, ServerTimeoutError
+    from moetplan.launch.supervisor import Server, ServerDiedError, ServerTimeoutError, describe_exit, diagnose
 
     log_path = plan_path.with_name(plan_path.stem + ".server.log")
     log_path.unlink(missing_ok=True)
@@ -40,6 +40,7 @@ def serve(plan: Any, plan_path: Path, *, host: str, port: int, show_logs: bool, 
     stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     prev = {sig: signal.signal(sig, _on_sigterm) for sig in stop_signals}
     rc = 0
+    interrupted = False
     try:
         server.start()
         if emit:
@@ -72,17 +73,23 @@ def serve(plan: Any, plan_path: Path, *, host: str, port: int, show_logs: bool, 
             if show_logs:
                 server.follow(on_line)
             time.sleep(0.5)
+        server.follow()  # the last lines the server wrote before it went
         rc = 1
         tail = list(server.log.tail)[-20:]
-        msg = f"the server exited on its own with code {server.proc.returncode if server.proc else '?'}"
+        code = server.proc.returncode if server.proc else None
+        msg, crashed = describe_exit(code, list(server.log.tail))
+        diag = diagnose(tail) if crashed else None
+        if diag:
+            msg = f"{msg}; {diag}"
         if emit:
-            emit({"event": "exited", "message": msg, "tail": tail})
+            emit({"event": "exited", "message": msg, "crashed": crashed, "returncode": code, "tail": tail})
         else:
-            err.print(f"[bold red]error:[/] {msg}; last log lines:")
+            err.print(f"[bold red]error:[/] {msg}; last log lines ({log_path}):")
             for ln in tail:
                 err.print("  " + ln, markup=False, highlight=False)
     except (KeyboardInterrupt, _Stop):
         rc = 0
+        interrupted = True
     except (ServerDiedError, ServerTimeoutError) as e:
         rc = 1
         if emit:
@@ -95,6 +102,14 @@ def serve(plan: Any, plan_path: Path, *, host: str, port: int, show_logs: bool, 
     finally:
         for sig in stop_signals:  # a second Ctrl-C / SIGTERM must not interrupt the cleanup
             signal.signal(sig, signal.SIG_IGN)
+        if server.alive():
+            n = len(server.tree_pids())
+            what = "stop asked" if interrupted else "stopping"
+            if emit:
+                emit({"event": "stopping", "message": f"{what}: SIGTERM to the server's {n} process(es)"})
+            else:
+                console.print(f"{what}: sending SIGTERM to the server's {n} process(es), waiting for them to exit "
+                              "(up to 30 s, then SIGKILL)")
         report = server.stop()
         for sig, handler in prev.items():
             signal.signal(sig, handler)

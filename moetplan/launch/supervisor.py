@@ -39,7 +39,11 @@ class ServerTimeoutError(MoetplanError):
 # --------------------------------------------------------------------------- log lines -> progress / diagnosis
 
 _PROGRESS: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"non-default args"), "vLLM: reading the model config"),
+    (re.compile(r"Using max model len (\d+)"), "vLLM: context {0} tokens"),
     (re.compile(r"Initializing a V1 LLM engine|Initializing an? .*engine"), "engine: starting"),
+    (re.compile(r"OpenMP thread binding"), "engine: binding CPU threads"),
+    (re.compile(r"world_size=\d+ rank=(\d+)"), "worker {0}: starting"),
     (re.compile(r"Starting to load model"), "weights: loading"),
     (re.compile(r"Loading weights took ([\d.]+) ?s"), "weights: loaded in {0}s"),
     (re.compile(r"moetplan: pack (.*)"), "packs: {0}"),
@@ -77,6 +81,33 @@ _DIAGNOSES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"Repository Not Found|HF_HUB_OFFLINE|LocalEntryNotFoundError|OfflineModeIsEnabled", re.I),
      "checkpoint not found locally (offline): download it first or point the plan at a local folder"),
 ]
+
+
+# A process that dies of these leaves one of these lines, whatever exit code its parent then reports.
+_CRASH = re.compile(r"Fatal Python error: (\w[\w ]*)|EngineCore.*(?:died|failed)|Engine core .*(?:died|failed)|"
+                    r"Segmentation fault|core dumped|RuntimeError: Engine|EngineDeadError", re.I)
+
+
+def describe_exit(returncode: int | None, tail: list[str]) -> tuple[str, bool]:
+    """(what happened, whether it was a crash) for a server that ended on its own.
+
+    A negative code is a signal; vLLM's API server can also exit 0 after its engine process crashed, so the log
+    decides too."""
+    crash_line = next((ln for ln in reversed(tail) if _CRASH.search(ln)), None)
+    if returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (the kernel's OOM killer sends SIGKILL: check `dmesg`)" if -returncode == signal.SIGKILL else ""
+        return f"vLLM was killed by {name}{hint}", True
+    if crash_line is not None:
+        m = _CRASH.search(crash_line)
+        what = f"Fatal Python error: {m.group(1)}" if m and m.group(1) else crash_line.strip()[-160:]
+        return f"vLLM crashed (exit code {returncode}): {what}", True
+    if returncode:
+        return f"vLLM exited with error code {returncode}", True
+    return f"vLLM exited cleanly (code {returncode}) without being asked to stop", False
 
 
 def progress_event(line: str) -> str | None:
@@ -146,6 +177,7 @@ class Server:
         self.log = LogFollower(self.log_path)
         # psutil handles remember each process's start time, so a recycled PID is never mistaken for ours.
         self._seen: dict[int, psutil.Process] = {}
+        self._last_stage, self._last_stage_t = "starting", time.monotonic()
 
     @property
     def url(self) -> str:
@@ -218,18 +250,24 @@ class Server:
             return []
 
     def wait_ready(self, timeout: float = 600.0, on_line: Callable[[str], None] | None = None,
-                   on_progress: Callable[[str], None] | None = None, poll_s: float = 0.5) -> float:
-        """Follow the log until /health answers 200; returns seconds waited. Raises ServerDiedError/TimeoutError."""
+                   on_progress: Callable[[str], None] | None = None, poll_s: float = 0.5,
+                   heartbeat_s: float = 15.0) -> float:
+        """Follow the log until /health answers 200; returns seconds waited. Raises ServerDiedError/TimeoutError.
+
+        With no new stage for `heartbeat_s`, on_progress hears "still loading" with the elapsed time and the last
+        stage, so a long import or load is never silent."""
         t0 = time.monotonic()
         next_health = t0
+        self._last_stage, self._last_stage_t = "starting", t0
         while True:
             self._pump(on_line, on_progress)
             if self.proc is None or self.proc.poll() is not None:
                 self._pump(on_line, on_progress)
                 tail = list(self.log.tail)[-40:]
                 rc = self.proc.returncode if self.proc else None
+                what, _ = describe_exit(rc, tail)
                 diag = diagnose(tail)
-                msg = f"the vLLM server exited with code {rc} while loading"
+                msg = f"{what} while loading"
                 raise ServerDiedError(f"{msg}: {diag}" if diag else f"{msg} (log: {self.log_path})", tail, rc)
             now = time.monotonic()
             if now >= next_health:
@@ -238,6 +276,9 @@ class Server:
                     self._pump(on_line, on_progress)
                     return now - t0
                 next_health = now + 1.0
+            if on_progress and now - self._last_stage_t >= heartbeat_s:
+                on_progress(f"still loading ({now - t0:.0f} s; last: {self._last_stage})")
+                self._last_stage_t = now
             if now - t0 > timeout:
                 raise ServerTimeoutError(
                     f"the server did not become healthy within {timeout:.0f}s (log: {self.log_path}); "
@@ -251,6 +292,7 @@ class Server:
             if on_progress:
                 ev = progress_event(ln)
                 if ev:
+                    self._last_stage, self._last_stage_t = ev, time.monotonic()
                     on_progress(ev)
 
     def follow(self, on_line: Callable[[str], None] | None = None) -> list[str]:

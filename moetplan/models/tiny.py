@@ -30,9 +30,17 @@ from typing import Any
 from moetplan.contract.errors import UnknownNameError
 
 # Bump when the generator changes what it writes, so cached copies are regenerated.
-GENERATOR_VERSION = 4
+GENERATOR_VERSION = 5
 
 _SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"]  # ids 0..3, referenced by the configs below
+# A ChatML-style template, so /v1/chat/completions (what coding agents send) works against the tiny models; the
+# role markers are plain text to this tokenizer, which is fine for random weights.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|eos|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 _VOCAB = 512
 
 
@@ -201,6 +209,7 @@ def build_tokenizer(out_dir: Path) -> None:
         unk_token="<|unk|>",
     )
     fast.model_max_length = 4096
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
 
 

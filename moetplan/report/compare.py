@@ -6,6 +6,7 @@ subtlety is aggregate throughput, which is compared at the plan's concurrency wh
 """
 from __future__ import annotations
 
+import math
 from typing import Any, TypedDict
 
 from moetplan.contract import Plan, RunRecord
@@ -58,6 +59,24 @@ def _aggregate(plan: Plan, run: RunRecord) -> tuple[float | None, str | None, st
     return value, source, note
 
 
+def _at_length(plan: Plan, run: RunRecord, metric: str) -> tuple[float | None, str | None, str] | None:
+    """Prefill tok/s and TTFT depend on the prompt length: compare the run's measurement at the length closest
+    to the one the plan predicts for (None when the run has no per-length figures or the plan no length)."""
+    want = plan.prediction.prefill_prompt_tokens
+    table = run.measured.get("prefill_by_len" if metric == "prefill_tok_s" else "ttft_ms_by_len")
+    lens = run.measured.get("prefill_prompt_tokens") or {}
+    if not want or not isinstance(table, dict) or not table:
+        return None
+    def length(k: str) -> int:
+        return int(lens.get(k) or k)
+    key = min(table, key=lambda k: abs(math.log(length(k) / want)))
+    got = length(key)
+    note = f"at {got} prompt tokens (plan: {want})"
+    if max(got, want) / min(got, want) > 1.25:
+        note += ": not like for like, measure with --prompt-lens " + str(want)
+    return _num(table[key]), f"measured.{'prefill_by_len' if metric == 'prefill_tok_s' else 'ttft_ms_by_len'}[{key}]", note
+
+
 def error_pct(predicted: float | None, measured: float | None) -> float | None:
     if predicted is None or measured is None or predicted == 0:
         return None
@@ -69,14 +88,17 @@ def compare(plan: Plan, run: RunRecord) -> list[CompareRow]:
     rows: list[CompareRow] = []
     for metric, unit in COMPARED_METRICS:
         predicted = _num(getattr(plan.prediction, metric, None))
+        by_len = _at_length(plan, run, metric) if metric in ("prefill_tok_s", "ttft_ms") else None
         if metric == "aggregate_tok_s":
             measured, source, note = _aggregate(plan, run)
+        elif by_len is not None:
+            measured, source, note = by_len
         else:
             (measured, source), note = _lookup(run, metric), ""
-        if metric == "prefill_tok_s" and source == "measured" and "prefill_len" in run.measured:
-            note = f"at {run.measured['prefill_len']} prompt tokens"
-        if metric == "ttft_ms" and source == "measured" and "ttft_prompt_tokens" in run.measured:
-            note = f"at ~{run.measured['ttft_prompt_tokens']} prompt tokens"
+            if metric == "prefill_tok_s" and source == "measured" and "prefill_len" in run.measured:
+                note = f"at {run.measured['prefill_len']} prompt tokens"
+            if metric == "ttft_ms" and source == "measured" and "ttft_prompt_tokens" in run.measured:
+                note = f"at ~{run.measured['ttft_prompt_tokens']} prompt tokens"
         if measured is None:
             note = note or "not measured by this run"
         elif predicted is None:
@@ -84,6 +106,18 @@ def compare(plan: Plan, run: RunRecord) -> list[CompareRow]:
         rows.append(CompareRow(metric=metric, unit=unit, predicted=predicted, measured=measured,
                                error_pct=error_pct(predicted, measured), source=source, note=note))
     return rows
+
+
+def check_same_model(plan: Plan, run: RunRecord, plan_name: str = "plan", run_name: str = "run") -> None:
+    """A run of another model says nothing about this plan: refuse, naming both."""
+    if not run.model_id:
+        return
+    names = {plan.model.id, plan.model.name, plan.launch.served_model_name, plan.model.id.split(":", 1)[-1]}
+    if run.model_id not in names:
+        from moetplan.contract import UsageError
+
+        raise UsageError(f"{run_name} measured model '{run.model_id}' but {plan_name} plans '{plan.model.id}'; "
+                         "compare a run with the plan it served (`moetplan bench --plan plan.json`)")
 
 
 def placement_mismatches(plan: Plan, run: RunRecord) -> list[str]:

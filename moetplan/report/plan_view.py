@@ -44,6 +44,29 @@ def hardware_line(hw: HardwareProfile) -> str:
     return f"{gpus}; {hw.host.ram_gib:.0f} GiB RAM{disk} ({hw.source})"
 
 
+def plan_line(plan: Plan) -> str:
+    """One line: what will be served where, and what the plan predicts (`moetplan run` prints it first)."""
+    p, pred = plan.placement, plan.prediction
+    name = plan.launch.served_model_name or plan.model.id
+    if not plan.hardware.gpus:
+        where = "this machine (vLLM CPU backend)"
+        tier = f"experts {p.expert_format} resident in RAM"
+    else:
+        where = hardware_line(plan.hardware)
+        ranks = (f"TP{p.tp}" + (f"xPP{p.pp}" if p.pp > 1 else "")) if p.tp * p.pp > 1 else "1 GPU"
+        tier = f"{ranks}, experts {p.expert_format} {p.expert_tier}"
+        if p.expert_tier != "resident":
+            tier += f", GPU cache {p.gpu_expert_cache_gib:.1f} GiB/rank"
+        if p.fp4_reserve_gib:
+            tier += f", FP4 reserve {p.fp4_reserve_gib:.1f} GiB"
+        if p.mtp:
+            tier += f", MTP {p.mtp}"
+    ctx = f"context {p.context:,} ({p.kv_dtype} KV)"
+    guess = f"predicted {pred.decode_tok_s:,.1f} tok/s decode" + (f", bound by {pred.bottleneck}" if pred.bottleneck
+                                                                   else "")
+    return f"plan: {name} on {where}: {tier}, {ctx}; {guess}"
+
+
 def placement_table(plan: Plan) -> Table:
     p = plan.placement
     t = Table(title="Placement", show_header=True, header_style="bold")

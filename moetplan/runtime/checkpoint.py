@@ -98,7 +98,14 @@ class CheckpointExperts:
         if not root.is_dir():
             raise UsageError(f"--model {root} is not a directory; pass a local safetensors checkpoint folder")
         cfg_path = root / "config.json"
-        config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        try:
+            config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            where = f" at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+            raise ConfigError(f"{cfg_path}: not valid JSON{where}; restore the checkpoint's config.json") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"{cfg_path}: holds a JSON {type(config).__name__}, not an object; restore the "
+                              "checkpoint's config.json")
         config = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
         files = sorted(p.name for p in root.glob("*.safetensors"))
         if not files:

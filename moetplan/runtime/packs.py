@@ -216,6 +216,16 @@ class PackWriter:
     def row_index(self, layer: int, expert: int) -> int:
         return self.sidecar.row_index(layer, expert)
 
+    @property
+    def bytes_to_write(self) -> int:
+        """Bytes of the rows not yet written (the file is sparse until then)."""
+        return sum(c is None for c in self.sidecar.checksums) * self.layout.stride
+
+    def remove_files(self) -> None:
+        """Delete this pack, its sidecar and its lock file (after close())."""
+        for p in (self.path, self.sidecar_path, self.path.with_name(self.path.name + ".lock")):
+            p.unlink(missing_ok=True)
+
     # -- state
     def done(self, row: int) -> bool:
         return self.sidecar.done(row)
@@ -362,6 +372,16 @@ class Pack:
 
     def row_index(self, layer: int, expert: int) -> int:
         return self.sidecar.row_index(layer, expert)
+
+    @property
+    def bytes_to_write(self) -> int:
+        """Bytes of the rows not yet written (the file is sparse until then)."""
+        return sum(c is None for c in self.sidecar.checksums) * self.layout.stride
+
+    def remove_files(self) -> None:
+        """Delete this pack, its sidecar and its lock file (after close())."""
+        for p in (self.path, self.sidecar_path, self.path.with_name(self.path.name + ".lock")):
+            p.unlink(missing_ok=True)
 
     def done(self, row: int) -> bool:
         return self.sidecar.done(row)

@@ -5,6 +5,7 @@ resumes: rows already committed and matching their checksum are not redone; a st
 """
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Callable
@@ -160,6 +161,43 @@ def _nvfp4_rows(src: dict, sc16: dict, layout, ranks: list[int], zero_mode: str,
                             (src["gate"].name, src["down"].name), zero_mode, stats)
 
 
+def check_free_space(pack_dir: str | Path, needed: int, margin: float = 0.02) -> None:
+    """Refuse before writing when the pack dir's filesystem cannot hold what this run will write."""
+    import shutil
+
+    probe = Path(pack_dir)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed * (1 + margin) > free:
+        raise UsageError(f"{pack_dir} has {free / 2**30:.2f} GiB free; the packs need {needed / 2**30:.2f} GiB "
+                         f"(+{margin:.0%}). Free space there or choose another --pack-dir")
+
+
+def _open_writers(pack_dir: str | Path, key: str, tp: int, layout: Any, L: int, E: int, identity: str,
+                  zero_mode: str, source: dict[str, Any]) -> list[Any]:
+    from moetplan.runtime.packs import PackWriter
+
+    writers: list[Any] = []
+    try:
+        for r in range(tp):
+            writers.append(PackWriter(pack_dir, key, r, tp, layout, L, E, identity, zero_mode, source))
+    except OSError as e:
+        for w in writers:
+            w.close()
+        raise UsageError(f"cannot write packs into {pack_dir}: {e.strerror or e}; choose a writable "
+                         "--pack-dir") from None
+    return writers
+
+
+def _discard(fresh: list[Any], writers: list[Any]) -> None:
+    """Remove the pack files this run created (a failed write leaves no partial file and frees the disk)."""
+    for w in writers:
+        w.close()
+    for w in fresh:
+        w.remove_files()
+
+
 def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1, fmt: str = "2bit",
                         zero_mode: str = "auto", model_key: str | None = None, verify: bool = True,
                         report: bool = True, on_layer: Callable[[dict[str, Any]], None] | None = None,
@@ -178,7 +216,7 @@ def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1
 
     from moetplan.runtime.checkpoint import CheckpointExperts
     from moetplan.runtime.format import QUANTIZER_VERSION, RowLayout
-    from moetplan.runtime.packs import PackWriter, checkpoint_identity, model_key_for
+    from moetplan.runtime.packs import checkpoint_identity, model_key_for
 
     if zero_mode not in ("auto", "signed", "balanced"):
         raise UsageError(f"--zero-mode {zero_mode!r}: use auto, signed or balanced")
@@ -190,7 +228,13 @@ def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1
     L, E = len(ck.layers), ck.num_experts
     source = {"path": str(Path(model_dir).resolve()), "format": ck.kind, "checkpoint_layers": ck.layers,
               "hidden": ck.hidden, "moe_intermediate_size": ck.inter}
-    writers = [PackWriter(pack_dir, key, r, tp, layout, L, E, identity, zero_mode, source) for r in range(tp)]
+    writers = _open_writers(pack_dir, key, tp, layout, L, E, identity, zero_mode, source)
+    fresh = [w for w in writers if not w.resumed]
+    try:
+        check_free_space(pack_dir, sum(w.bytes_to_write for w in writers))
+    except UsageError:
+        _discard(fresh, writers)
+        raise
     workers = max(1, workers or os.cpu_count() or 1)
     load_lock = threading.Lock()
     prev_threads = torch.get_num_threads()
@@ -271,6 +315,15 @@ def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1
         result["workers"] = workers
         result["report_max_rows"] = REPORT_MAX_ROWS if report else 0
         return result
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise UsageError(f"writing packs into {pack_dir} failed: {e.strerror or e}; choose another --pack-dir") from None
+        kept = [w for w in writers if w not in fresh]
+        _discard(fresh, writers)
+        msg = (f"{pack_dir} ran out of space while writing packs; the packs this run started were removed"
+               + (f" (the resumed {len(kept)} keep their finished layers)" if kept else ""))
+        raise UsageError(f"{msg}. Free at least {sum(w.bytes_to_write for w in writers) / 2**30:.2f} GiB there or "
+                         "choose another --pack-dir, then rerun") from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         torch.set_num_threads(prev_threads)
