@@ -22,8 +22,9 @@ import importlib.util
 import inspect
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from moetplan.runtime.vllm_compat import fix_applies, vllm_version
 

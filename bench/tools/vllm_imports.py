@@ -1,0 +1,246 @@
+"""Which third-party packages a vLLM source tree imports to serve a text model: a static import closure.
+
+    python bench/tools/vllm_imports.py /path/to/unpacked/wheel [--json]
+
+From the modules a `vllm serve` of a MoE text model on CUDA goes through (CLI and OpenAI server, engine core,
+executor, GPU worker and model runners, the CUDA platform, the target models, their attention backends, fused
+MoE and the checkpoint quantizations), it follows every import that runs when its module is imported: module
+level and class bodies (`eager`); under a module-level `if` (platform, environment, `has_x()` checks:
+`conditional`, decided by reading the condition); guarded by `try/except ImportError` or `contextlib.suppress`
+(`optional`); inside functions (`lazy`: it runs only if that code runs). A package seen only in the weaker kinds
+travels when the serving path is known to need it (bench/tools/device_wheels.sh lists those by name).
+
+Relative imports, `from pkg import submodule` and parent packages (`a.b.c` imports `a` and `a.b`) are
+resolved against the tree. Output: for each third-party top-level module, how it is imported and by whom.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# What `vllm serve <moe model>` imports on CUDA before the first request (and what the plugin imports).
+ENTRY_MODULES = (
+    "vllm",
+    "vllm.entrypoints.cli.main",
+    "vllm.entrypoints.cli.serve",
+    "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.openai.completion.serving",
+    "vllm.entrypoints.openai.chat_completion.serving",
+    "vllm.v1.engine.core",
+    "vllm.v1.engine.async_llm",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.worker.gpu_worker",
+    "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.worker.gpu.model_runner",
+    "vllm.platforms.cuda",
+    "vllm.model_executor.model_loader",
+    "vllm.model_executor.model_loader.default_loader",
+    "vllm.model_executor.model_loader.dummy_loader",
+    "vllm.model_executor.models.deepseek_v2",
+    "vllm.model_executor.models.deepseek_mtp",
+    "vllm.model_executor.models.qwen3_moe",
+    "vllm.models.deepseek_v4",
+    "vllm.models.deepseek_v4.nvidia.model",
+    "vllm.models.deepseek_v32",
+    "vllm.v1.attention.backends.flash_attn",
+    "vllm.v1.attention.backends.triton_attn",
+    "vllm.v1.attention.backends.mla.flashmla",
+    "vllm.v1.attention.backends.mla.flashmla_sparse",
+    "vllm.v1.attention.backends.mla.flashattn_mla",
+    "vllm.v1.attention.backends.mla.flashattn_mla_sparse",
+    "vllm.v1.attention.backends.mla.triton_mla",
+    "vllm.v1.attention.backends.mla.indexer",
+    "vllm.model_executor.layers.fused_moe",
+    "vllm.model_executor.layers.fused_moe.runner.moe_runner",
+    "vllm.model_executor.layers.quantization.fp8",
+    "vllm.model_executor.layers.quantization.modelopt",
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+    "vllm.v1.sample.sampler",
+    "vllm.v1.structured_output",
+    "vllm.tokenizers",
+    "vllm.reasoning",
+    "vllm.tool_parsers",
+)
+
+OPTIONAL_EXCEPTIONS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException", "OSError", "RuntimeError",
+                       "AttributeError"}
+
+
+@dataclass
+class Imports:
+    eager: set[str] = field(default_factory=set)  # absolute module names imported at import time
+    conditional: set[str] = field(default_factory=set)  # ... under a module-level `if` (platform, env, has_x())
+    optional: set[str] = field(default_factory=set)  # ... inside try/except ImportError
+    lazy: set[str] = field(default_factory=set)  # ... inside functions
+
+
+def _resolve(module: str, is_pkg: bool, level: int, name: str | None) -> str:
+    if level == 0:
+        return name or ""
+    parts = module.split(".")
+    base = parts if is_pkg else parts[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def _guarded(handlers: list[ast.ExceptHandler]) -> bool:
+    for h in handlers:
+        if h.type is None:
+            return True
+        names = [h.type] if not isinstance(h.type, ast.Tuple) else list(h.type.elts)
+        for n in names:
+            if isinstance(n, ast.Name) and n.id in OPTIONAL_EXCEPTIONS:
+                return True
+            if isinstance(n, ast.Attribute) and n.attr in OPTIONAL_EXCEPTIONS:
+                return True
+    return False
+
+
+def _suppress_guard(item: ast.withitem) -> bool:
+    call = item.context_expr
+    if not isinstance(call, ast.Call):
+        return False
+    fn = call.func
+    name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+    return name == "suppress"
+
+
+def scan_module(tree: ast.AST, module: str, is_pkg: bool) -> Imports:
+    out = Imports()
+
+    def add(kind: set[str], node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                kind.add(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, is_pkg, node.level, node.module)
+            kind.add(base)
+            for a in node.names:  # `from pkg import submodule` (resolved later if it is a module)
+                if a.name != "*":
+                    kind.add(f"{base}.{a.name}")
+
+    def walk(nodes: list[ast.stmt], kind: set[str]) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                add(kind, node)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                for sub in ast.walk(node):
+                    if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                        add(out.lazy, sub)
+            elif isinstance(node, ast.ClassDef):
+                walk(node.body, kind)
+            elif isinstance(node, ast.Try):
+                inner = out.optional if _guarded(node.handlers) else kind
+                walk(node.body, inner)
+                for h in node.handlers:
+                    walk(h.body, out.optional)
+                walk(node.orelse, kind)
+                walk(node.finalbody, kind)
+            elif isinstance(node, ast.If):
+                test = node.test
+                if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or \
+                        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING":
+                    walk(node.orelse, kind)
+                    continue
+                inner = out.conditional if kind is out.eager else kind
+                walk(node.body, inner)
+                walk(node.orelse, inner)
+            elif isinstance(node, ast.With):
+                inner = out.optional if any(_suppress_guard(i) for i in node.items) else kind
+                walk(node.body, inner)
+            elif isinstance(node, (ast.For, ast.While)):
+                walk(node.body, kind)
+                walk(node.orelse, kind)
+
+    walk(getattr(tree, "body", []), out.eager)
+    return out
+
+
+class Tree:
+    def __init__(self, root: Path):
+        self.root = root
+
+    def path_of(self, module: str) -> tuple[Path, bool] | None:
+        rel = Path(*module.split("."))
+        pkg = self.root / rel / "__init__.py"
+        if pkg.is_file():
+            return pkg, True
+        mod = self.root / rel.with_suffix(".py")
+        if mod.is_file():
+            return mod, False
+        return None
+
+    def is_local(self, module: str) -> bool:
+        top = module.split(".")[0]
+        return (self.root / top).is_dir() or (self.root / f"{top}.py").is_file()
+
+
+KINDS = ("eager", "conditional", "optional", "lazy")
+
+
+def closure(tree: Tree, entries: tuple[str, ...]) -> dict[str, dict[str, set[str]]]:
+    """Third-party top-level module -> {kind: importing vLLM modules}. A vLLM module reached only through
+    conditional imports passes that on: its own eager imports count as conditional."""
+    strength: dict[str, str] = {}  # vLLM module -> "eager" | "conditional" (how it is reached)
+    todo = [(m, "eager") for m in entries]
+    third: dict[str, dict[str, set[str]]] = {}
+
+    def note(name: str, how: str, by: str) -> None:
+        third.setdefault(name.split(".")[0], {k: set() for k in KINDS})[how].add(by)
+
+    while todo:
+        module, reach = todo.pop()
+        if strength.get(module) == "eager" or strength.get(module) == reach:
+            continue
+        strength[module] = reach
+        found = tree.path_of(module)
+        if found is None:
+            continue
+        path, is_pkg = found
+        try:
+            parsed = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        imps = scan_module(parsed, module, is_pkg)
+        parts = module.split(".")
+        todo.extend((".".join(parts[:i]), reach) for i in range(1, len(parts)))  # parent packages run first
+        for how, names in (("eager", imps.eager), ("conditional", imps.conditional), ("optional", imps.optional),
+                           ("lazy", imps.lazy)):
+            kind = "conditional" if how == "eager" and reach == "conditional" else how
+            for name in names:
+                if not name:
+                    continue
+                if tree.is_local(name):
+                    if kind in ("eager", "conditional") and tree.path_of(name) is not None:
+                        todo.append((name, kind))
+                    continue
+                if name.split(".")[0] in sys.stdlib_module_names:
+                    continue
+                note(name, kind, module)
+    return third
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("root", type=Path, help="an unpacked vLLM wheel (the folder holding vllm/)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    found = closure(Tree(args.root), ENTRY_MODULES)
+    rows = {name: {k: sorted(v) for k, v in kinds.items()} for name, kinds in sorted(found.items())}
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    for i, kind in enumerate(KINDS):
+        stronger = KINDS[:i]
+        names = [n for n, r in rows.items() if r[kind] and not any(r[k] for k in stronger)]
+        print(f"{kind} ({len(names)}): {' '.join(names)}")
+
+
+if __name__ == "__main__":
+    main()
