@@ -12,8 +12,8 @@ the wheel's files minus what an sm_90 GPU never loads:
   attention), `_qutlass_C` (Blackwell FP4 kernels, an optional import), DeepGEMM's host module for the Pythons
   that are not 3.12;
 - in every CUDA extension kept, the device code of other architectures (bench/tools/fatbin_prune.py).
-Dependency wheels travel as they are. Pieces are filled largest first; the `ds4` group (TileLang, which
-DeepSeek-V4's hyper-connection kernels need) goes into pieces of its own after the core ones.
+Dependency wheels travel as they are. Pieces are filled largest first, the core group before the `ds4` one
+(TileLang, which DeepSeek-V4's hyper-connection kernels need), which takes what room the core pieces leave.
 
 Writes OUT/p1, OUT/p2, ... and OUT/manifest.json (files, sizes, pieces).
 """
@@ -123,18 +123,18 @@ def repack_vllm(wheel: Path, work: Path, arch: int, with_fa2: bool, chunk: int) 
 
 
 def fill(items: list[Item], budget: int) -> list[Piece]:
-    """First-fit decreasing into pieces of at most `budget` bytes; core items before ds4 ones."""
+    """First-fit decreasing into pieces of at most `budget` bytes: the core items first, so a run without
+    DeepSeek-V4 carries only the pieces they fill; the ds4 items then take the room left in those before new
+    pieces (fewest pieces for the whole set)."""
     pieces: list[Piece] = []
     for group in ("core", "ds4"):
-        mine = [p for p in pieces if all(i.group == group for i in p.items)]
         for item in sorted((i for i in items if i.group == group), key=lambda i: -i.size):
             if item.size > budget:
                 raise SystemExit(f"{item.path.name} is {item.size / MiB:.1f} MiB, over the {budget / MiB:.0f} "
                                  "MiB piece budget")
-            target = next((p for p in mine if p.size + item.size <= budget), None)
+            target = next((p for p in pieces if p.size + item.size <= budget), None)
             if target is None:
                 target = Piece()
-                mine.append(target)
                 pieces.append(target)
             target.items.append(item)
     return pieces
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                 item.path.replace(folder / item.path.name)
             else:  # a downloaded wheel: the cache keeps its copy
                 (folder / item.path.name).write_bytes(item.path.read_bytes())
-        group = piece.items[0].group
+        group = "core" if any(i.group == "core" for i in piece.items) else "ds4"
         manifest["pieces"].append({"name": f"p{n}", "group": group, "mib": round(piece.size / MiB, 1),
                                    "files": {i.path.name: round(i.size / MiB, 2) for i in piece.items}})
     work.rmdir()
