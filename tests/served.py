@@ -55,7 +55,7 @@ def generate(model, quantization, plan, promoter=None, settle_s=0.0):
         os.environ["MOETPLAN_FP4_PROMOTER"] = promoter
     # vLLM's AMX MLA kernel (chosen wherever CPUID reports AMX) takes bf16 only; fp32 MLA names the reference
     # CPU_MLA backend, as moetplan's launch does (launch/command.py, cpu_mla_backend).
-    from moetplan.runtime.vllm_compat import cpu_mla_backend
+    from moetplan.vllm_compat import cpu_mla_backend
     with open(os.path.join(model, "config.json")) as f:
         mla = "kv_lora_rank" in json.load(f)
     extra = {"attention_backend": cpu_mla_backend()} if mla else {}

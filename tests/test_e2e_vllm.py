@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 
 from served import free_port, plan_file, run_offline, start_run  # noqa: E402
 
-from moetplan.runtime.vllm_compat import cpu_mla_backend  # noqa: E402
+from moetplan.vllm_compat import cpu_mla_backend  # noqa: E402
 
 PROMPT = "hello world, the model"
 MAX_TOKENS = 12

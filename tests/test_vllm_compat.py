@@ -1,4 +1,4 @@
-"""The version-specific part of the plugin (runtime/vllm_compat.py): the supported range, the installed release's
+"""The version-specific part of the plugin (moetplan/vllm_compat.py): the supported range, the installed release's
 splitting ops read without importing vLLM, the table of fixes, and routing on a CPU backend without a CPU router."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from moetplan.runtime import vllm_compat as vc
+from moetplan import vllm_compat as vc
 
 
 @pytest.mark.parametrize("text, want", [

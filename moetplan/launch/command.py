@@ -12,10 +12,10 @@ import json
 import shlex
 from typing import Any
 
+from moetplan import vllm_compat
 from moetplan.contract import envs
 from moetplan.contract.errors import UsageError
 from moetplan.contract import Launch, Plan
-from moetplan.runtime import vllm_compat
 
 SERVE_MODULE = "moetplan.launch.serve"
 PLAN_ENV = envs.PLAN.name

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import sys
 
-from moetplan.runtime.vllm_compat import installed_vllm
+from moetplan.vllm_compat import installed_vllm
 
 _original_version = md.version
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moetplan.runtime.vllm_compat import fix_applies, vllm_version
+from moetplan.vllm_compat import fix_applies, vllm_version
 
 log = logging.getLogger("moetplan.runtime")
 

@@ -28,7 +28,7 @@ def install_load_hook(loader_cls: Any = None) -> bool:
     has no such method."""
     if loader_cls is None:
         try:
-            from moetplan.runtime.vllm_compat import BaseModelLoader as loader_cls
+            from moetplan.vllm_compat import BaseModelLoader as loader_cls
         except ImportError:  # pragma: no cover - another vLLM layout: the gate is then not installed (logged)
             log.warning("moetplan: vLLM has no BaseModelLoader; the confidence gate cannot be installed")
             return False
@@ -52,7 +52,8 @@ def register() -> None:
     global _DONE
     if _DONE:
         return
-    from moetplan.runtime import cpu_amx, vllm_compat
+    from moetplan import vllm_compat
+    from moetplan.runtime import cpu_amx
 
     note = vllm_compat.check_supported()  # raises for a vLLM older than the range
     if note:

@@ -31,7 +31,7 @@ def apply_rotary_fix() -> bool:
 
     if not current_platform.is_cpu():
         return False
-    from moetplan.runtime.vllm_compat import RotaryEmbedding
+    from moetplan.vllm_compat import RotaryEmbedding
 
     if getattr(RotaryEmbedding.forward_cpu, _PATCH_ATTR, False):
         return True

@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
+from moetplan import vllm_compat
 from moetplan.contract.errors import ConfigError, UsageError
-from moetplan.runtime import records, vllm_compat
-from moetplan.runtime.vllm_compat import (
+from moetplan.runtime import records
+from moetplan.vllm_compat import (
     FUSED_MOE_UNQUANTIZED_CONFIG,
     FusedMoEMethodBase,
     QuantizationConfig,
@@ -549,7 +550,7 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
                                               intermediate_size_per_partition, params_dtype,
                                               **extra_weight_attrs)
         else:
-            from moetplan.runtime.vllm_compat import set_weight_attrs
+            from moetplan.vllm_compat import set_weight_attrs
 
             w13 = torch.nn.Parameter(
                 torch.empty(num_experts, 2 * intermediate_size_per_partition, hidden_size, dtype=params_dtype),
@@ -681,7 +682,7 @@ class MoetplanConfig(QuantizationConfig):
         self.inner = None
         qm = (checkpoint_config or {}).get("quant_method")
         if qm and qm != METHOD_NAME:
-            from moetplan.runtime.vllm_compat import get_quantization_config
+            from moetplan.vllm_compat import get_quantization_config
 
             self.inner = get_quantization_config(qm).from_config(checkpoint_config)
             # One shared dict: vLLM fills the mapping in place on the config it sees (ours).
@@ -723,7 +724,7 @@ class MoetplanConfig(QuantizationConfig):
 
     def get_quant_method(self, layer, prefix):
         vllm_compat.check_moe_backend()
-        from moetplan.runtime.vllm_compat import (
+        from moetplan.vllm_compat import (
             LinearBase,
             RoutedExperts,
             UnquantizedLinearMethod,
@@ -754,7 +755,7 @@ class MoetplanConfig(QuantizationConfig):
 
 def register_method() -> type:
     """Register the config class under "moetplan" (idempotent: re-registering the same class is a no-op)."""
-    from moetplan.runtime.vllm_compat import (
+    from moetplan.vllm_compat import (
         QUANTIZATION_METHODS,
         get_quantization_config,
     )

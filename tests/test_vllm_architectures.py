@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from moetplan.contract.errors import ConfigError  # noqa: E402
-from moetplan.runtime import vllm_compat  # noqa: E402
+from moetplan import vllm_compat  # noqa: E402
 from moetplan.runtime import vllm_method as vm  # noqa: E402
 
 E, K, H, I = 16, 4, 128, 64  # experts, top-k, hidden, expert FFN

