@@ -18,7 +18,8 @@
 #      machine's checkout) into /tmp/site and, once all are in, checks the imports; then
 #        export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 #      MOETPLAN_DS4=0 leaves out TileLang (DeepSeek-V4 only); MOETPLAN_FA2=1 adds FlashAttention 2.
-#   Downloads are cached in $MOETPLAN_WHEEL_CACHE (default ~/.cache/moetplan/device-wheels).
+#   Either mode rewrites .whl/ (the vllm pieces hold moetplan's wheels too). Downloads are cached in
+#   $MOETPLAN_WHEEL_CACHE (default ~/.cache/moetplan/device-wheels).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mode=${1:-moetplan}
