@@ -225,3 +225,26 @@ def test_apply_fixes_installs_what_the_release_and_gpu_need(monkeypatch, version
     monkeypatch.setattr(cf, "deep_gemm_has_sm120_fp8", lambda pkg: deep_gemm_sm120)
     monkeypatch.setattr(cf, "_capability", lambda: capability)
     assert cf.apply_fixes(version) == want
+
+
+def test_the_fixes_find_their_targets_in_the_installed_vllm(monkeypatch):
+    """The names the fixes patch exist in this release (a rename upstream would make a fix a silent no-op)."""
+    pytest.importorskip("vllm")
+    import importlib
+
+    decode = importlib.import_module(cf.TRITON_DECODE_MODULE)
+    monkeypatch.setattr(decode, cf.STAGE1_KERNEL, getattr(decode, cf.STAGE1_KERNEL))  # restored after the test
+    assert cf.cap_triton_mla_stages(decode)
+    assert isinstance(getattr(decode, cf.STAGE1_KERNEL), cf.StageCappedKernel)
+    assert "_decode_grouped_att_m_fwd" in vars(decode)  # the launcher that looks the kernel up by that name
+
+    modules = {cf.O_PROJ_MODULE: importlib.import_module(cf.O_PROJ_MODULE)}
+    for name in cf.O_PROJ_USERS:
+        try:
+            modules[name] = importlib.import_module(name)
+        except ModuleNotFoundError:  # DeepSeek-V4.1 arrived after 0.27
+            continue
+    for name, mod in modules.items():
+        monkeypatch.setattr(mod, cf.RECIPE_FN, getattr(mod, cf.RECIPE_FN))
+    assert cf.sm90_o_proj_recipe(modules)
+    assert all(getattr(m, cf.RECIPE_FN)._moetplan_sm90 for m in modules.values())
