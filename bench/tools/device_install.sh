@@ -65,6 +65,24 @@ eps = [e.name for e in md.entry_points(group="vllm.general_plugins")]
 print("vllm", md.version("vllm"), "| plugins:", eps)
 from vllm.vllm_flash_attn import flash_attn_interface as fa
 print("FA3 available:", fa.FA3_AVAILABLE, "| FA2 available:", fa.FA2_AVAILABLE)
+import torch
+if torch.cuda.is_available() and not bad:
+    # one kernel from each pruned extension: the sm_90 code kept by bench/tools/fatbin_prune.py loads and runs
+    from vllm import _custom_ops as ops
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    out, w = torch.empty_like(x), torch.ones(256, device="cuda", dtype=torch.bfloat16)
+    ops.rms_norm(out, x, w, 1e-6)
+    ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    logits = torch.randn(4, 16, device="cuda")
+    tw = torch.empty(4, 2, device="cuda")
+    ti = torch.empty(4, 2, device="cuda", dtype=torch.int32)
+    ops.topk_softmax(tw, ti, torch.empty_like(ti), logits, False)
+    torch.cuda.synchronize()
+    ok_norm = torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)
+    ok_topk = torch.equal(ti.sort(-1).values.long(), logits.topk(2, -1).indices.sort(-1).values)
+    print("sm_90 kernels: rms_norm", "ok" if ok_norm else "WRONG", "| topk_softmax", "ok" if ok_topk else "WRONG")
+    if not (ok_norm and ok_topk):
+        bad.append("a pruned extension computed a wrong result")
 for line in bad:
     print("IMPORT FAILED", line)
 raise SystemExit(1 if bad or "moetplan" not in eps else 0)
