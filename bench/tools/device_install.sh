@@ -60,12 +60,13 @@ for m in mods:
     try:
         importlib.import_module(m)
     except Exception as e:  # noqa: BLE001 - report every failure, not the first
-        bad.append(f"{m}: {type(e).__name__}: {e}")
+        bad.append(f"import {m}: {type(e).__name__}: {e}")
 eps = [e.name for e in md.entry_points(group="vllm.general_plugins")]
 print("vllm", md.version("vllm"), "| plugins:", eps)
-from vllm.vllm_flash_attn import flash_attn_interface as fa
-print("FA3 available:", fa.FA3_AVAILABLE, "| FA2 available:", fa.FA2_AVAILABLE)
 import torch
+if not bad:
+    from vllm.vllm_flash_attn import flash_attn_interface as fa
+    print("FA3 available:", fa.FA3_AVAILABLE, "| FA2 available:", fa.FA2_AVAILABLE)
 if torch.cuda.is_available() and not bad:
     # one kernel from each pruned extension: the sm_90 code kept by bench/tools/fatbin_prune.py loads and runs
     from vllm import _custom_ops as ops
@@ -84,6 +85,6 @@ if torch.cuda.is_available() and not bad:
     if not (ok_norm and ok_topk):
         bad.append("a pruned extension computed a wrong result")
 for line in bad:
-    print("IMPORT FAILED", line)
+    print("FAILED", line)
 raise SystemExit(1 if bad or "moetplan" not in eps else 0)
 PY
