@@ -71,8 +71,10 @@ def test_probe_function_is_quick_by_default(tmp_path, monkeypatch):
 
 def test_cli_table_marks_measured_values(tmp_path, monkeypatch):
     monkeypatch.setattr(st, "QUICK", SMALL)
+    monkeypatch.chdir(tmp_path)  # probe writes ./hw.json by default
     res = CliRunner().invoke(app, ["probe", "--quick", "--pack-dir", str(tmp_path)], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
+    assert (tmp_path / "hw.json").is_file() and "wrote hw.json" in res.output
     for text in ("Host", "memlock limit", "Pack-dir storage", "sequential read", "M = measured"):
         assert text in res.output
     if _no_gpu_expected():
@@ -80,9 +82,10 @@ def test_cli_table_marks_measured_values(tmp_path, monkeypatch):
     assert " GB/s M" in res.output
 
 
-def test_cli_bad_pack_dir_is_a_usage_error(tmp_path):
+def test_cli_bad_pack_dir_is_a_usage_error(tmp_path, monkeypatch):
     f = tmp_path / "f"
     f.write_text("")
+    monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(app, ["probe", "--quick", "--pack-dir", str(f)])
     assert res.exit_code == 2 and "not a directory" in res.output and "Traceback" not in res.output
 
