@@ -98,7 +98,8 @@ def test_calibrate_round_trip(tmp_path):
     runs = []
     truth = {}
     for cache in (8.0, 11.0, 14.0):
-        pl = Placement(expert_tier="host", gpu_expert_cache_gib=cache, context=32768, mtp=2, mtp_acceptance=2.7)
+        pl = Placement.for_model(ds4, expert_tier="host", gpu_expert_cache_gib=cache, context=32768, mtp=2,
+                                 mtp_acceptance=2.7)
         p = predict(ds4, hw, pl)
         # This machine is slower than the reference box: 60% of the predicted decode, 70% of prefill.
         truth[cache] = 0.6 * p.decode_tok_s
@@ -113,7 +114,8 @@ def test_calibrate_round_trip(tmp_path):
     calib = load_calibration(hw)
     assert calib.overrides_from == str(user_calibration_path())
     for cache, want in truth.items():
-        pl = Placement(expert_tier="host", gpu_expert_cache_gib=cache, context=32768, mtp=2, mtp_acceptance=2.7)
+        pl = Placement.for_model(ds4, expert_tier="host", gpu_expert_cache_gib=cache, context=32768, mtp=2,
+                                 mtp_acceptance=2.7)
         assert predict(ds4, hw, pl, calib).decode_tok_s == pytest.approx(want, rel=0.12)
     # Another GPU family keeps the checked-in factors.
     assert predict(ds4, h200, Placement()).decode_tok_s == pytest.approx(other_before)
@@ -133,7 +135,7 @@ def test_calibrate_takes_the_gate_fire_share_from_gated_runs(tmp_path):
     assert gate_fire_share({**rt, "gate_fire_share": 0.12}) == pytest.approx(0.12)  # the gate's own figure first
     ds4, hw = hwdb.model_spec("deepseek-v4-flash"), hwdb.box_profile("rtx-5090x1")
     assert load_calibration(hw).routing.gate_fire_share == pytest.approx(0.1)  # the checked-in default
-    pl = Placement(tp=1, context=32768, fp4_reserve_gib=2.0, gate=Gate(enabled=True, tau=0.3))
+    pl = Placement.for_model(ds4, tp=1, context=32768, fp4_reserve_gib=2.0, gate=Gate(enabled=True, tau=0.3))
     runs = []
     for i, share in enumerate((0.15, 0.25, 0.2)):
         path = _run_record(tmp_path / f"gated{i}.json", pl, 0.8 * predict(ds4, hw, pl).decode_tok_s)
@@ -152,7 +154,8 @@ def test_calibrate_takes_the_gate_fire_share_from_gated_runs(tmp_path):
 
 
 def test_calibrate_table_output_and_dry_run(tmp_path):
-    pl = Placement(expert_tier="host", gpu_expert_cache_gib=11, context=32768, mtp=2, mtp_acceptance=2.7)
+    pl = Placement.for_model(hwdb.model_spec("deepseek-v4-flash"), expert_tier="host", gpu_expert_cache_gib=11,
+                             context=32768, mtp=2, mtp_acceptance=2.7)
     run = _run_record(tmp_path / "run.json", pl, 20.0)
     res = CliRunner().invoke(_app(), [str(run), "--box", "rtx-5090x1", "--dry-run"])
     assert res.exit_code == 0, res.output
@@ -189,7 +192,7 @@ def test_calibrate_is_registered_in_the_cli():
 def test_calibrate_fits_miss_correlation_from_runtime_kpis(tmp_path):
     """A run whose runtime reports the zero-miss step share pins the correlation the tok/s alone cannot."""
     glm, hw = hwdb.model_spec("glm-5.2"), hwdb.box_profile("rtx-pro-6000x4")
-    pl = Placement(tp=4, expert_tier="host", gpu_expert_cache_gib=44, context=16384, mtp=0)
+    pl = Placement.for_model(glm, tp=4, expert_tier="host", gpu_expert_cache_gib=44, context=16384, mtp=0)
     base = load_calibration(hw)
     rho_true = 0.05
     truth = base.model_copy(update={"routing": base.routing.model_copy(update={"miss_correlation": rho_true})})

@@ -88,7 +88,7 @@ def test_more_cache_fewer_misses_monotone():
     full = model.routed_gib("2bit")
     prev = None
     for share in np.linspace(0.02, 0.98, 25):
-        pl = Placement(expert_tier="host", gpu_expert_cache_gib=float(share * full))
+        pl = Placement.for_model(model, expert_tier="host", gpu_expert_cache_gib=float(share * full))
         p = predict(model, hw, pl, CAL)
         if prev is not None:
             assert p.misses_per_step <= prev.misses_per_step + 1e-9
@@ -103,8 +103,8 @@ def test_resident_has_no_miss_term_and_tiered_does():
     model, hw = toy_model(), toy_hw()
     res = predict(model, hw, Placement(), CAL)
     assert res.misses_per_step is None and res.zero_miss_step_share is None
-    host = predict(model, hw, Placement(expert_tier="host", gpu_expert_cache_gib=0.05), CAL)
-    nvme = predict(model, hw, Placement(expert_tier="nvme", gpu_expert_cache_gib=0.05, host_arena_gib=0.05), CAL)
+    host = predict(model, hw, Placement.for_model(model, expert_tier="host", gpu_expert_cache_gib=0.05), CAL)
+    nvme = predict(model, hw, Placement.for_model(model, expert_tier="nvme", gpu_expert_cache_gib=0.05, host_arena_gib=0.05), CAL)
     assert any(t.name == MISS_HOST for t in host.terms)
     assert any(t.name == MISS_NVME for t in nvme.terms)
     assert host.decode_tok_s < res.decode_tok_s
@@ -112,7 +112,7 @@ def test_resident_has_no_miss_term_and_tiered_does():
 
 def test_miss_bytes_double_when_link_halves():
     model = toy_model()
-    pl = Placement(expert_tier="host", gpu_expert_cache_gib=0.05)
+    pl = Placement.for_model(model, expert_tier="host", gpu_expert_cache_gib=0.05)
     fast = decode_step(model, toy_hw(h2d=25.0), pl, CAL)
     slow = decode_step(model, toy_hw(h2d=12.5), pl, CAL)
     f = next(t for t in fast.terms if t.name == MISS_HOST)
@@ -256,7 +256,7 @@ def test_gate_recomputes_cost_their_share_of_the_step():
     from moetplan.contract import Gate
 
     model, hw = toy_model(), toy_hw()
-    base = Placement(fp4_reserve_gib=0.02)
+    base = Placement.for_model(model, fp4_reserve_gib=0.02)
     off = predict(model, hw, base, CAL)
     on = predict(model, hw, base.model_copy(update={"gate": Gate(enabled=True)}), CAL)
     assert off.gate_fire_share is None and on.gate_fire_share == CAL.routing.gate_fire_share

@@ -17,7 +17,7 @@ def _no_user_calibration(tmp_path, monkeypatch):
 
 def test_ds4_on_one_5090_host_tier_is_miss_bound():
     ds4, hw = hwdb.model_spec("deepseek-v4-flash"), hwdb.box_profile("rtx-5090x1")
-    p = predict(ds4, hw, Placement(expert_tier="host", gpu_expert_cache_gib=14, context=32768, mtp=2))
+    p = predict(ds4, hw, Placement.for_model(ds4, expert_tier="host", gpu_expert_cache_gib=14, context=32768, mtp=2))
     assert p.bottleneck == MISS_HOST
     miss = next(t for t in p.terms if t.name == MISS_HOST)
     assert miss.share > 0.5
@@ -27,7 +27,7 @@ def test_ds4_on_one_5090_host_tier_is_miss_bound():
 
 def test_ds4_nvme_tier_names_the_nvme_path():
     ds4, hw = hwdb.model_spec("deepseek-v4-flash"), hwdb.box_profile("rtx-5090x1")
-    p = predict(ds4, hw, Placement(expert_tier="nvme", gpu_expert_cache_gib=14, host_arena_gib=20,
+    p = predict(ds4, hw, Placement.for_model(ds4, expert_tier="nvme", gpu_expert_cache_gib=14, host_arena_gib=20,
                                    context=32768, mtp=2))
     assert p.bottleneck == MISS_NVME
 
@@ -47,18 +47,18 @@ def test_glm_on_four_pro6000_resident_is_memory_bandwidth_bound_on_expert_reads(
 
 def test_kimi_default_curve_and_prediction_range():
     kimi, hw = hwdb.model_spec("kimi-k2.7-code"), hwdb.box_profile("rtx-pro-6000x4")
-    p = predict(kimi, hw, Placement(tp=4, context=32768, fp4_reserve_gib=2.7, max_num_seqs=8))
+    p = predict(kimi, hw, Placement.for_model(kimi, tp=4, context=32768, fp4_reserve_gib=2.7, max_num_seqs=8))
     assert 25 < p.decode_tok_s < 100  # vLLM-Moet: 51 tok/s
 
 
 def test_whatifs_for_the_5090_plan():
     ds4, hw = hwdb.model_spec("deepseek-v4-flash"), hwdb.box_profile("rtx-5090x1")
-    pl = Placement(expert_tier="host", gpu_expert_cache_gib=14, context=32768, mtp=2)
+    pl = Placement.for_model(ds4, expert_tier="host", gpu_expert_cache_gib=14, context=32768, mtp=2)
     lines = whatifs(ds4, hw, pl)
     assert lines and any(line.startswith("+4 GiB GPU expert cache") for line in lines)
     cache = next(line for line in lines if line.startswith("+4 GiB GPU expert cache"))
     assert "miss steps" in cache and "tok/s" in cache
-    more = predict(ds4, hw, pl.model_copy(update={"gpu_expert_cache_gib": 18}))
+    more = predict(ds4, hw, pl.resized(ds4, gpu_expert_cache_gib=18))
     assert more.decode_tok_s > predict(ds4, hw, pl).decode_tok_s
 
 

@@ -89,7 +89,7 @@ def offline(env, checkpoints, tmp_path_factory):
         "2bit": plan_file(tmp, checkpoints["tiny-moe"], "2bit", pack_dir=packs),
         # NVMe tier: writes the pack, then serves through a 24-slot cache (of 32 rows) over a small RAM arena
         "nvme": plan_file(tmp, checkpoints["tiny-moe"], "2bit", ".nvme", pack_dir=packs, expert_tier="nvme",
-                           gpu_expert_cache_slots=24, host_arena_gib=0.0001),
+                           gpu_expert_cache_slots=24, host_arena_rows=13),
         # resident again: reads the pack instead of quantizing (and never materialises the checkpoint experts)
         "from_pack": plan_file(tmp, checkpoints["tiny-moe"], "2bit", ".frompack", pack_dir=packs),
     }

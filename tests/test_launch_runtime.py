@@ -134,7 +134,7 @@ def test_2bit_resident_layer_computes_on_the_quantized_rows():
 
 def _tiered_layers(tmp_path, tier, slots, monkeypatch):
     s = vm.RuntimeSettings.from_plan(_plan(expert_tier=tier, gpu_expert_cache_slots=slots,
-                                           host_arena_gib=0.001, pack_dir=str(tmp_path / "packs")))
+                                           host_arena_rows=256, pack_dir=str(tmp_path / "packs")))
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir(exist_ok=True)
     (ckpt / "model.safetensors").write_bytes(b"\0" * 16)
@@ -463,12 +463,10 @@ def _load_through_method(s, monkeypatch, tmp_path, L=2, E=8, H=64, I=32):
     return weights
 
 
-def test_reserve_slots_from_plan_slots_or_gib():
+def test_reserve_slots_from_plan_slots():
     lay = RowLayout.for_expert(64, 32, 1, "fp4")
     s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=5))
     assert vm.reserve_wanted(s) and vm.reserve_slots(s, lay, 2, 8) == 5
-    s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_gib=3 * lay.stride / 2**30))
-    assert vm.reserve_slots(s, lay, 2, 8) == 3
     s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=100))
     assert vm.reserve_slots(s, lay, 2, 8) == 16  # never more rows than experts
     assert not vm.reserve_wanted(vm.RuntimeSettings.from_plan(_plan()))

@@ -110,7 +110,10 @@ def test_fully_pinned_evaluates_that_configuration() -> None:
     plan = solve(spec, hw, Goals(pinned=pins))
     p = plan.placement
     assert (p.tp, p.expert_tier, p.kv_dtype, p.context, p.mtp, p.max_num_seqs) == (1, "host", "fp8", 32768, 2, 1)
-    assert p.gpu_expert_cache_gib == pytest.approx(9.5)
+    # the pinned GiB becomes whole 2-bit rows (what the runtime allocates); the GiB shown is those rows' bytes
+    row = spec.expert_bytes("2bit", 1)
+    assert p.gpu_expert_cache_slots == int(9.5 * 2**30 // row) and p.expert_row_bytes == row
+    assert p.gpu_expert_cache_gib == p.gpu_expert_cache_slots * row / 2**30 == pytest.approx(9.5, abs=row / 2**30)
     assert p.mtp_acceptance == 2.7 and p.gpu_memory_utilization == 0.9
     assert all("pinned" in r.text for r in plan.reasons if r.knob in ("tp", "kv_dtype", "context"))
 

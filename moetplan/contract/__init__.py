@@ -3,6 +3,8 @@ the errors users see, and shared units. It imports no other moetplan package; ev
 
     schema.py   Plan, Placement, Goals, MemoryLedger, Prediction, HardwareProfile, RunRecord (pydantic)
     model.py    ModelSpec: the architecture numbers and the byte footprints they imply
+    layout.py   the byte layout of an expert row (block size, alignments): the one size rule, torch-free
+    sizing.py   slot counts: rows in a budget, a decode step's working set, the FP4 reserve and gate floor
     io.py       atomic writes, schema-checked loads
     paths.py    where files live: caches, run folders, packs, the run record beside a plan
     envs.py     every environment variable moetplan reads, declared once

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from moetplan.contract.layout import FORMATS as ROW_FORMATS
+from moetplan.contract.layout import RowLayout, tp_splits
 from moetplan.contract.units import GIB
 
 # Bits per routed-expert weight for the formats the runtime stores (FACTS.md: "The 2-bit expert format").
@@ -110,8 +112,27 @@ class ModelSpec(BaseModel):
     def routed_expert_params(self) -> int:
         return self.moe_layers * self.n_routed_experts * self.expert_params
 
+    def row_layout(self, fmt: str = "2bit", tp: int = 1) -> RowLayout:
+        """The byte layout of one routed expert row on one TP rank, as the runtime allocates it."""
+        return RowLayout.for_expert(self.hidden_size, self.moe_intermediate_size, tp, fmt)
+
+    def splits_over(self, tp: int) -> bool:
+        """The routed experts have a row layout at this tensor-parallel degree (block-32 shards)."""
+        return tp_splits(self.hidden_size, self.moe_intermediate_size, tp)
+
     def expert_bytes(self, fmt: str = "2bit", tp: int = 1) -> float:
-        """Bytes of one routed expert (one layer) on one TP rank in the given storage format."""
+        """Bytes of one routed expert (one layer) on one TP rank in the given storage format.
+
+        The runtime's formats (2bit, fp4) count the row as allocated (contract.layout: sections and rows aligned),
+        so a planned slot is an allocated slot; checkpoint formats count their bits per weight.
+        """
+        if fmt in ROW_FORMATS:
+            return float(self.row_layout(fmt, tp).stride)
+        return self.expert_params * EXPERT_FORMAT_BITS[fmt] / 8 / tp
+
+    def expert_read_bytes(self, fmt: str = "2bit", tp: int = 1) -> float:
+        """Bytes a kernel reads of one routed expert on one rank: the row's payload, without its alignment
+        padding (equal to the bits-per-weight figure). Memory is booked with expert_bytes, traffic with this."""
         return self.expert_params * EXPERT_FORMAT_BITS[fmt] / 8 / tp
 
     def routed_bytes(self, fmt: str = "2bit", tp: int = 1) -> float:
@@ -135,9 +156,9 @@ class ModelSpec(BaseModel):
         """The MTP layer(s) as our runtime holds them: routed experts at 2-bit, the rest at dense precision."""
         if self.mtp_layers <= 0 or self.dense_includes_mtp:
             return 0.0
-        routed = self.mtp_layers * self.n_routed_experts * self.expert_params
-        rest = max(self.mtp_params_b * 1e9 - routed, 0.0)
-        return (rest * DENSE_BYTES_PER_PARAM[self.dense_precision] + routed * EXPERT_FORMAT_BITS["2bit"] / 8) / tp
+        rows = self.mtp_layers * self.n_routed_experts
+        rest = max(self.mtp_params_b * 1e9 - rows * self.expert_params, 0.0)
+        return rest * DENSE_BYTES_PER_PARAM[self.dense_precision] / tp + rows * self.expert_bytes("2bit", tp)
 
     def kv_dtypes(self) -> list[str]:
         return list(self.kv_bytes_per_token)

@@ -9,9 +9,11 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from moetplan.contract.model import ModelSpec
+from moetplan.contract.sizing import rows_in
+from moetplan.contract.units import GIB
 
 SCHEMA_VERSION = "1.0"
 
@@ -113,15 +115,45 @@ class Gate(_Model):
     degraded: bool = False
 
 
+# GiB knobs a user pins (--set) or a measurement names, and the stored count each one becomes: (count field, row
+# size field, whether the count is per rank of tensor parallelism, so the GiB is summed over ranks).
+SIZE_KNOBS: dict[str, tuple[str, str, bool]] = {
+    "gpu_expert_cache_gib": ("gpu_expert_cache_slots", "expert_row_bytes", False),
+    "fp4_reserve_gib": ("fp4_reserve_slots", "fp4_row_bytes", False),
+    "host_arena_gib": ("host_arena_rows", "expert_row_bytes", True),
+}
+
+
+def _int_or(v: Any, default: int) -> int:
+    try:
+        return int(v or default)
+    except (TypeError, ValueError):  # not a number: the field's own validation reports it
+        return default
+
+
+def _size_knobs_schema(schema: dict[str, Any]) -> None:
+    # The derived GiB are written to plan.json and read back (checked against the rows), so the schema lists them.
+    for knob, (count, _, _) in SIZE_KNOBS.items():
+        schema.setdefault("properties", {})[knob] = {
+            "type": "number", "title": knob.replace("_", " ").capitalize(),
+            "description": f"Derived: {count} x the row size, in GiB. As input (a pin) it becomes {count}."}
+
+
 class Placement(_Model):
+    """Sizes are stored once, as rows; their GiB are derived from the row sizes (contract.layout), so what is
+    planned is what the runtime allocates. GiB given as input (a pin, a measurement) becomes rows."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), json_schema_extra=_size_knobs_schema)
+
     tp: int = 1
     pp: int = 1
     expert_tier: ExpertTier = "resident"
-    gpu_expert_cache_gib: float = Field(0.0, description="Per GPU rank; 0 when experts are resident")
     gpu_expert_cache_slots: int = Field(0, description="Expert rows (per layer-expert) the cache holds per rank")
-    fp4_reserve_gib: float = Field(0.0, description="Per GPU rank")
-    fp4_reserve_slots: int = 0
-    host_arena_gib: float = Field(0.0, description="Pinned RAM arena over NVMe packs (tier nvme)")
+    fp4_reserve_slots: int = Field(0, description="FP4 expert rows the reserve holds per rank")
+    host_arena_rows: int = Field(0, description="Rows of the pinned RAM arena over NVMe packs, per rank (tier nvme)")
+    expert_row_bytes: int = Field(0, description="One 2-bit expert row on one rank (what a cache slot and an arena "
+                                  "row hold); 0 until sized for a model")
+    fp4_row_bytes: int = Field(0, description="One FP4 expert row on one rank (what a reserve slot holds)")
     kv_dtype: str = "fp8"
     kv_cache_gib: float = Field(0.0, description="Per GPU rank")
     context: int = Field(4096, description="max_model_len")
@@ -136,6 +168,62 @@ class Placement(_Model):
         "2bit", description="Routed experts as the runtime stores them; 'unquantized' keeps the checkpoint's "
         "(for checking the path against stock vLLM)")
     gate: Gate = Field(default_factory=Gate)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rows_from_gib(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not any(k in data for k in SIZE_KNOBS):
+            return data
+        data = dict(data)
+        for knob, (count, row_field, per_rank) in SIZE_KNOBS.items():
+            if knob not in data:
+                continue
+            gib = float(data.pop(knob) or 0.0)
+            row = _int_or(data.get(row_field), 0) * (_int_or(data.get("tp"), 1) if per_rank else 1)
+            if count in data:  # a saved plan carries both: the GiB is derived, and must agree with the rows
+                if row and abs(gib * GIB - _int_or(data[count], 0) * row) > row:
+                    raise ValueError(f"{knob}={gib} disagrees with {count}={data[count]} rows of {row} bytes; "
+                                     f"{count} is what the runtime allocates: edit it (or drop {knob})")
+                continue
+            if gib and not row:
+                raise ValueError(f"{knob}={gib} needs the row size to become {count}: build the placement with "
+                                 f"Placement.for_model(model, {knob}=...) or give {count}")
+            data[count] = rows_in(gib, row)
+        return data
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def gpu_expert_cache_gib(self) -> float:
+        """Per GPU rank; 0 when experts are resident."""
+        return self.gpu_expert_cache_slots * self.expert_row_bytes / GIB
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def fp4_reserve_gib(self) -> float:
+        """Per GPU rank."""
+        return self.fp4_reserve_slots * self.fp4_row_bytes / GIB
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def host_arena_gib(self) -> float:
+        """Pinned RAM over NVMe packs, all ranks together (each rank holds rows of its own shard)."""
+        return self.host_arena_rows * self.expert_row_bytes * self.tp / GIB
+
+    @classmethod
+    def for_model(cls, model: ModelSpec, **fields: Any) -> "Placement":
+        """A placement whose row sizes are `model`'s at the given tp; GiB sizes among `fields` become rows."""
+        tp = int(fields.get("tp", 1))
+        if model.splits_over(tp):
+            fields["expert_row_bytes"] = int(model.expert_bytes("2bit", tp))
+            fields["fp4_row_bytes"] = int(model.expert_bytes("fp4", tp))
+        return cls(**fields)
+
+    def resized(self, model: ModelSpec, **changes: Any) -> "Placement":
+        """A copy with `changes` (GiB sizes become rows; a new tp brings its own row sizes, the counts stay)."""
+        data = self.model_dump(exclude=set(SIZE_KNOBS) | {"expert_row_bytes", "fp4_row_bytes"})
+        for knob in SIZE_KNOBS.keys() & changes.keys():
+            data.pop(SIZE_KNOBS[knob][0], None)
+        return Placement.for_model(model, **{**data, **changes})
 
 
 # Knob names accepted by --set (the issue fixes these names).
@@ -245,6 +333,30 @@ class Plan(_Model):
     alternatives: list[Alternative] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
     launch: Launch = Field(default_factory=Launch)
+    @model_validator(mode="before")
+    @classmethod
+    def _row_sizes_of_saved_plans(cls, data: Any) -> Any:
+        # A plan saved before the row sizes were stored: take them from its model, so its GiB sizes become rows.
+        if isinstance(data, dict) and isinstance(data.get("placement"), dict) and isinstance(data.get("model"), dict):
+            pl = data["placement"]
+            if not pl.get("expert_row_bytes"):
+                try:
+                    model = ModelSpec.model_validate(data["model"])
+                except ValueError:  # the model's own validation reports it
+                    return data
+                tp = _int_or(pl.get("tp"), 1)
+                if model.splits_over(tp):
+                    data = {**data, "placement": {**pl, "expert_row_bytes": int(model.expert_bytes("2bit", tp)),
+                                                  "fp4_row_bytes": int(model.expert_bytes("fp4", tp))}}
+        return data
+
+    @model_validator(mode="after")
+    def _row_sizes_from_model(self) -> "Plan":
+        p = self.placement
+        if not p.expert_row_bytes and self.model.splits_over(p.tp):  # a placement built without its model
+            p.expert_row_bytes = int(self.model.expert_bytes("2bit", p.tp))
+            p.fp4_row_bytes = int(self.model.expert_bytes("fp4", p.tp))
+        return self
 
 
 class RunRecord(_Model):

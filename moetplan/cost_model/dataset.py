@@ -79,7 +79,8 @@ def load_reference(path: str | Path | None = None) -> list[Measurement]:
         hw = hwdb.box_profile(box_id_for(row["gpus"]))
         conc = int(_num(row, "concurrency", 1) or 1)
         mtp = int(_num(row, "mtp", 0) or 0)
-        placement = Placement(
+        placement = Placement.for_model(
+            model,
             tp=int(_num(row, "tp", 1) or 1),
             pp=int(_num(row, "pp", 1) or 1),
             expert_tier=row["expert_tier"].strip(),  # type: ignore[arg-type]
@@ -150,7 +151,7 @@ def from_run_record(run: RunRecord, path: str, hw: HardwareProfile | None = None
     pl_data = dict(plan.placement.model_dump()) if plan else {}
     pl_data.update(run.placement or {})
     try:
-        placement = Placement.model_validate(pl_data)
+        placement = Placement.for_model(model, **pl_data)  # an older record's GiB become rows of this model
     except Exception as e:  # noqa: BLE001 - pydantic error: name the file
         raise UsageError(f"{path}: placement does not validate ({e}); regenerate the run record") from None
     m = run.measured or {}

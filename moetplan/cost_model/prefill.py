@@ -76,7 +76,7 @@ def prefill_run(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
 
     # Weights each chunk must read at least once.
     union = expected_union(curve, E, K, chunk)
-    exp_b = L * union * model.expert_bytes("2bit", tp)
+    exp_b = L * union * model.expert_read_bytes("2bit", tp)
     floor = TermSpec(WEIGHTS, note=f"{n_chunks} chunk(s) x {(dense_b + exp_b) / GB:.1f} GB/rank")
     floor.add("family.dense_bw_eff", n_chunks * dense_b / (rt.mem_bw_gbps * GB) * MS)
     floor.add("family.expert_bw_eff", n_chunks * exp_b / (rt.mem_bw_gbps * GB) * MS)

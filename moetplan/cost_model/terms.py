@@ -210,7 +210,7 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     union = expected_union(curve, E, K, tokens_eff, c, so)
     x_r, x_cached = cached_shares(model, placement)
     union_fp4 = expected_union_hot(curve, E, K, tokens_eff, x_r, c, so) if x_r > 0 else 0.0
-    b2, b4 = model.expert_bytes("2bit", tp), model.expert_bytes("fp4", tp)
+    b2, b4 = model.expert_read_bytes("2bit", tp), model.expert_read_bytes("fp4", tp)
     exp_b = L * (union_fp4 * b4 + (union - union_fp4) * b2)
     t = TermSpec(EXPERTS, note=f"{union:.1f} of {E} experts/layer x {L} layers = {exp_b / GB:.2f} GB/rank"
                  + (f", {union_fp4:.1f}/layer from the FP4 reserve" if union_fp4 > 0.05 else ""))

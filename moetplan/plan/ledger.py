@@ -11,6 +11,7 @@ from functools import lru_cache
 from typing import Any
 
 from moetplan.contract.model import GIB, ModelSpec
+from moetplan.contract.sizing import gate_floor_slots, step_working_set
 from moetplan.contract import (
     GPURankMemory,
     HardwareProfile,
@@ -35,7 +36,7 @@ def step_working_set_slots(model: ModelSpec, p: Placement) -> int:
     """One decode step's routed (layer, expert) pairs: MoE layers x top_k x (1 + spec) x min(seqs, cap)."""
     g = guards()["expert_cache"]
     seqs = min(max(p.max_num_seqs, p.concurrency, 1), g["seqs_cap"])
-    return model.moe_layers * model.top_k * (1 + spec_tokens(model, p)) * seqs
+    return step_working_set(model.moe_layers, model.top_k, spec_tokens(model, p), seqs)
 
 
 def cache_floor_slots(model: ModelSpec, p: Placement, comfortable: bool = False) -> int:
@@ -46,7 +47,7 @@ def cache_floor_slots(model: ModelSpec, p: Placement, comfortable: bool = False)
 
 
 def fp4_gate_floor_slots(model: ModelSpec, p: Placement) -> int:
-    return math.ceil(guards()["fp4_gate"]["floor_factor"] * step_working_set_slots(model, p) / p.pp)
+    return gate_floor_slots(step_working_set_slots(model, p), guards()["fp4_gate"]["floor_factor"], p.pp)
 
 
 def gpu_memory_utilization_default(vram_gib: float) -> float:

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 from moetplan import __version__
 from moetplan.contract.errors import InfeasibleError, UsageError
 from moetplan.contract.model import GIB, ModelSpec
+from moetplan.contract.sizing import reserve_slots, rows_in
 from moetplan.plan import ledger as L
 from moetplan.contract import (
     PINNABLE_KNOBS,
@@ -86,7 +87,7 @@ def _tp_pp_options(model: ModelSpec, n_gpus: int, pins: dict[str, Any]) -> list[
     max_tp = L.guards()["planner"]["max_tp"]
     out = []
     for tp in (1, 2, 4, 8):
-        if tp > min(n_gpus, max_tp) or (model.moe_intermediate_size // tp) % 32:
+        if tp > min(n_gpus, max_tp) or not model.splits_over(tp):
             continue
         for pp in (1, 2, 4, 8):
             if tp * pp > n_gpus or pp > model.num_layers:
@@ -103,7 +104,7 @@ def _tp_pp_options(model: ModelSpec, n_gpus: int, pins: dict[str, Any]) -> list[
             if t * p > n_gpus:
                 raise InfeasibleError(f"TP{t} x PP{p} needs {t * p} GPUs; this machine has {n_gpus}",
                                       [f"{t * p - n_gpus} GPU(s) short"], [f"use --set tp={n_gpus}"])
-            if (model.moe_intermediate_size // t) % 32:
+            if not model.splits_over(t):
                 raise UsageError(f"--set tp={t}: {model.id}'s expert FFN ({model.moe_intermediate_size}) / {t} is "
                                  "not a multiple of 32 (2-bit blocks are 32 wide)")
             want = [(t, p)]
@@ -176,12 +177,13 @@ def size_placement(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: di
         max_num_batched_tokens=pins.get("max_num_batched_tokens", max(8192, min(context, 16384))),
         pack_dir=goals.pack_dir or hw.storage.path or _default_pack_dir(),
         gate=Gate(enabled=bool(gate_tau), tau=gate_tau or 0.5),
+        expert_row_bytes=int(model.expert_bytes("2bit", tp)), fp4_row_bytes=int(model.expert_bytes("fp4", tp)),
     )
     budget = vram * util
     fixed = sum(i.gib for i in L.fixed_gpu_items(model, p))
     kv_need = L.kv_needed_gib(model, p)
-    row2 = model.expert_bytes("2bit", tp)
-    row4 = model.expert_bytes("fp4", tp)
+    row2, row4 = p.expert_row_bytes, p.fp4_row_bytes
+    max_slots = math.ceil(model.moe_layers / pp) * model.n_routed_experts
     left = budget - fixed - kv_need
     problems: list[str] = []
 
@@ -194,22 +196,22 @@ def size_placement(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: di
             reserve = min(left, L.fp4_gate_floor_slots(model, p) * row4 / GIB)
         if reserve > left + 1e-9:
             return None, [f"resident: FP4 reserve {reserve:.1f} GiB does not fit ({left:.1f} GiB left)"]
-        p.fp4_reserve_gib = reserve
+        p.fp4_reserve_slots = reserve_slots(rows_in(reserve, row4), math.ceil(model.moe_layers / pp),
+                                            model.n_routed_experts)
         p.kv_cache_gib = kv_need + (left - reserve)  # vLLM hands the rest of the budget to the KV pool
     else:
         reserve = pins.get("fp4_reserve_gib", 0.0)
         if p.gate.enabled and "fp4_reserve_gib" not in pins:
             reserve = L.fp4_gate_floor_slots(model, p) * row4 / GIB
         cache = pins.get("gpu_expert_cache_gib", left - reserve)
-        max_slots = math.ceil(model.moe_layers / pp) * model.n_routed_experts
-        slots = min(int(cache * GIB // row2), max_slots)
+        slots = min(rows_in(cache, row2), max_slots)
         if slots >= max_slots and "expert_tier" not in pins:
             return None, [f"{tier}: every expert fits in the cache; resident is the same placement"]
         if cache + reserve > left + 1e-9:
             return None, [f"{tier}: cache {cache:.1f} + reserve {reserve:.1f} GiB exceed {left:.1f} GiB left"]
-        p.gpu_expert_cache_gib = slots * row2 / GIB if "gpu_expert_cache_gib" not in pins else cache
         p.gpu_expert_cache_slots = slots
-        p.fp4_reserve_gib = reserve
+        p.fp4_reserve_slots = reserve_slots(rows_in(reserve, row4), math.ceil(model.moe_layers / pp),
+                                            model.n_routed_experts)
         p.kv_cache_gib = kv_need + max(0.0, left - reserve - p.gpu_expert_cache_gib)
         floor = L.cache_floor_slots(model, p)
         if slots < floor:
@@ -219,14 +221,12 @@ def size_placement(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: di
             arena = pins.get("host_arena_gib", max(0.0, min(usable, model.routed_gib("2bit", 1))))
             if arena < L.guards()["host"]["arena_min_gib"] and "host_arena_gib" not in pins:
                 arena = 0.0  # page cache as the only RAM tier
-            p.host_arena_gib = math.floor(arena * 10) / 10
-    if p.fp4_reserve_gib > 0:
-        p.fp4_reserve_slots = int(p.fp4_reserve_gib * GIB // row4)
+            p.host_arena_rows = rows_in(math.floor(arena * 10) / 10, row2 * tp)
+    if p.fp4_reserve_slots > 0:
         if p.gate.enabled and p.fp4_reserve_slots < L.fp4_gate_floor_slots(model, p):
             p.gate.degraded = True
             p.gate.max_promotions_per_step = p.fp4_reserve_slots // max(1, math.ceil(model.moe_layers / pp))
-    for k in ("gpu_expert_cache_gib", "fp4_reserve_gib", "kv_cache_gib"):
-        setattr(p, k, math.floor(getattr(p, k) * 1000) / 1000)  # round down: never past the budget
+    p.kv_cache_gib = math.floor(p.kv_cache_gib * 1000) / 1000  # round down: never past the budget
     check = L.build_ledger(model, hw, p)
     if not check.ok:
         return None, check.problems
@@ -462,7 +462,7 @@ def _diagnose(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[st
     min_ctx = 4096
     shortfalls: list[str] = []
     # VRAM: what the smallest configuration needs per GPU, at the widest TP available.
-    tp = max(t for t in (1, 2, 4, 8) if t <= n and (model.moe_intermediate_size // t) % 32 == 0)
+    tp = max(t for t in (1, 2, 4, 8) if t <= n and model.splits_over(t))
     probe = Placement(tp=tp, pp=1, context=min_ctx, kv_dtype=_kv_options(model, hw, {})[0], max_num_seqs=1)
     fixed = sum(i.gib for i in L.fixed_gpu_items(model, probe)) + L.kv_needed_gib(model, probe)
     floor_gib = L.cache_floor_slots(model, probe) * model.expert_bytes("2bit", tp) / GIB

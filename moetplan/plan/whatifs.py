@@ -15,7 +15,6 @@ from moetplan.contract.model import ModelSpec
 from moetplan.plan.ledger import build_ledger
 from moetplan.contract import HardwareProfile, Placement, Prediction
 
-GIB = 1024**3
 
 MAX_LINES = 6
 
@@ -24,14 +23,10 @@ def _variants(model: ModelSpec, hw: HardwareProfile, pl: Placement, base: Predic
     out: list[tuple[str, Placement]] = []
 
     def v(label: str, **changes: object) -> None:
-        q = pl.model_copy(update=changes)
-        # Slots follow the GiB the way the solver sizes them, so that the cost model and the ledger see the change.
+        q = pl.resized(model, **changes)  # GiB changes become rows, as the solver sizes them
         if "gpu_expert_cache_gib" in changes or "expert_tier" in changes:
             max_slots = math.ceil(model.moe_layers / q.pp) * model.n_routed_experts
-            q.gpu_expert_cache_slots = min(int(q.gpu_expert_cache_gib * GIB // model.expert_bytes("2bit", q.tp)),
-                                           max_slots)
-        if "fp4_reserve_gib" in changes:
-            q.fp4_reserve_slots = int(q.fp4_reserve_gib * GIB // model.expert_bytes("fp4", q.tp))
+            q.gpu_expert_cache_slots = min(q.gpu_expert_cache_slots, max_slots)
         out.append((label, q))
 
     if pl.expert_tier != "resident":

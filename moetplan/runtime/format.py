@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
@@ -18,13 +18,11 @@ import numpy as np
 import torch
 
 from moetplan.contract.errors import ConfigError, UsageError
+from moetplan.contract.layout import BLOCK, FORMATS, ROW_ALIGN, SECTION_ALIGN, RowLayout  # noqa: F401 (re-exported)
 
 QUANTIZER_VERSION = "1"
 FORMAT_VERSION = 1
 
-BLOCK = 32  # weights per UE8M0 scale, along K
-SECTION_ALIGN = 256
-ROW_ALIGN = 4096  # rows are O_DIRECT- and page-aligned
 E_MIN, E_MAX = -127, 127
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -34,78 +32,6 @@ ZERO_BALANCE_SHARE = 0.95
 
 ZeroMode = Literal["auto", "signed", "balanced"]
 Fmt = Literal["2bit", "fp4"]
-FORMATS: tuple[str, ...] = ("2bit", "fp4")
-
-
-# --------------------------------------------------------------------------- row layout
-
-
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """Byte layout of one expert row (one layer, one expert, one TP rank). The only place offsets are computed."""
-
-    hidden: int
-    inter_per_rank: int
-    fmt: str
-    tp: int
-    w13_q_off: int
-    w13_q_size: int
-    w13_s_off: int
-    w13_s_size: int
-    w2_q_off: int
-    w2_q_size: int
-    w2_s_off: int
-    w2_s_size: int
-    stride: int
-
-    @classmethod
-    def for_expert(cls, hidden: int, inter: int, tp: int = 1, fmt: str = "2bit") -> "RowLayout":
-        if fmt not in FORMATS:
-            raise UsageError(f"Unknown expert format '{fmt}'; use one of {', '.join(FORMATS)}")
-        if tp < 1 or inter % tp:
-            raise UsageError(f"moe_intermediate_size {inter} does not split over tp={tp}; pick a tp that divides it")
-        ir = inter // tp
-        if ir % BLOCK or hidden % BLOCK or ir <= 0 or hidden <= 0:
-            raise UsageError(
-                f"Expert shapes must be multiples of {BLOCK} per TP rank (hidden={hidden}, "
-                f"intermediate/tp={ir}); use a smaller tp"
-            )
-        per_byte = 4 if fmt == "2bit" else 2
-        sizes = [2 * ir * hidden // per_byte, 2 * ir * hidden // BLOCK, hidden * ir // per_byte, hidden * ir // BLOCK]
-        offs, pos = [], 0
-        for s in sizes:
-            pos = _align(pos, SECTION_ALIGN)
-            offs.append(pos)
-            pos += s
-        return cls(hidden, ir, fmt, tp, offs[0], sizes[0], offs[1], sizes[1], offs[2], sizes[2], offs[3], sizes[3],
-                   _align(pos, ROW_ALIGN))
-
-    @property
-    def weights_per_byte(self) -> int:
-        return 4 if self.fmt == "2bit" else 2
-
-    @property
-    def payload_bytes(self) -> int:
-        return self.w13_q_size + self.w13_s_size + self.w2_q_size + self.w2_s_size
-
-    def shapes(self) -> dict[str, tuple[int, int]]:
-        h, ir, d = self.hidden, self.inter_per_rank, self.weights_per_byte
-        return {"w13_q": (2 * ir, h // d), "w13_s": (2 * ir, h // BLOCK),
-                "w2_q": (h, ir // d), "w2_s": (h, ir // BLOCK)}
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "RowLayout":
-        lay = cls.for_expert(d["hidden"], d["inter_per_rank"] * d["tp"], d["tp"], d["fmt"])
-        if lay.to_dict() != d:
-            raise ConfigError(f"Row layout {d} does not match this moetplan's layout {lay.to_dict()}; rebuild the pack")
-        return lay
 
 
 # --------------------------------------------------------------------------- exponents

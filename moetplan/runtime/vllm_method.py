@@ -9,7 +9,7 @@ routed experts are re-quantized at load. Users point at the official checkpoint;
 Configuration comes from the Plan only (env `MOETPLAN_PLAN`): expert tier, cache sizes, pack dir, FP4 reserve, gate.
 
 FP4 reserve and confidence gate (docs/GATE.md): when the plan sizes a reserve (placement.fp4_reserve_slots, or
-fp4_reserve_gib), each worker builds one FP4Reserve over all its MoE layers once the last one has loaded; every
+placement.fp4_reserve_slots), each worker builds one FP4Reserve over all its MoE layers once the last one has loaded; every
 MoE call feeds it the routed ids and computes resident experts from their FP4 rows. Its rows come from the FP4
 pack when a valid one exists, else from the checkpoint's experts quantized to FP4 at load (written to an FP4 pack
 when the plan has a pack_dir, so the next boot reads it). The gate is installed on the loaded model by the plugin's
@@ -60,11 +60,10 @@ class RuntimeSettings:
     expert_format: str = "2bit"
     expert_tier: str = "resident"
     cache_slots: int = 0
-    host_arena_gib: float = 0.0
+    arena_rows: int = 0
     pack_dir: str | None = None
     gate: dict[str, Any] = field(default_factory=dict)
     fp4_reserve_slots: int = 0
-    fp4_reserve_gib: float = 0.0
     mtp: int = 0
     decode_batch_tokens: int = 1
     record_interval_s: float = 2.0
@@ -100,11 +99,10 @@ class RuntimeSettings:
             expert_format=fmt,
             expert_tier=pl.expert_tier,
             cache_slots=int(pl.gpu_expert_cache_slots),
-            host_arena_gib=float(pl.host_arena_gib),
+            arena_rows=int(pl.host_arena_rows),
             pack_dir=pl.pack_dir,
             gate=pl.gate.model_dump(),
             fp4_reserve_slots=int(pl.fp4_reserve_slots),
-            fp4_reserve_gib=float(pl.fp4_reserve_gib),
             mtp=int(pl.mtp),
             decode_batch_tokens=max(1, int(pl.max_num_seqs) * (1 + int(pl.mtp))),
         )
@@ -834,8 +832,7 @@ class TieredExperts:
         else:
             pack = _write_and_open_pack(data, L, E, self.layout, s)
             self.pack_path = str(pack.path)
-            arena = int(s.host_arena_gib * 2**30 // stride)
-            backing = PackArenaStore(pack, max(1, arena))
+            backing = PackArenaStore(pack, max(1, s.arena_rows))
         self.rows.clear()  # the backing holds its own copy
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         _route_store_log()
@@ -1006,16 +1003,14 @@ def promoter_mode() -> str:
 
 
 def reserve_wanted(s: RuntimeSettings) -> bool:
-    return s.fp4_reserve_slots > 0 or s.fp4_reserve_gib > 0
+    return s.fp4_reserve_slots > 0
 
 
 def reserve_slots(s: RuntimeSettings, fp4_layout: Any, num_layers: int, num_experts: int) -> int:
-    """Rows the reserve holds: the plan's slot count, else its GiB over the FP4 row size; never more rows than
-    there are experts."""
-    slots = s.fp4_reserve_slots
-    if slots <= 0:
-        slots = int(s.fp4_reserve_gib * 2**30 // fp4_layout.stride)
-    return max(0, min(int(slots), num_layers * num_experts))
+    """Rows the reserve holds: the plan's slots, never more rows than there are experts."""
+    from moetplan.contract.sizing import reserve_slots as cap
+
+    return cap(s.fp4_reserve_slots, num_layers, num_experts)
 
 
 def _cached_fp4_pack(s: RuntimeSettings, layout: Any, num_experts: int) -> Any:
@@ -1087,7 +1082,7 @@ def _build_reserve(s: RuntimeSettings, device: Any) -> Any:
         return None
     slots = reserve_slots(s, fp4_layout, L, E)
     if slots <= 0:
-        g.note = f"fp4_reserve_gib {s.fp4_reserve_gib} holds no {fp4_layout.stride}-byte FP4 row"
+        g.note = f"fp4_reserve_slots {s.fp4_reserve_slots} holds no FP4 row"
         log.warning("moetplan: FP4 reserve not built: %s", g.note)
         return None
     background = promoter_mode() == "background"

@@ -1,0 +1,60 @@
+"""One size rule: the bytes the planner counts for an expert row are the bytes the runtime allocates for it."""
+from __future__ import annotations
+
+import pytest
+
+from moetplan import hwdb
+from moetplan.contract import Placement
+from moetplan.contract.errors import UsageError
+from moetplan.contract.layout import RowLayout as ContractLayout
+from moetplan.contract.units import GIB
+from moetplan.plan.ledger import build_ledger
+from moetplan.runtime.format import RowLayout
+from moetplan.runtime.store import SlotPool
+
+TPS = (1, 2, 4, 8)
+CASES = [(m, tp) for m in hwdb.model_ids() for tp in TPS]
+
+
+def test_the_runtime_layout_is_the_contract_layout():
+    assert RowLayout is ContractLayout
+
+
+@pytest.mark.parametrize("model_id, tp", CASES)
+def test_planned_expert_bytes_equal_allocated_bytes(model_id, tp):
+    spec = hwdb.model_spec(model_id)
+    if not spec.splits_over(tp):
+        # no layout at this TP: the runtime refuses it, and so does the planner (it never offers this TP)
+        with pytest.raises(UsageError):
+            RowLayout.for_expert(spec.hidden_size, spec.moe_intermediate_size, tp, "2bit")
+        return
+    slots, reserve, arena = 3, 2, 5
+    p = Placement.for_model(spec, tp=tp, expert_tier="nvme", gpu_expert_cache_slots=slots,
+                            fp4_reserve_slots=reserve, host_arena_rows=arena)
+    for fmt, count, gib in (("2bit", slots, p.gpu_expert_cache_gib), ("fp4", reserve, p.fp4_reserve_gib)):
+        allocated = RowLayout.for_expert(spec.hidden_size, spec.moe_intermediate_size, tp, fmt).stride
+        assert spec.expert_bytes(fmt, tp) == allocated  # the planner's row is the runtime's row
+        # what a kernel reads of it (the cost model's traffic) is its payload, without the alignment padding
+        assert spec.expert_read_bytes(fmt, tp) == RowLayout.for_expert(spec.hidden_size, spec.moe_intermediate_size,
+                                                                       tp, fmt).payload_bytes
+        pool = SlotPool(count, allocated, spec.moe_layers, spec.n_routed_experts)  # what a worker allocates
+        assert pool.data.numel() == count * allocated == gib * GIB  # the plan's GiB are those bytes
+    assert spec.routed_bytes("2bit", tp) == spec.moe_layers * spec.n_routed_experts * p.expert_row_bytes
+    assert p.host_arena_gib * GIB == arena * p.expert_row_bytes * tp  # one arena per rank, of its shard's rows
+    ledger = build_ledger(spec, hwdb.inline_profile(f"{tp}xh200", host_ram_gib=4096), p).ledger
+    items = {i.name: i.gib for i in ledger.gpus[0].items}
+    assert items["expert_cache"] * GIB == slots * p.expert_row_bytes
+    assert items["fp4_reserve"] * GIB == reserve * p.fp4_row_bytes
+
+
+def test_a_pinned_gib_becomes_whole_rows_and_round_trips():
+    spec = hwdb.model_spec("glm-5.2")
+    p = Placement.for_model(spec, tp=2, expert_tier="nvme", gpu_expert_cache_gib=14, host_arena_gib=20)
+    row = spec.expert_bytes("2bit", 2)
+    assert p.gpu_expert_cache_slots == int(14 * GIB // row) and p.host_arena_rows == int(20 * GIB // (2 * row))
+    assert Placement.model_validate(p.model_dump()) == p  # the saved GiB agree with the rows
+    edited = {**p.model_dump(), "gpu_expert_cache_gib": 20.0}
+    with pytest.raises(ValueError, match="gpu_expert_cache_slots is what the runtime allocates"):
+        Placement.model_validate(edited)
+    with pytest.raises(ValueError, match="needs the row size"):
+        Placement(gpu_expert_cache_gib=3)
