@@ -1,4 +1,4 @@
-"""How far the e4m3 w13 decode stage (ops.E4M3_DECODE) moves the w13 result from the bf16 stage's, on one GPU.
+"""How far the e4m3 w13 decode stage (KernelPolicy.e4m3_decode) moves the w13 result from the bf16 stage's, on one GPU.
 
 The bf16 stage is exact up to fp32 sums and the bf16 hi + lo intermediate (~2^-16); the e4m3 one adds x's hi/lo
 e4m3 split (exact within 2^13 of a token's largest element), the per-round block-scale flush (blocks > 12 binades

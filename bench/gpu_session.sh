@@ -63,9 +63,10 @@ for s in $steps; do
              timeout 120 python3 bench/e4m3_precision.py --out "$OUT/e4m3_precision_h200.json" > "$OUT/e4m3.log" 2>&1
              echo "e4m3 rc=$?"; tail -24 "$OUT/e4m3.log" ;;
     ncu-prefill)  # Nsight Compute on the prefill stages (DeepSeek-V4-Flash, 8192 tokens, w13 + w2 of one call).
-             k=${MOETPLAN_PREFILL_KERNEL:-auto}; re=$([ "$k" = wgmma ] && echo prefill_wgmma || echo prefill_stage)
+             k=${PREFILL_KERNEL:-auto}; re=$([ "$k" = wgmma ] && echo prefill_wgmma || echo prefill_stage)
              timeout 240 ncu --set full --clock-control none -k "regex:$re" --launch-count 2 -o "$OUT/prefill" \
-               python3 bench/tools/ncu_gemv.py --tokens 8192 --calls 1 > "$OUT/ncu_prefill.log" 2>&1; echo "ncu rc=$?"
+               python3 bench/tools/ncu_gemv.py --tokens 8192 --calls 1 --prefill-kernel "$k" > "$OUT/ncu_prefill.log" 2>&1
+             echo "ncu rc=$?"
              ncu -i "$OUT/prefill.ncu-rep" --page details > "$OUT/ncu_prefill_t8192.txt" 2>&1
              ncu -i "$OUT/prefill.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_prefill_sass.csv" 2>&1
              rm -f "$OUT/prefill.ncu-rep"; grep -E "Duration|Issue Slots Busy|Tensor" "$OUT/ncu_prefill_t8192.txt" ;;

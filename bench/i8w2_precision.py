@@ -1,4 +1,4 @@
-"""How far the int8 w2 decode stage (ops.I8_W2) moves a layer from the bf16 w2 stage's, on bench-like data (one GPU).
+"""How far the int8 w2 decode stage (KernelPolicy.i8_w2) moves a layer from the bf16 w2 stage's, on bench-like data (one GPU).
 
 The int8 w2 stage reads the w13 stage's float32 intermediate as three int8 planes under a per-pair power-of-two
 scale (xprep8), exact within 2^12 of the pair's largest element (within 2^-20 of it below); the bf16 w2 stage
@@ -11,7 +11,6 @@ the w2 partial rows of both stages (worst pair), and the layer output of both ag
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import atomic_write_json, machine_info, model_shapes, resident_layer  # noqa: E402
 from moetplan.runtime import kernels as kmod  # noqa: E402
+from moetplan.contract.runtime import KernelPolicy  # noqa: E402
 from moetplan.runtime import ops  # noqa: E402
 from moetplan.runtime.format import RowLayout  # noqa: E402
-from moetplan.runtime.ops import expert_weights  # noqa: E402
+from moetplan.runtime.reference import expert_weights, moe_forward_reference  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -86,10 +86,9 @@ def case(mod, m: dict[str, Any], T: int, gen: torch.Generator) -> dict[str, Any]
     }
     outs = {}
     for name, flag in (("i8w2", True), ("bf16w2", False)):
-        ops.I8_W2 = flag
-        outs[name] = ops.moe_forward(x, d["ids"], d["w"], d["pool"], d["slot_of"], lay)
-    ops.I8_W2 = True
-    ref = ops.moe_forward_reference(x.float(), d["ids"], d["w"], d["pool"], d["slot_of"], lay)
+        outs[name] = ops.moe_forward(x, d["ids"], d["w"], d["pool"], d["slot_of"], lay,
+                                     policy=KernelPolicy(decode="gemv", i8_w2=flag))
+    ref = moe_forward_reference(x.float(), d["ids"], d["w"], d["pool"], d["slot_of"], lay)
     res["out_rel_err_vs_fp32_reference"] = {n: rel(o.float(), ref) for n, o in outs.items()}
     res["out_rel_i8w2_vs_bf16w2"] = rel(outs["i8w2"].float(), outs["bf16w2"].float())
     return res
@@ -142,7 +141,6 @@ def main() -> None:
     mod = kmod.get_module()
     if mod is None or not mod.decode_i8_available():
         raise SystemExit("needs the kernels on an sm_90+ GPU (the int8 stages run on the TMA ring)")
-    os.environ["MOETPLAN_DECODE_KERNEL"] = "gemv"
     if args.diagnose:
         m = model_shapes()[0]
         res = [diagnose(mod, m, 1, 0, sc) for sc in ("gauss", "uniform")]

@@ -16,6 +16,7 @@ Results are written (atomically) after every section, so a run cut short keeps w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -30,7 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moetplan.runtime import kernels, ops  # noqa: E402
+from moetplan.contract.runtime import KernelPolicy  # noqa: E402
+from moetplan.runtime import cuda_paths, kernels, ops  # noqa: E402
+from moetplan.runtime.reference import moe_forward_reference  # noqa: E402
 from moetplan.runtime.format import RowLayout  # noqa: E402
 
 GIB = 1024**3
@@ -208,11 +211,11 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     # the stages decode when memory is not what they wait for. Its share is of the bytes the real step reads.
     l2_layers = [dict(d, slot_of=torch.where(d["slot_of"] >= 0, 0, -1).to(torch.int32)) for d in layers]
 
-    def make_step(src: list[dict[str, Any]]) -> Callable[[], None]:
+    def make_step(src: list[dict[str, Any]], policy: KernelPolicy) -> Callable[[], None]:
         def step():
             for li in range(L):
                 d = src[li % NL]
-                ops.moe_forward(x, d["ids"], d["w"], d["pool"], d["slot_of"], lay, out=outs[li % NL])
+                ops.moe_forward(x, d["ids"], d["w"], d["pool"], d["slot_of"], lay, out=outs[li % NL], policy=policy)
         return step
 
     bytes_step = sum(layers[li % NL]["used"] for li in range(L)) * lay.payload_bytes
@@ -226,7 +229,8 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     if hasattr(mod, "gemv_plan"):
         P = T * k
         xb = torch.empty(0, dtype=torch.bfloat16)  # use_i8_* look at x's dtype only
-        i8 = {True: ops.use_i8_w13(mod, xb, H), False: ops.use_i8_w2(mod, xb, H, I)}
+        default = KernelPolicy()
+        i8 = {True: cuda_paths.use_i8_w13(mod, xb, H, default), False: cuda_paths.use_i8_w2(mod, xb, H, I, default)}
 
         def plan(w13: bool, mode: int) -> dict[str, Any]:
             K, units = (H, P * I // 8) if w13 else (I, P * H // 16)
@@ -237,39 +241,23 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
                             "w13_plain": plan(True, 0), "w2_plain": plan(False, 0)}
     if hasattr(mod, "gemv_ring"):  # the ring the default gemv stages take (TMA on sm_90+ for K % 512 == 0)
         res["gemv_ring"] = {"w13": mod.gemv_ring(H), "w2": mod.gemv_ring(I)}
-    # The same step per decode kernel (MOETPLAN_DECODE_KERNEL), each with and without programmatic dependent
+    # The same step per decode kernel (KernelPolicy.decode), each with and without programmatic dependent
     # launch between the op's kernels (sm_90+); outputs of layer 0 are compared across the variants.
     variants: dict[str, Any] = {}
     outs0: dict[str, torch.Tensor] = {}
     d0 = layers[0]
-    fused_default, e4m3_default, balance_default, ring_default = (ops.FUSED_COMBINE, ops.E4M3_DECODE,
-                                                                   ops.GEMV_BALANCE, ops.DECODE_RING)
-    i8_default, i8w2_default = ops.I8_DECODE, ops.I8_W2
     for i, dk in enumerate(decode_kernels):
-        # Suffixes: "+fused" the per-token sum folded into the w2 launch (ops.FUSED_COMBINE); "+e4m3" / "+bf16" the
-        # w13 stage's A operand (ops.E4M3_DECODE), "+i8" / "+bf16" likewise (ops.I8_DECODE; "+bf16" both stages),
-        # "+i8w2" / "+bf16w2" the int8 w13 stage with the w2 stage's int8 / bf16 operand (ops.I8_W2; "+i8" keeps
-        # the default's w2 stage); "+plain" / "+balanced" how the gemv stages spread units over
-        # warps (ops.GEMV_BALANCE); "+cp.async" / "+tma" the gemv stages' ring (ops.DECODE_RING); "+l2" rows from
-        # the L2 (above). Without one, the op's defaults.
         base, *suffixes = dk.split("+")
         src = l2_layers if "l2" in suffixes else layers
-        os.environ["MOETPLAN_DECODE_KERNEL"] = base
-        ops.FUSED_COMBINE = "fused" in suffixes
-        ops.E4M3_DECODE = True if "e4m3" in suffixes else False if "bf16" in suffixes else e4m3_default
-        ops.I8_DECODE = (True if {"i8", "i8w2", "bf16w2"} & set(suffixes) else False if "bf16" in suffixes
-                         else i8_default)
-        ops.I8_W2 = True if "i8w2" in suffixes else False if "bf16w2" in suffixes else i8w2_default
-        ops.GEMV_BALANCE = True if "balanced" in suffixes else False if "plain" in suffixes else balance_default
-        ops.DECODE_RING = next((r for r in ("cp.async", "tma") if r in suffixes), ring_default)
+        policy = decode_policy(dk)
         # Both launch modes for the headline kernel; the others with the default (PDL on sm_90+).
-        for pdl_name, env in ((("pdl", "1"), ("no_pdl", "0")) if i == 0 else (("pdl", "1"),)):
+        for pdl_name, pdl in ((("pdl", True), ("no_pdl", False)) if i == 0 else (("pdl", True),)):
             name = f"{dk}_{pdl_name}"
-            os.environ["MOETPLAN_PDL"] = env
+            pol = dataclasses.replace(policy, pdl=pdl)
             try:
-                o = ops.moe_forward(x, src[0]["ids"], src[0]["w"], src[0]["pool"], src[0]["slot_of"], lay)
+                o = ops.moe_forward(x, src[0]["ids"], src[0]["w"], src[0]["pool"], src[0]["slot_of"], lay, policy=pol)
                 torch.cuda.synchronize()
-                g = capture(make_step(src))
+                g = capture(make_step(src, pol))
                 t = time_events(g.replay, reps=5 if quick else 10)
                 del g
             except Exception as e:  # noqa: BLE001 - keep the other variants' numbers
@@ -277,20 +265,15 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
                 continue
             if src is layers:  # "+l2" computes other weights: not compared
                 outs0[name] = o
-            variants[name] = {"decode_kernel": dk, "pdl": env == "1", "step_ms": t["median_ms"],
+            variants[name] = {"decode_kernel": dk, "policy": pol.describe(), "pdl": pdl, "step_ms": t["median_ms"],
                               "min_ms": t["min_ms"], "per_layer_us": t["median_ms"] * 1e3 / L,
                               "gbps": bytes_step / (t["median_ms"] * 1e-3) / 1e9,
                               "share_of_read_bw": bytes_step / (t["median_ms"] * 1e-3) / 1e9 / ref_gbps}
-    os.environ.pop("MOETPLAN_PDL", None)
-    os.environ.pop("MOETPLAN_DECODE_KERNEL", None)
-    ops.FUSED_COMBINE, ops.E4M3_DECODE, ops.GEMV_BALANCE, ops.DECODE_RING = (fused_default, e4m3_default,
-                                                                             balance_default, ring_default)
-    ops.I8_DECODE, ops.I8_W2 = i8_default, i8w2_default
     # Deterministic across launch modes (bit-identical), and the decode kernels agree with each other and with
     # the float32 torch reference on layer 0.
     res["pdl_equals_no_pdl"] = {dk: bool(torch.equal(outs0[f"{dk}_pdl"], outs0[f"{dk}_no_pdl"]))
                                 for dk in decode_kernels if f"{dk}_pdl" in outs0 and f"{dk}_no_pdl" in outs0}
-    ref0 = ops.moe_forward_reference(x.float(), d0["ids"], d0["w"], d0["pool"], d0["slot_of"], lay)
+    ref0 = moe_forward_reference(x.float(), d0["ids"], d0["w"], d0["pool"], d0["slot_of"], lay)
     res["rel_err_vs_fp32_reference"] = {
         n: float(torch.linalg.vector_norm(o.double() - ref0.double()) / torch.linalg.vector_norm(ref0.double()))
         for n, o in outs0.items()}
@@ -311,7 +294,7 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     def ref_layers():
         for li in range(nref):
             d = layers[li]
-            ops.moe_forward_reference(x, d["ids"], d["w"], d["pool"], d["slot_of"], lay, out=outs[li])
+            moe_forward_reference(x, d["ids"], d["w"], d["pool"], d["slot_of"], lay, out=outs[li])
 
     tr = time_events(ref_layers, reps=2, warmup=1)
     res["torch_2bit_reference_per_layer_us"] = tr["median_ms"] * 1e3 / nref
@@ -349,6 +332,23 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
     return res
 
 
+def decode_policy(variant: str) -> KernelPolicy:
+    """A decode variant name -> its policy. Suffixes: "+fused" the per-token sum folded into the w2 launch;
+    "+e4m3" / "+bf16" the w13 stage's A operand (e4m3 / bf16; "+bf16" both stages), "+i8" the int8 one;
+    "+i8w2" / "+bf16w2" the int8 w13 stage with the w2 stage's int8 / bf16 operand; "+plain" / "+balanced" how
+    the gemv stages spread units over warps; "+cp.async" / "+tma" the gemv stages' ring; "+l2" (rows from the L2)
+    changes the data, not the policy. Without one, the defaults."""
+    base, *suffixes = variant.split("+")
+    d = KernelPolicy()
+    return KernelPolicy(
+        decode=base, fused_combine="fused" in suffixes,
+        e4m3_decode=True if "e4m3" in suffixes else False if "bf16" in suffixes else d.e4m3_decode,
+        i8_decode=True if {"i8", "i8w2", "bf16w2"} & set(suffixes) else False if "bf16" in suffixes else d.i8_decode,
+        i8_w2=True if "i8w2" in suffixes else False if "bf16w2" in suffixes else d.i8_w2,
+        gemv_balance=True if "balanced" in suffixes else False if "plain" in suffixes else d.gemv_balance,
+        decode_ring=next((r for r in ("cp.async", "tma") if r in suffixes), d.decode_ring))
+
+
 # ------------------------------------------------------------------------------------------------ 0. smoke
 
 
@@ -364,18 +364,16 @@ def smoke(gen: torch.Generator) -> list[dict[str, Any]]:
         slot_of = torch.randperm(E, device="cuda", generator=gen).to(torch.int32)
         ids, w = routing(T, k, E, gen)
         x = (torch.randn(T, H, device="cuda", generator=gen) * 0.3).to(dtype)
-        ref = ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
+        ref = moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
         row: dict[str, Any] = {"H": H, "I": I, "k": k, "T": T, "x": str(dtype)}
         for dk in ("gemv", "rowdot", "mma"):
-            os.environ["MOETPLAN_DECODE_KERNEL"] = dk
             try:
-                got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+                got = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=KernelPolicy(decode=dk))
                 torch.cuda.synchronize()
                 row[dk] = float(torch.linalg.vector_norm(got.double() - ref.double()) /
                                 torch.linalg.vector_norm(ref.double()))
             except Exception as e:  # noqa: BLE001 - a failing kernel shows in the smoke table
                 row[dk] = f"{type(e).__name__}: {str(e)[:200]}"
-        os.environ.pop("MOETPLAN_DECODE_KERNEL", None)
         print(f"smoke {row}", flush=True)
         out.append(row)
     return out
@@ -400,17 +398,14 @@ def prefill_case(m, T, lay, pool, slot_of, w13, w2, gen, quick, prefill_kernels:
     res: dict[str, Any] = {"model": m["name"], "tokens": T, "variant": prefill_kernels[0], "variants": {}}
     mod = kernels.get_module()
     if mod is not None:  # what the default ("auto") resolves to for this step: wgmma, tiled, or None (warp tiles)
-        os.environ.pop("MOETPLAN_PREFILL_KERNEL", None)
-        res["auto_resolves_to"] = ops.use_tiled_prefill(mod, lay, T * k / E)
-    # Each prefill path (MOETPLAN_PREFILL_KERNEL) on the same routing; the first is the headline figure.
+        res["auto_resolves_to"] = cuda_paths.use_tiled_prefill(mod, lay, T * k / E)
+    # Each prefill path (KernelPolicy.prefill) on the same routing; the first is the headline figure.
     outs = {}
-    for pk in prefill_kernels:  # "name" or "name:variant" (MOETPLAN_PREFILL_VARIANT)
-        os.environ["MOETPLAN_PREFILL_KERNEL"] = pk.split(":")[0]
-        os.environ.pop("MOETPLAN_PREFILL_VARIANT", None)
-        if ":" in pk:
-            os.environ["MOETPLAN_PREFILL_VARIANT"] = pk.split(":")[1]
+    for pk in prefill_kernels:  # "name" or "name:variant" (KernelPolicy.prefill_variant)
+        name, _, variant = pk.partition(":")
         try:
-            g = capture(lambda: ops.moe_forward(x, ids, w, pool, slot_of, lay, out=out))
+            policy = KernelPolicy(prefill=name, prefill_variant=int(variant or 1))
+            g = capture(lambda: ops.moe_forward(x, ids, w, pool, slot_of, lay, out=out, policy=policy))
         except Exception as e:  # e.g. wgmma asked for on a GPU without it
             res["variants"][pk] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             continue
@@ -418,8 +413,6 @@ def prefill_case(m, T, lay, pool, slot_of, w13, w2, gen, quick, prefill_kernels:
         outs[pk] = out.clone()
         res["variants"][pk] = {"ms": tv["median_ms"], "tok_s": T / (tv["median_ms"] * 1e-3)}
         del g
-    os.environ.pop("MOETPLAN_PREFILL_KERNEL", None)
-    os.environ.pop("MOETPLAN_PREFILL_VARIANT", None)
     if prefill_kernels[0] not in outs:
         res["error"] = res["variants"][prefill_kernels[0]]["error"]
         return res
@@ -486,18 +479,18 @@ def main() -> int:
     ap.add_argument("--models", default="", help="comma-separated subset of model names")
     ap.add_argument("--sections", default="smoke,bw,decode,prefill")
     ap.add_argument("--decode-kernels", default="gemv,mma,rowdot",
-                    help="MOETPLAN_DECODE_KERNEL values to time, suffixes '+fused' (the per-token sum folded into the "
-                         "w2 launch), '+e4m3' / '+i8' / '+bf16' (the w13 stage's A operand, ops.E4M3_DECODE / "
-                         "ops.I8_DECODE), '+i8w2' / '+bf16w2' (the w2 stage's behind the int8 w13 stage, ops.I8_W2), "
-                         "'+plain' / '+balanced' (units over warps, ops.GEMV_BALANCE), '+cp.async' / '+tma' (the "
-                         "gemv stages' ring, ops.DECODE_RING), '+l2' (every routed expert of a layer read "
+                    help="KernelPolicy.decode values to time, suffixes '+fused' (the per-token sum folded into the "
+                         "w2 launch), '+e4m3' / '+i8' / '+bf16' (the w13 stage's A operand, e4m3_decode / "
+                         "i8_decode), '+i8w2' / '+bf16w2' (the w2 stage's behind the int8 w13 stage, i8_w2), "
+                         "'+plain' / '+balanced' (units over warps, gemv_balance), '+cp.async' / '+tma' (the "
+                         "gemv stages' ring, decode_ring), '+l2' (every routed expert of a layer read "
                          "from one slot: the stages' speed with their rows in the L2); the first (the default path) "
                          "is the headline figure")
     ap.add_argument("--scales", choices=("uniform", "gauss"), default="gauss",
                     help="how the expert rows' scale bytes are drawn: 'gauss' (the default: what Gaussian "
                          "weights quantize to) or 'uniform' over 8 binades per block")
     ap.add_argument("--prefill-kernels", default="auto,tiled:2,wgmma,warp",
-                    help="MOETPLAN_PREFILL_KERNEL values to time, optionally name:variant (MOETPLAN_PREFILL_VARIANT); the "
+                    help="KernelPolicy.prefill values to time, optionally name:variant (prefill_variant); the "
                          "first (the default path) is the headline figure")
     ap.add_argument("--no-baselines", action="store_true",
                     help="skip the naive bf16 and torch 2-bit reference timings of the decode section")
@@ -513,7 +506,7 @@ def main() -> int:
                            "command": " ".join(["python3"] + sys.argv), "kernels_built": mod is not None,
                            "scales": SCALES,
                            "fallback_reason": kernels.fallback_reason(),
-                           "prefill_pairs_per_expert": ops.PREFILL_PAIRS_PER_EXPERT,
+                           "prefill_pairs_per_expert": cuda_paths.PREFILL_PAIRS_PER_EXPERT,
                            "gemv_max_pairs": mod.gemv_max_pairs() if mod is not None and
                            hasattr(mod, "gemv_max_pairs") else None}
     if mod is None:

@@ -5,6 +5,7 @@ weights, hi/lo split operands, fp32 accumulation) and <= 1e-2 on the prefill pat
 """
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,10 @@ import torch
 from csrc_source import decode_constant, kernels_constant
 
 from moetplan.contract.errors import UsageError
+from moetplan.contract.runtime import KernelPolicy
+from moetplan.runtime import cuda_paths as cp
 from moetplan.runtime import kernels, ops
+from moetplan.runtime.reference import moe_forward_reference
 from moetplan.runtime.format import RowLayout
 
 pytestmark = [
@@ -84,26 +88,23 @@ SHAPES = [(4096, 2048), (6144, 1024), (7168, 2048), (7168, 512)]
 
 @pytest.fixture(params=["gemv", "rowdot", "mma", "gemv+fused", "rowdot+fused", "gemv+e4m3", "gemv+bf16", "gemv+bf16w2",
                         "gemv+plain", "gemv+balanced", "gemv+balanced+fused", "gemv+cp.async"])
-def decode_kernel(request, monkeypatch, mod):
-    """Every decode path (MOETPLAN_DECODE_KERNEL): the mma.sync streaming stages (gemv), the CUDA-core rowdot stages
-    and the first version's tiles; "+fused": with the per-token sum folded into the w2 stage (ops.FUSED_COMBINE);
-    "+e4m3": the gemv stages with the e4m3 w13 stage for bf16 x (ops.E4M3_DECODE); "+bf16": with the bf16 stages
-    for bf16 x (ops.I8_DECODE off; on, the default, bf16 x takes the int8 stages where the TMA ring runs);
-    "+bf16w2": the int8 w13 stage with the bf16 w2 stage (ops.I8_W2 off); "+plain" / "+balanced": the gemv
-    stages' units over warps forced either way (ops.GEMV_BALANCE; without it, gemv_plan's choice); "+cp.async": the
-    gemv stages' cp.async ring where the default takes the TMA ring (sm_90+: ops.DECODE_RING; what sm_80-89 run)."""
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", request.param.split("+")[0])
-    monkeypatch.setattr(ops, "FUSED_COMBINE", request.param.endswith("+fused"))
-    monkeypatch.setattr(ops, "GEMV_BALANCE", True if "+balanced" in request.param else
-                        False if "+plain" in request.param else None)
+def decode_kernel(request, mod) -> KernelPolicy:
+    """Every decode path (KernelPolicy.decode): the mma.sync streaming stages (gemv), the CUDA-core rowdot stages
+    and the first version's tiles; "+fused": with the per-token sum folded into the w2 stage (fused_combine);
+    "+e4m3": the gemv stages with the e4m3 w13 stage for bf16 x (e4m3_decode); "+bf16": with the bf16 stages
+    for bf16 x (i8_decode off; on, the default, bf16 x takes the int8 stages where the TMA ring runs);
+    "+bf16w2": the int8 w13 stage with the bf16 w2 stage (i8_w2 off); "+plain" / "+balanced": the gemv
+    stages' units over warps forced either way (gemv_balance; without it, gemv_plan's choice); "+cp.async": the
+    gemv stages' cp.async ring where the default takes the TMA ring (sm_90+: decode_ring; what sm_80-89 run)."""
     e4m3 = request.param.endswith("+e4m3")
     if e4m3 and not mod.decode_fp8_available():
         pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
-    monkeypatch.setattr(ops, "E4M3_DECODE", e4m3)
-    monkeypatch.setattr(ops, "I8_DECODE", not (e4m3 or request.param.endswith("+bf16")))
-    monkeypatch.setattr(ops, "I8_W2", not request.param.endswith("+bf16w2"))
-    monkeypatch.setattr(ops, "DECODE_RING", "cp.async" if request.param.endswith("+cp.async") else None)
-    return request.param
+    return KernelPolicy(decode=request.param.split("+")[0], fused_combine=request.param.endswith("+fused"),
+                        gemv_balance=True if "+balanced" in request.param else
+                        False if "+plain" in request.param else None,
+                        e4m3_decode=e4m3, i8_decode=not (e4m3 or request.param.endswith("+bf16")),
+                        i8_w2=not request.param.endswith("+bf16w2"),
+                        decode_ring="cp.async" if request.param.endswith("+cp.async") else None)
 
 
 @pytest.mark.parametrize("H,I", SHAPES)
@@ -111,15 +112,15 @@ def decode_kernel(request, monkeypatch, mod):
 @pytest.mark.parametrize("T", [1, 2, 3, 8, 64])
 def test_decode_matches_reference(mod, decode_kernel, H, I, k, T):
     x, ids, w, pool, slot_of, lay, _ = _case(H, I, k, T, E=128 if T == 64 else 32, seed=H + I + k + T)
-    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=decode_kernel)
+    ref = moe_forward_reference(x, ids, w, pool, slot_of, lay)
     assert got.dtype == x.dtype
     assert torch.isfinite(got).all()
     # The bf16 output rounding alone is ~2^-9 relative; compare the kernel's fp32 result through an fp32 x too.
     assert _rel(got, ref.float()) < 8e-3
     x32 = x.float()
-    got32 = ops.moe_forward(x32, ids, w, pool, slot_of, lay)
-    ref32 = ops.moe_forward_reference(x32, ids, w, pool, slot_of, lay)
+    got32 = ops.moe_forward(x32, ids, w, pool, slot_of, lay, policy=decode_kernel)
+    ref32 = moe_forward_reference(x32, ids, w, pool, slot_of, lay)
     assert _rel(got32, ref32) < DECODE_TOL
 
 
@@ -127,8 +128,8 @@ def test_decode_matches_reference(mod, decode_kernel, H, I, k, T):
 def test_fp4_reserve_and_clamp(mod, decode_kernel, H, I):
     x, ids, w, pool, slot_of, lay, extra = _case(H, I, 8, 6, fmt_mix=True, dtype=torch.float32, seed=7)
     for limit in (None, 0.5):
-        got = ops.moe_forward(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, **extra)
-        ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, **extra)
+        got = ops.moe_forward(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, **extra, policy=decode_kernel)
+        ref = moe_forward_reference(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, **extra)
         assert _rel(got, ref) < DECODE_TOL, limit
 
 
@@ -136,65 +137,66 @@ def test_fp4_reserve_and_clamp(mod, decode_kernel, H, I):
 def test_k_not_a_multiple_of_the_chunk(mod, H, I):
     x, ids, w, pool, slot_of, lay, extra = _case(H, I, 4, 3, E=8, fmt_mix=True, dtype=torch.float32, seed=3)
     got = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
+    ref = moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
     assert _rel(got, ref) < DECODE_TOL
 
 
 def test_unaligned_shape_falls_back_to_reference(mod, caplog):
     # 2-bit code rows of H=224 are 56 bytes: not 16-byte aligned, so the reference path runs (one log line).
     x, ids, w, pool, slot_of, lay, _ = _case(224, 96, 4, 3, E=8, dtype=torch.float32, seed=3)
+    log = ops.PathLog()
     with caplog.at_level("WARNING", logger="moetplan.kernels"):
-        got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    assert not ops.kernel_supports(lay, x)
-    assert torch.equal(got, ops.moe_forward_reference(x, ids, w, pool, slot_of, lay))
-    assert any("skip this layer shape" in r.message for r in caplog.records)
+        got = ops.moe_forward(x, ids, w, pool, slot_of, lay, paths=log)
+    assert not cp.kernel_supports(lay, x)
+    assert torch.equal(got, moe_forward_reference(x, ids, w, pool, slot_of, lay))
+    assert any("H=224, Ir=96" in r.message for r in caplog.records)
+    assert log.counts == {"reference": 1} and log.fallbacks == 1
+    x, ids, w, pool, slot_of, lay, _ = _case(4096, 1024, 4, 3, E=8, seed=3)
+    ops.moe_forward(x, ids, w, pool, slot_of, lay, paths=log)  # a kernel path, named
+    assert log.fallbacks == 1 and any(k.startswith("cuda:decode-") for k in log.counts)
 
 
-def _prefill_param(request, monkeypatch, mod):
+def _prefill_param(request, mod) -> KernelPolicy:
     name, _, variant = request.param.partition(":")
     if name == "wgmma" and not mod.prefill_wgmma_available():
         pytest.skip("wgmma prefill stages need a compute-capability 9.0 GPU")
-    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", name)
-    if variant:
-        monkeypatch.setenv("MOETPLAN_PREFILL_VARIANT", variant)
-    return name
+    return KernelPolicy(prefill=name, prefill_variant=int(variant or 1))
 
 
 @pytest.fixture(params=["wgmma", "tiled", "tiled:2", "warp"])
-def prefill_kernel(request, monkeypatch, mod):
-    """Every prefill path (MOETPLAN_PREFILL_KERNEL[:MOETPLAN_PREFILL_VARIANT]): block tiles on wgmma (Hopper) and on
-    mma.sync (1 or 2 m tiles per warp), and the first version's one-warp tiles."""
-    return _prefill_param(request, monkeypatch, mod)
+def prefill_kernel(request, mod) -> KernelPolicy:
+    """Every prefill path (KernelPolicy.prefill[:prefill_variant]): block tiles on wgmma (Hopper) and on mma.sync
+    (1 or 2 m tiles per warp), and the first version's one-warp tiles."""
+    return _prefill_param(request, mod)
 
 
 @pytest.fixture(params=["wgmma", "tiled", "tiled:2"])
-def block_prefill(request, monkeypatch, mod):
+def block_prefill(request, mod) -> KernelPolicy:
     """The block-tile prefill stages: wgmma (Hopper) and mma.sync (1 or 2 m tiles per warp)."""
-    return _prefill_param(request, monkeypatch, mod)
+    return _prefill_param(request, mod)
 
 
-def test_prefill_default_path(mod, monkeypatch):
-    monkeypatch.delenv("MOETPLAN_PREFILL_KERNEL", raising=False)
+def test_prefill_default_path(mod):
     lay = RowLayout.for_expert(4096, 1024, fmt="2bit")
-    assert ops.use_tiled_prefill(mod, lay) == "tiled"
+    assert cp.use_tiled_prefill(mod, lay) == "tiled"
     # a 9.0 build carries the sm_90a binary: the wgmma stages are there, and 'auto' takes them for wide passes
     assert mod.prefill_wgmma_available() == (torch.cuda.get_device_capability() == (9, 0))
-    wide = ops.use_tiled_prefill(mod, lay, ops.WGMMA_PAIRS_PER_EXPERT)
+    wide = cp.use_tiled_prefill(mod, lay, cp.WGMMA_PAIRS_PER_EXPERT)
     assert wide == ("wgmma" if mod.prefill_wgmma_available() else "tiled")
-    assert ops.use_tiled_prefill(mod, lay, ops.WGMMA_PAIRS_PER_EXPERT - 1) == "tiled"
+    assert cp.use_tiled_prefill(mod, lay, cp.WGMMA_PAIRS_PER_EXPERT - 1) == "tiled"
     if not mod.prefill_wgmma_available():
-        monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "wgmma")
         with pytest.raises(UsageError, match="compute-capability 9.0"):
-            ops.use_tiled_prefill(mod, lay)
+            cp.use_tiled_prefill(mod, lay, policy=KernelPolicy(prefill="wgmma"))
 
 
 @pytest.mark.parametrize("T,E", [(256, 16), (1024, 64), (512, 64)])
 def test_prefill_matches_reference(mod, prefill_kernel, T, E):
     x, ids, w, pool, slot_of, lay, extra = _case(4096, 1024, 8, T, E=E, fmt_mix=True, seed=T)
-    assert T * 8 >= ops.PREFILL_PAIRS_PER_EXPERT * E  # takes the prefill tiles
-    assert ops.use_tiled_prefill(mod, lay) == (None if prefill_kernel == "warp" else prefill_kernel)
-    got = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
+    assert T * 8 >= cp.PREFILL_PAIRS_PER_EXPERT * E  # takes the prefill tiles
+    want = prefill_kernel.prefill
+    assert cp.use_tiled_prefill(mod, lay, policy=prefill_kernel) == (None if want == "warp" else want)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra, policy=prefill_kernel)
+    ref = moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
     assert _rel(got, ref.float()) < PREFILL_TOL
 
 
@@ -206,24 +208,24 @@ def test_tiled_prefill_shapes_and_clamp(mod, block_prefill, H, I, k, T, E, dtype
     # FP4 experts (warp tiles) in the same step, the SwiGLU clamp, bf16 and fp32 x.
     x, ids, w, pool, slot_of, lay, extra = _case(H, I, k, T, E=E, fmt_mix=True, dtype=dtype, seed=H + T)
     for limit in (None, 0.5):
-        got = ops.moe_forward(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, **extra)
-        ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, **extra)
+        got = ops.moe_forward(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, **extra, policy=block_prefill)
+        ref = moe_forward_reference(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, **extra)
         assert got.dtype == dtype
         assert _rel(got, ref.float()) < PREFILL_TOL, limit
 
 
-def test_tiled_prefill_skewed_routing(mod, monkeypatch, block_prefill):
+def test_tiled_prefill_skewed_routing(mod, block_prefill):
     # One expert takes every token (many passes of one segment), the rest share the remainder unevenly.
     x, _, w, pool, slot_of, lay, _ = _case(4096, 1024, 4, 600, E=32, seed=21)
     g = torch.Generator().manual_seed(21)
     others = torch.tensor([0, 1, 2, 3, 4, 6, 7, 8, 30])
     rest = torch.stack([others[torch.randperm(len(others), generator=g)[:3]] for _ in range(600)])
     ids = torch.cat([torch.full((600, 1), 5), rest], dim=1).cuda()
-    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=block_prefill)
+    ref = moe_forward_reference(x, ids, w, pool, slot_of, lay)
     assert _rel(got, ref.float()) < PREFILL_TOL
-    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "warp")
-    assert _rel(got, ops.moe_forward(x, ids, w, pool, slot_of, lay).float()) < PREFILL_TOL
+    warp = KernelPolicy(prefill="warp")
+    assert _rel(got, ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=warp).float()) < PREFILL_TOL
 
 
 def test_block_prefill_every_pass_width(mod, block_prefill):
@@ -237,33 +239,33 @@ def test_block_prefill_every_pass_width(mod, block_prefill):
                                                                   torch.tensor(counts))
     x, _, w, pool, slot_of, lay, _ = _case(4096, 1024, 2, T, E=16, seed=31)
     ids = ids.cuda()
-    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=block_prefill)
+    ref = moe_forward_reference(x, ids, w, pool, slot_of, lay)
     assert _rel(got, ref.float()) < PREFILL_TOL
 
 
-def test_tiled_prefill_shape_rules(mod, monkeypatch):
+def test_tiled_prefill_shape_rules(mod):
     # H = 4160 is a multiple of 64 (the warp tiles take it) but not of 128: the tiled stages decline it.
-    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "tiled")
+    tiled = KernelPolicy(prefill="tiled")
     x, ids, w, pool, slot_of, lay, _ = _case(4096 + 64, 1024, 8, 256, E=16, seed=5)
-    assert not ops.use_tiled_prefill(mod, lay)
-    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    assert _rel(got, ops.moe_forward_reference(x, ids, w, pool, slot_of, lay).float()) < PREFILL_TOL
-    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "sideways")
-    with pytest.raises(UsageError, match="MOETPLAN_PREFILL_KERNEL"):
-        ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert not cp.use_tiled_prefill(mod, lay, policy=tiled)
+    log = ops.PathLog()
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=tiled, paths=log)
+    assert _rel(got, moe_forward_reference(x, ids, w, pool, slot_of, lay).float()) < PREFILL_TOL
+    assert log.counts == {"cuda:prefill-warp": 1}
+    with pytest.raises(UsageError, match="KernelPolicy.prefill='sideways'"):
+        KernelPolicy(prefill="sideways")
 
 
-def test_block_prefill_paths_agree(mod, monkeypatch):
+def test_block_prefill_paths_agree(mod):
     if not mod.prefill_wgmma_available():
         pytest.skip("wgmma prefill stages need a compute-capability 9.0 GPU")
     x, ids, w, pool, slot_of, lay, extra = _case(7168, 2048, 8, 640, E=64, fmt_mix=True, seed=31)
     got = {}
     for pk in ("wgmma", "tiled", "tiled:2"):
         name, _, variant = pk.partition(":")
-        monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", name)
-        monkeypatch.setenv("MOETPLAN_PREFILL_VARIANT", variant)
-        got[pk] = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra).float()
+        policy = KernelPolicy(prefill=name, prefill_variant=int(variant or 1))
+        got[pk] = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra, policy=policy).float()
     # Same bf16 operands and intermediate; only the fp32 accumulation order may differ.
     for pk in ("wgmma", "tiled:2"):
         assert _rel(got[pk], got["tiled"]) < 2e-3, pk
@@ -271,9 +273,9 @@ def test_block_prefill_paths_agree(mod, monkeypatch):
 
 def test_tiled_prefill_missing_expert_and_determinism(mod, block_prefill):
     x, ids, w, pool, slot_of, lay, extra = _case(6144, 2048, 8, 512, E=32, fmt_mix=True, seed=12)
-    a = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra, policy=block_prefill)
     for _ in range(2):
-        assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra), a)
+        assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra, policy=block_prefill), a)
     missing = int(ids[3, 2])
     if extra["fp4_slot_of"][missing] >= 0:  # make it a 2-bit expert without a slot
         extra["fp4_slot_of"] = extra["fp4_slot_of"].clone()
@@ -281,30 +283,29 @@ def test_tiled_prefill_missing_expert_and_determinism(mod, block_prefill):
     slot_of = slot_of.clone()
     slot_of[missing] = -1
     with pytest.raises(ops.ResidencyError, match=str(missing)):
-        ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
+        ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra, policy=block_prefill)
 
 
 def test_int32_ids_and_fp16_x(mod):
     x, ids, w, pool, slot_of, lay, extra = _case(6144, 1024, 8, 5, fmt_mix=True, dtype=torch.float16, seed=4)
     got = ops.moe_forward(x, ids.to(torch.int32), w, pool, slot_of, lay, **extra)
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
+    ref = moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
     assert got.dtype == torch.float16 and _rel(got, ref.float()) < 2e-3
 
 
 def test_deterministic_run_to_run(mod, decode_kernel):
     for T in (4, 512):
         x, ids, w, pool, slot_of, lay, extra = _case(6144, 2048, 8, T, E=32, fmt_mix=True, seed=11)
-        a = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
+        a = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra, policy=decode_kernel)
         for _ in range(3):
-            assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra), a)
+            assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra, policy=decode_kernel), a)
 
 
-def test_pdl_and_plain_launches_agree(mod, decode_kernel, monkeypatch):
+def test_pdl_and_plain_launches_agree(mod, decode_kernel):
     x, ids, w, pool, slot_of, lay, extra = _case(7168, 2048, 8, 3, fmt_mix=True, seed=8)
-    monkeypatch.setenv("MOETPLAN_PDL", "0")
-    plain = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
-    monkeypatch.setenv("MOETPLAN_PDL", "1")
-    assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra), plain)
+    no_pdl = dataclasses.replace(decode_kernel, pdl=False)
+    plain = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra, policy=no_pdl)
+    assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra, policy=decode_kernel), plain)
 
 
 def test_every_output_written_and_out_param(mod):
@@ -319,21 +320,22 @@ def test_missing_expert_raises(mod, decode_kernel):
     slot_of = slot_of.clone()
     slot_of[int(ids[1, 3])] = -1
     with pytest.raises(ops.ResidencyError, match=str(int(ids[1, 3]))):
-        ops.moe_forward(x, ids, w, pool, slot_of, lay)
+        ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=decode_kernel)
 
 
 def test_cuda_graph_capture_and_replay(mod, decode_kernel):
     x, ids, w, pool, slot_of, lay, extra = _case(7168, 2048, 8, 4, fmt_mix=True, seed=2)
-    eager = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
+    eager = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra, policy=decode_kernel)
     out = torch.empty_like(x)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        ops.moe_forward(x, ids, w, pool, slot_of, lay, out=out, **extra)  # warm-up outside the graph
+        # warm-up outside the graph
+        ops.moe_forward(x, ids, w, pool, slot_of, lay, out=out, **extra, policy=decode_kernel)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        ops.moe_forward(x, ids, w, pool, slot_of, lay, out=out, **extra)
+        ops.moe_forward(x, ids, w, pool, slot_of, lay, out=out, **extra, policy=decode_kernel)
     out.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
@@ -343,71 +345,66 @@ def test_cuda_graph_capture_and_replay(mod, decode_kernel):
     ids.copy_(ids2)
     w.copy_(w2)
     g.replay()
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
+    ref = moe_forward_reference(x, ids, w, pool, slot_of, lay, **extra)
     assert _rel(out, ref.float()) < 8e-3
 
 
 @pytest.mark.parametrize("kernel", ["gemv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_many_pairs_per_expert(mod, monkeypatch, dtype, kernel):
+def test_gemv_many_pairs_per_expert(mod, dtype, kernel):
     # 9 experts, 8 of them per token: most experts carry 7-8 pairs, i.e. several passes of the decode stages
     # (4 pairs per pass with fp32 x, 8 with bf16 x); P = 64 is still the decode regime.
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", kernel)
+    policy = KernelPolicy(decode=kernel)
     x, ids, w, pool, slot_of, lay, _ = _case(4096, 1024, 8, 8, E=9, dtype=dtype, seed=21)
-    assert ops.use_gemv(mod, ids.numel(), lay)
-    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    ref = ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
+    assert cp.use_gemv(mod, ids.numel(), lay, policy=policy)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=policy)
+    ref = moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
     assert _rel(got.float(), ref) < (DECODE_TOL if dtype == torch.float32 else 8e-3)
 
 
-def test_gemv_and_mma_decode_agree(mod, monkeypatch):
+def test_gemv_and_mma_decode_agree(mod):
     x, ids, w, pool, slot_of, lay, extra = _case(7168, 2048, 8, 4, fmt_mix=True, dtype=torch.float32, seed=13)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
-    a = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "mma")
-    b = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra)
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra, policy=KernelPolicy(decode="gemv"))
+    b = ops.moe_forward(x, ids, w, pool, slot_of, lay, **extra, policy=KernelPolicy(decode="mma"))
     assert _rel(a, b) < DECODE_TOL
 
 
 @pytest.mark.parametrize("T", [1, 3, 8])
 @pytest.mark.parametrize("H,I", [(4096, 256), (2560, 512), (3584, 768), (7168, 2048)])
-def test_gemv_every_round_width(mod, monkeypatch, T, H, I):
+def test_gemv_every_round_width(mod, T, H, I):
     # A round reads 4, 2 or 1 16-byte pieces per thread and row (K a multiple of 1024, 512, or only 256; at most
     # GEMV_MAX_NS, 1 since H22): here w13 (K = H) and w2 (K = Ir) cover all three where the build allows them,
     # against the float32 reference and the rowdot stages (both float32-accurate: hi/lo B operand).
     x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, dtype=torch.float32, seed=41 + T)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
-    assert ops.use_gemv(mod, ids.numel(), lay, T)
-    a = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    gemv = KernelPolicy(decode="gemv")
+    assert cp.use_gemv(mod, ids.numel(), lay, T, gemv)
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=gemv)
+    ref = moe_forward_reference(x, ids, w, pool, slot_of, lay)
     assert _rel(a, ref) < DECODE_TOL
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "rowdot")
-    b = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    b = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=KernelPolicy(decode="rowdot"))
     assert _rel(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rowdot_many_pairs_per_expert(mod, monkeypatch, dtype):
+def test_rowdot_many_pairs_per_expert(mod, dtype):
     # Up to 8 pairs per expert: passes of 2 pairs each re-read the rows; still exact to float32 rounding.
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "rowdot")
+    rowdot = KernelPolicy(decode="rowdot")
     x, ids, w, pool, slot_of, lay, _ = _case(4096, 1024, 8, 8, E=9, dtype=dtype, seed=21)
-    assert ops.use_rowdot(mod, ids.numel(), lay, 8)
-    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    ref = ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
+    assert cp.use_rowdot(mod, ids.numel(), lay, 8, rowdot)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=rowdot)
+    ref = moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
     assert _rel(got.float(), ref) < (DECODE_TOL if dtype == torch.float32 else 8e-3)
 
 
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("H,I", SHAPES + [(4096, 768)])  # Ir = 768: 12 lanes' worth of a row -> groups of 8
-def test_rowdot_and_gemv_decode_agree(mod, monkeypatch, T, H, I):
+def test_rowdot_and_gemv_decode_agree(mod, T, H, I):
     x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, dtype=torch.float32, seed=31 + T)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "rowdot")
-    a = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
-    b = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=KernelPolicy(decode="rowdot"))
+    b = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=KernelPolicy(decode="gemv"))
     assert _rel(a, b) < DECODE_TOL
     # rowdot is fp32 end to end: against the float32 reference it is as close as float32 summation order allows.
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    ref = moe_forward_reference(x, ids, w, pool, slot_of, lay)
     assert _rel(a, ref) < 1e-5
 
 
@@ -448,25 +445,23 @@ def test_gemv_plan_spreads_rounds_over_warps(mod):
 
 @pytest.mark.parametrize("T", [1, 2, 3, 8])
 @pytest.mark.parametrize("H,I", [(4096, 2048), (7168, 512), (2560, 256), (6144, 1024)])
-def test_gemv_balanced_and_plain_agree(mod, monkeypatch, T, H, I):
+def test_gemv_balanced_and_plain_agree(mod, T, H, I):
     # Balanced stages sum a straddling unit's parts in warp order: the same products as the plain stages, another
     # float32 summation order, and deterministic run to run (fp32 x: both float32-accurate).
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
     x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, dtype=torch.float32, seed=51 + T)
-    monkeypatch.setattr(ops, "GEMV_BALANCE", False)
-    a = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    monkeypatch.setattr(ops, "GEMV_BALANCE", True)
-    b = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    b2 = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=KernelPolicy(decode="gemv", gemv_balance=False))
+    balanced = KernelPolicy(decode="gemv", gemv_balance=True)
+    b = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=balanced)
+    b2 = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=balanced)
     assert torch.equal(b, b2)
     assert _rel(a, b) < 1e-5
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    ref = moe_forward_reference(x, ids, w, pool, slot_of, lay)
     assert _rel(b, ref) < DECODE_TOL
 
 
 @pytest.mark.parametrize("T", [1, 3, 8])
 @pytest.mark.parametrize("H,I", [(4096, 2048), (7168, 512), (6144, 1024)])
-def test_tma_and_cp_async_rings_agree(mod, monkeypatch, T, H, I):
+def test_tma_and_cp_async_rings_agree(mod, T, H, I):
     # Same K order, same MMAs: with whole units per warp the two rings give the same sums; balanced splits a unit's
     # rounds (512 weights on the TMA ring, 256 on the cp.async ring) at other places: another fp32 summation order.
     if not mod.decode_bulk_available():
@@ -474,32 +469,28 @@ def test_tma_and_cp_async_rings_agree(mod, monkeypatch, T, H, I):
     assert mod.gemv_ring(H, 1) == mod.gemv_ring(I, 1) == "tma" and mod.gemv_ring(H, 0) == "cp.async"
     # The default on Hopper, where it was timed faster; opt-in on newer GPUs until timed there.
     assert (mod.gemv_ring(H) == "tma") == (torch.cuda.get_device_capability()[0] == 9)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
-    monkeypatch.setattr(ops, "I8_DECODE", False)  # the bf16 w13 stage on both rings (the int8 one is TMA-only)
     x, ids, w, pool, slot_of, lay, _ = _case(H, I, 8, T, dtype=torch.bfloat16, seed=61 + T)
     out = {}
     for balance in (False, None):
-        monkeypatch.setattr(ops, "GEMV_BALANCE", balance)
         for ring in ("tma", "cp.async"):
-            monkeypatch.setattr(ops, "DECODE_RING", ring)
-            out[balance, ring] = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+            # the bf16 w13 stage on both rings (the int8 one is TMA-only)
+            policy = KernelPolicy(decode="gemv", i8_decode=False, gemv_balance=balance, decode_ring=ring)
+            out[balance, ring] = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=policy)
     assert _rel(out[False, "tma"], out[False, "cp.async"]) < 1e-6
     assert _rel(out[None, "tma"], out[None, "cp.async"]) < 1e-5
 
 
-def test_tma_ring_refuses_what_it_cannot_run(mod, monkeypatch):
+def test_tma_ring_refuses_what_it_cannot_run(mod):
     # Forced on a K that is not a multiple of its 512-weight rounds: a clear error, not a silent other ring.
     if not mod.decode_bulk_available():
         pytest.skip("the TMA ring needs an sm_90+ GPU")
     assert mod.gemv_ring(4096 + 256) == "cp.async" and mod.gemv_ring(4096 + 256, 0) == "cp.async"
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
-    monkeypatch.setattr(ops, "DECODE_RING", "tma")
     x, ids, w, pool, slot_of, lay, _ = _case(4096 + 256, 2048, 8, 1, seed=71)
     with pytest.raises(UsageError, match=r"w13 \(K = 4352\) stage.*512-weight rounds"):
-        ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    monkeypatch.setattr(ops, "DECODE_RING", None)  # the default takes the cp.async ring for w13, TMA for w2
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay)
-    assert _rel(ops.moe_forward(x, ids, w, pool, slot_of, lay), ref) < DECODE_TOL
+        ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=KernelPolicy(decode="gemv", decode_ring="tma"))
+    # the default takes the cp.async ring for w13, TMA for w2
+    ref = moe_forward_reference(x, ids, w, pool, slot_of, lay)
+    assert _rel(ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=KernelPolicy(decode="gemv")), ref) < DECODE_TOL
 
 
 def test_extension_errors_raise_with_their_numbers(mod):
@@ -526,12 +517,11 @@ def test_extension_errors_raise_with_their_numbers(mod):
     assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stdout[-500:], p.stderr[-2000:])
 
 
-def test_default_decode_kernel_is_valid(mod, monkeypatch):
-    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
+def test_default_decode_kernel_is_valid(mod):
     lay = RowLayout.for_expert(7168, 2048)
     for T in (1, 2, 3, 8):
         # Exactly one decode path per small step under the default selection.
-        assert ops.use_rowdot(mod, 8 * T, lay, T) != ops.use_gemv(mod, 8 * T, lay, T)
+        assert cp.use_rowdot(mod, 8 * T, lay, T) != cp.use_gemv(mod, 8 * T, lay, T)
 
 
 def _w13_act(mod, x, ids, pool, slot_of, lay, f8: bool | str) -> torch.Tensor:
@@ -637,30 +627,29 @@ def test_8bit_w13_stages_flush_only_far_smaller_blocks(mod, a8, bound):
     assert 0 < _a8_distance(mod, x, ids, pool, slot_of, lay, a8) < bound
 
 
-def test_i8_w13_stage_is_deterministic_and_graph_safe(mod, monkeypatch):
+def test_i8_w13_stage_is_deterministic_and_graph_safe(mod):
     _needs_i8(mod)
-    monkeypatch.setattr(ops, "I8_DECODE", True)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    policy = KernelPolicy(decode="gemv", i8_decode=True)
     x, ids, w, pool, slot_of, lay, _ = _case(7168, 2048, 8, 8, E=64, seed=3)
-    assert ops.use_i8_w13(mod, x, 7168)
-    a = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert cp.use_i8_w13(mod, x, 7168, policy)
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=policy)
     for _ in range(3):
-        assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay), a)
-    ref = ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
+        assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=policy), a)
+    ref = moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
     assert _rel(a.float(), ref) < 8e-3
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+        out = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=policy)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, a)
     # fp32 x keeps the bf16 hi/lo operand (float32-accurate), whatever the switch says.
-    assert not ops.use_i8_w13(mod, x.float(), 7168)
+    assert not cp.use_i8_w13(mod, x.float(), 7168, policy)
 
 
 @pytest.mark.parametrize("scales", ["narrow", "wide"])
 @pytest.mark.parametrize("H,I,T", [(4096, 2048, 1), (7168, 2048, 8), (6144, 1024, 3), (7168, 512, 5)])
-def test_i8_w2_stage_matches_the_bf16_w2_stage(mod, monkeypatch, load_bench, H, I, T, scales):
+def test_i8_w2_stage_matches_the_bf16_w2_stage(mod, load_bench, H, I, T, scales):
     # The intermediate as int8 planes under a per-pair scale (exact within 2^12 of the pair's largest element,
     # within 2^-20 of it below) instead of bf16 hi + lo (~2^-16 of each element): the w2 rows agree to ~1e-5.
     # "narrow": every round of both int8 stages takes the one-pass form; "wide" (8 binades): two passes.
@@ -676,35 +665,30 @@ def test_i8_w2_stage_matches_the_bf16_w2_stage(mod, monkeypatch, load_bench, H, 
     assert torch.isfinite(p8).all()
     assert _rel(p8, p16) < 2e-5
     assert torch.equal(stages(mod, x, ids, pool, slot_of, lay, True)["partial"], p8)  # deterministic
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
-    monkeypatch.setattr(ops, "I8_DECODE", True)
-    monkeypatch.setattr(ops, "I8_W2", True)
-    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    assert _rel(got.float(), ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)) < 8e-3
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=KernelPolicy(decode="gemv", i8_decode=True, i8_w2=True))
+    assert _rel(got.float(), moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)) < 8e-3
 
 
-def test_i8_w2_stage_only_where_its_ring_runs(mod, monkeypatch):
+def test_i8_w2_stage_only_where_its_ring_runs(mod):
     # Ir = 256 (a TP shard below the TMA ring's 512-weight rounds): the int8 w13 stage, then the bf16 w2 stage.
     _needs_i8(mod)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    gemv = KernelPolicy(decode="gemv")
     x, ids, w, pool, slot_of, lay, _ = _case(4096, 256, 8, 2, seed=11)
-    assert ops.use_i8_w13(mod, x, 4096) and not ops.use_i8_w2(mod, x, 4096, 256)
-    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
-    assert _rel(got.float(), ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)) < 8e-3
+    assert cp.use_i8_w13(mod, x, 4096, gemv) and not cp.use_i8_w2(mod, x, 4096, 256, gemv)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=gemv)
+    assert _rel(got.float(), moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)) < 8e-3
 
 
-def test_e4m3_w13_stage_is_deterministic_and_graph_safe(mod, monkeypatch):
+def test_e4m3_w13_stage_is_deterministic_and_graph_safe(mod):
     if not mod.decode_fp8_available():
         pytest.skip("the e4m3 w13 stage needs an sm_89+ GPU")
-    monkeypatch.setattr(ops, "E4M3_DECODE", True)
-    monkeypatch.setattr(ops, "I8_DECODE", False)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    policy = KernelPolicy(decode="gemv", e4m3_decode=True, i8_decode=False)
     x, ids, w, pool, slot_of, lay, _ = _case(7168, 2048, 8, 8, E=64, seed=3)
-    assert ops.use_fp8_w13(mod, x)
-    a = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    assert cp.use_fp8_w13(mod, x, policy)
+    a = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=policy)
     for _ in range(3):
-        assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay), a)
-    ref = ops.moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
+        assert torch.equal(ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=policy), a)
+    ref = moe_forward_reference(x.float(), ids, w, pool, slot_of, lay)
     assert _rel(a.float(), ref) < 8e-3
     # fp32 x keeps the bf16 hi/lo operand (float32-accurate), whatever the switch says.
-    assert not ops.use_fp8_w13(mod, x.float())
+    assert not cp.use_fp8_w13(mod, x.float(), policy)

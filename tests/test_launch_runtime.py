@@ -95,16 +95,20 @@ def test_settings_need_the_plan_env(monkeypatch, tmp_path):
 
 
 def test_moe_reference_matches_naive_per_pair_sum():
+    from moetplan.runtime.reference import moe_reference
+
     w13, w2 = _experts()
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
     ids, w = _routing(5, 2, 8)
-    got = vm.moe_reference(x, w, ids, lambda e: (w13[e], w2[e]))
+    got = moe_reference(x, ids, w, lambda e, fp4: (w13[e], w2[e]))
     assert torch.allclose(got.double(), _naive(x, ids, w, w13, w2), atol=1e-5)
 
 
 def test_swiglu_limit_clamps_gate_and_up():
+    from moetplan.runtime.reference import swiglu
+
     h = torch.tensor([[10.0, -10.0, 10.0, -10.0]])
-    out = vm._swiglu(h, limit=1.0)  # gate [10,-10]->[1,-10], up [10,-10]->[1,-1]
+    out = swiglu(h, limit=1.0)  # gate [10,-10]->[1,-10], up [10,-10]->[1,-1]
     expect = torch.nn.functional.silu(torch.tensor([1.0, -10.0])) * torch.tensor([1.0, -1.0])
     assert torch.allclose(out[0], expect)
 
@@ -484,7 +488,7 @@ def test_promoter_mode_is_validated(monkeypatch):
 
 def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_path, monkeypatch):
     from moetplan.runtime.format import pack_expert_row
-    from moetplan.runtime.ops import moe_forward_reference
+    from moetplan.runtime.reference import moe_forward_reference
 
     monkeypatch.setenv(vm.PROMOTER_ENV, "gate")  # the test promotes by hand
     s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=4))

@@ -2,8 +2,10 @@
 kernels' register decode (the bit tricks in csrc/moe_kernels.cu) checked against the format's values."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +14,9 @@ from csrc_source import CSRC
 from typer.testing import CliRunner
 
 from moetplan.contract.errors import UsageError
-from moetplan.runtime import kernels, ops
+from moetplan.contract.runtime import KernelPolicy
+from moetplan.runtime import cuda_paths as cp
+from moetplan.runtime import kernels, ops, reference
 from moetplan.runtime.format import (
     RowLayout,
     dequantize_2bit,
@@ -79,7 +83,7 @@ def test_dequantize_rows_matches_format(fmt):
     w = torch.randn(48, 256, generator=g) * 0.02
     q, s = (quantize_2bit if fmt == "2bit" else quantize_fp4)(w)
     ref = (dequantize_2bit if fmt == "2bit" else dequantize_fp4)(q, s, torch.float32)
-    got = ops.dequantize_rows(q, s, fmt)
+    got = reference.dequantize_rows(q, s, fmt)
     assert torch.equal(got, ref)
 
 
@@ -87,7 +91,7 @@ def test_expert_weights_matches_unpack():
     lay = RowLayout.for_expert(128, 64, fmt="2bit")
     g = _rng(2)
     row = pack_expert_row(torch.randn(128, 128, generator=g), torch.randn(128, 64, generator=g), lay)
-    w13, w2 = ops.expert_weights(row, lay)
+    w13, w2 = reference.expert_weights(row, lay)
     r13, r2 = unpack_expert_row(row, lay, torch.float32)
     assert torch.equal(w13, r13) and torch.equal(w2, r2)
 
@@ -354,18 +358,29 @@ def test_cpu_falls_back_with_reason(monkeypatch, caplog):
     if not torch.cuda.is_available():
         assert "CUDA" in (kernels.fallback_reason() or "")
         with caplog.at_level("WARNING", logger="moetplan.kernels"):
-            kernels.note_fallback()
-            kernels.note_fallback()
+            kernels.note_reference("no CUDA device")
+            kernels.note_reference("no CUDA device")
         assert sum("reference path" in r.message for r in caplog.records) == 1
     kernels.reset_for_tests()
 
 
-def test_kernels_off_env(monkeypatch):
-    kernels.reset_for_tests()
-    monkeypatch.setenv("MOETPLAN_KERNELS", "off")
-    assert kernels.get_module() is None
-    assert kernels.fallback_reason() == "MOETPLAN_KERNELS=off"
-    kernels.reset_for_tests()
+def test_dispatch_table_falls_back_to_the_reference_and_says_why(monkeypatch):
+    lay = RowLayout.for_expert(64, 32)
+    pool = _pool(lay, 4, seed=1)
+    x, ids, w = torch.randn(2, 64, generator=_rng(2)), torch.tensor([[0, 1], [2, 3]]), torch.full((2, 2), 0.5)
+    log = ops.PathLog()
+    got = ops.moe_forward(x, ids, w, pool, torch.arange(4), lay, paths=log)
+    assert torch.equal(got, reference.moe_forward_reference(x, ids, w, pool, torch.arange(4), lay))
+    assert log.as_dict() == {"kernel_paths": {"reference": 1}, "kernel_fallbacks": 1,
+                             "kernel_fallback_reasons": {"cuda: x is on the CPU": 1}}
+    # On a GPU: the policy can ask for the reference, and a missing extension is named.
+    gpu = ops.Step(SimpleNamespace(is_cuda=True), ids, w, pool, torch.arange(4), lay, None, None, None, None, None,
+                   KernelPolicy(cuda=False))
+    assert "cuda=False" in ops._cuda_refusal(gpu)
+    monkeypatch.setattr(kernels, "get_module", lambda: None)
+    monkeypatch.setattr(kernels, "fallback_reason", lambda: "no CUDA device")
+    path, why = ops.select_path(dataclasses.replace(gpu, policy=KernelPolicy()))
+    assert path is ops.REFERENCE and why == ["cuda: kernels unavailable: no CUDA device"]
 
 
 def test_arch_normalisation_and_flags():
@@ -395,12 +410,12 @@ def test_build_kernels_command_fails_clearly_without_cuda_torch():
     assert "no CUDA support" in res.output
 
 
-def test_row_views_agree_with_sections():
+def test_reference_weights_agree_with_the_format_unpacker():
     lay = RowLayout.for_expert(64, 32, fmt="fp4")
     row = _pool(lay, 1, 3)[0]
-    a = row_views(row, lay)
-    b = ops._sections(row, lay)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    a = reference.expert_weights(row, lay)
+    b = unpack_expert_row(row, lay, torch.float32)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(row_views(row, lay)) == 4
 
 
 # ------------------------------------------------------------------------------------------------ CUDA-path plumbing
@@ -457,7 +472,7 @@ class _FakeExtension:
             row = pool[slot]
             q = row[q_off:q_off + N * K // wpb].view(N, K // wpb)
             s = row[s_off:s_off + N * K // 32].view(N, K // 32)
-            W = ops.dequantize_rows(q, s, fmt_name)
+            W = reference.dequantize_rows(q, s, fmt_name)
             if w13:
                 h = W @ b[p // topk].float()
                 gate, up = h[:N // 2], h[N // 2:]
@@ -504,7 +519,7 @@ def _stage_pairs(w13, pool, slot_of, fp4_slot_of, q_off, s_off, H, Ir, ids, topk
             flag[0] = e + 1
             continue
         row = pool[slot]
-        W = ops.dequantize_rows(row[q_off:q_off + N * K // 4].view(N, K // 4),
+        W = reference.dequantize_rows(row[q_off:q_off + N * K // 4].view(N, K // 4),
                                 row[s_off:s_off + N * K // 32].view(N, K // 32), "2bit")
         if not w13:
             yield p, W @ src[p]
@@ -523,6 +538,7 @@ class _FakeGemvExtension(_FakeExtension):
         super().__init__()
         self.rings: list[int] = []  # each gemv_stage call's ring argument
         self.b_dtypes: list[torch.dtype] = []  # each gemv_stage call's B operand dtype
+        self.balances: list[int] = []  # each gemv_stage call's balance argument
 
     def gemv_max_pairs(self) -> int:
         return 64
@@ -557,7 +573,7 @@ class _FakeGemvExtension(_FakeExtension):
                    weights, out, counter, limit, has_limit, flag, pdl, xinv, balance, ring):
         self.calls.append(f"gemv{'13' if w13 else '2'}")
         self.b_dtypes.append(b.dtype)
-        assert balance == (-1 if ops.GEMV_BALANCE is None else int(ops.GEMV_BALANCE))
+        self.balances.append(balance)
         self.rings.append(ring)
         if xinv is not None and b.dtype == torch.int8:  # the int8 stages: xprep8's hi, mid, lo planes
             assert split and b.shape[1] == 3 and xinv.numel() == b.shape[0]
@@ -605,14 +621,13 @@ class _FakeI8GemvExtension(_FakeFp8GemvExtension):
         return "tma" if ring != 0 and self.gemv_bulk_possible(K) else "cp.async"
 
 
-def _stand_in_step(fake, x_dtype, monkeypatch) -> torch.Tensor:
+def _stand_in_step(fake, x_dtype, monkeypatch, policy: KernelPolicy) -> torch.Tensor:
     """One 3-token step through the stand-in extension, checked against the float32 reference (float32-accurate
     for fp32 x, bf16 output rounding for bf16 x); returns its x."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
     lay2, pool, slot_of, _, ids, w, x = _stand_in_case(3, x_dtype, False)
-    got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2)
+    got = cp.moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None, policy)
+    ref = reference.moe_forward_reference(x, ids, w, pool, slot_of, lay2)
     assert _rel(got.float(), ref.float()) < (1e-4 if x_dtype == torch.float32 else 8e-3)
     return x
 
@@ -621,17 +636,15 @@ def _stand_in_step(fake, x_dtype, monkeypatch) -> torch.Tensor:
 @pytest.mark.parametrize("i8", [False, True])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_i8_w13_stage_plumbing(i8, x_dtype, ring, monkeypatch):
-    # ops.I8_DECODE sends bf16 x through xprep8 into int8 hi/mid/lo planes [T, 3, H] + per-token scales and the int8
+    # i8_decode sends bf16 x through xprep8 into int8 hi/mid/lo planes [T, 3, H] + per-token scales and the int8
     # w13 stage, ahead of the e4m3 switch, where the w13 stage takes the TMA ring; fp32 x keeps the bf16 hi/lo
     # operand, and the cp.async ring the bf16 one.
-    monkeypatch.setattr(ops, "I8_DECODE", i8)
-    monkeypatch.setattr(ops, "I8_W2", False)  # the w2 stage's operand: test_i8_w2_stage_plumbing
-    monkeypatch.setattr(ops, "E4M3_DECODE", True)
-    monkeypatch.setattr(ops, "DECODE_RING", ring)
+    # (i8_w2 off: the w2 stage's operand is test_i8_w2_stage_plumbing's)
+    policy = KernelPolicy(i8_decode=i8, i8_w2=False, e4m3_decode=True, decode_ring=ring)
     fake = _FakeI8GemvExtension()
-    x = _stand_in_step(fake, x_dtype, monkeypatch)
+    x = _stand_in_step(fake, x_dtype, monkeypatch, policy)
     want_i8 = i8 and x_dtype == torch.bfloat16 and ring is None
-    assert ops.use_i8_w13(fake, x, x.shape[1]) == want_i8
+    assert cp.use_i8_w13(fake, x, x.shape[1], policy) == want_i8
     assert fake.calls[:3] == ["xprep8" if x_dtype == torch.bfloat16 else "xprep", "gemv13", "gemv2"]
     w13_b = torch.int8 if want_i8 else torch.uint8 if x_dtype == torch.bfloat16 else torch.bfloat16
     assert fake.b_dtypes[:2] == [w13_b, torch.bfloat16]
@@ -641,14 +654,12 @@ def test_i8_w13_stage_plumbing(i8, x_dtype, ring, monkeypatch):
 @pytest.mark.parametrize("i8w2", [False, True])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_i8_w2_stage_plumbing(x_dtype, i8w2, ring, monkeypatch):
-    # ops.I8_W2 (with the int8 w13 stage): the w13 stage writes a float32 intermediate, xprep8 makes its int8 planes
+    # i8_w2 (with the int8 w13 stage): the w13 stage writes a float32 intermediate, xprep8 makes its int8 planes
     # and per-pair scales, the w2 stage reads them. Without the int8 w13 stage (fp32 x, the cp.async ring) both
-    # stages keep their bf16 operands, and I8_W2 off keeps the w2 stage's.
-    monkeypatch.setattr(ops, "I8_DECODE", True)
-    monkeypatch.setattr(ops, "I8_W2", i8w2)
-    monkeypatch.setattr(ops, "DECODE_RING", ring)
+    # stages keep their bf16 operands, and i8_w2 off keeps the w2 stage's.
+    policy = KernelPolicy(i8_decode=True, i8_w2=i8w2, decode_ring=ring)
     fake = _FakeI8GemvExtension()
-    _stand_in_step(fake, x_dtype, monkeypatch)
+    _stand_in_step(fake, x_dtype, monkeypatch, policy)
     i8 = x_dtype == torch.bfloat16 and ring is None
     if i8 and i8w2:
         assert fake.calls[:4] == ["xprep8", "gemv13", "xprep8", "gemv2"]
@@ -660,20 +671,18 @@ def test_i8_w2_stage_plumbing(x_dtype, i8w2, ring, monkeypatch):
     # 512-weight rounds keeps the bf16 w2 stage behind the int8 w13 one.
     fake.gemv_bulk_possible = lambda K: K % 512 == 0
     x = torch.zeros(1, 4096, dtype=x_dtype)
-    assert ops.use_i8_w2(fake, x, 4096, 1024) == (i8 and i8w2)
-    assert not ops.use_i8_w2(fake, x, 4096, 256)
-    assert ops.use_i8_w13(fake, x, 4096) == i8
+    assert cp.use_i8_w2(fake, x, 4096, 1024, policy) == (i8 and i8w2)
+    assert not cp.use_i8_w2(fake, x, 4096, 256, policy)
+    assert cp.use_i8_w13(fake, x, 4096, policy) == i8
 
 
 @pytest.mark.parametrize("e4m3", [False, True])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_e4m3_w13_stage_plumbing(e4m3, x_dtype, monkeypatch):
-    # ops.E4M3_DECODE sends bf16 x through xprep8 (e4m3 hi/lo planes + per-token scales) into the w13 stage; fp32 x
+    # e4m3_decode sends bf16 x through xprep8 (e4m3 hi/lo planes + per-token scales) into the w13 stage; fp32 x
     # keeps the bf16 hi/lo operand either way.
-    monkeypatch.setattr(ops, "E4M3_DECODE", e4m3)
-    monkeypatch.setattr(ops, "I8_DECODE", False)
     fake = _FakeFp8GemvExtension()
-    _stand_in_step(fake, x_dtype, monkeypatch)
+    _stand_in_step(fake, x_dtype, monkeypatch, KernelPolicy(e4m3_decode=e4m3, i8_decode=False))
     want_fp8 = e4m3 and x_dtype == torch.bfloat16
     assert fake.calls[:3] == ["xprep8" if want_fp8 else "xprep", "gemv13", "gemv2"]
 
@@ -847,14 +856,15 @@ def _stand_in_case(T: int, x_dtype: torch.dtype, fp4: bool):
 @pytest.mark.parametrize("fp4", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, fused, monkeypatch):
-    monkeypatch.setattr(ops, "FUSED_COMBINE", fused)
     lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(3, x_dtype, fp4)
     fake = _FakeGemvExtension()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
-    got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, extra.get("fp4_pool"),
-                        extra.get("fp4_slot_of"), extra.get("fp4_layout"), None, None)
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2, **extra)
+    ran = []
+    got = cp.moe_cuda(fake, x, ids, w, pool, slot_of, lay2, extra.get("fp4_pool"),
+                      extra.get("fp4_slot_of"), extra.get("fp4_layout"), None, None, KernelPolicy(fused_combine=fused),
+                      ran=ran.append)
+    assert ran == ["decode-gemv"] and fake.balances == [-1, -1]  # the extension's own unit plan
+    ref = reference.moe_forward_reference(x, ids, w, pool, slot_of, lay2, **extra)
     assert fake.calls[:3] == ["xprep", "gemv13", "gemv2"]
     assert ("stage13s" in fake.calls) == fp4  # FP4-resident experts still take the tile stages
     # The separate combine kernel, unless asked to fold the per-token sum into the w2 stage (only possible
@@ -863,23 +873,21 @@ def test_gemv_decode_plumbing_with_stand_in_extension(x_dtype, fp4, fused, monke
     # fp32 x travels as bf16 hi + lo (~16 mantissa bits), the intermediate too.
     assert _rel(got.float(), ref.float()) < (1e-4 if x_dtype == torch.float32 else 8e-3)
     # The first version's decode tiles stay selectable.
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "mma")
     fake.calls.clear()
-    ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
-    assert "gemv13" not in fake.calls and "stage13s" in fake.calls
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "fast")
-    with pytest.raises(UsageError, match="MOETPLAN_DECODE_KERNEL"):
-        ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    ran.clear()
+    cp.moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None, KernelPolicy(decode="mma"),
+                ran=ran.append)
+    assert "gemv13" not in fake.calls and "stage13s" in fake.calls and ran == ["decode-mma"]
+    with pytest.raises(UsageError, match="KernelPolicy.decode='fast'"):
+        KernelPolicy(decode="fast")
 
 
 @pytest.mark.parametrize("ring,code", [(None, -1), ("cp.async", 0), ("tma", 1)])
 def test_decode_ring_reaches_both_stages(ring, code, monkeypatch):
-    monkeypatch.setattr(ops, "DECODE_RING", ring)
     lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(3, torch.bfloat16, False)
     fake = _FakeGemvExtension()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
-    ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    cp.moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None, KernelPolicy(decode_ring=ring))
     assert fake.rings == [code, code]  # the w13 and the w2 launch
 
 
@@ -887,30 +895,27 @@ def test_decode_ring_reaches_both_stages(ring, code, monkeypatch):
 def test_forced_tma_ring_is_refused_where_it_cannot_run(bulk, monkeypatch):
     # The extension says the ring cannot run either stage (H = I = 256: not whole 512-weight rounds; or no sm_90+
     # GPU): "tma" is refused before any launch, naming both stages.
-    monkeypatch.setattr(ops, "DECODE_RING", "tma")
     lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(3, torch.bfloat16, False)
     fake = _FakeGemvExtension()
     fake.gemv_bulk_possible = lambda K: bulk and K % 512 == 0
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
     with pytest.raises(UsageError, match=r"w13 \(K = 256\) and w2 \(K = 256\) stage.*'cp.async'"):
-        ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+        cp.moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None,
+                    KernelPolicy(decode_ring="tma"))
     assert "gemv13" not in fake.calls
 
 
-def test_unknown_decode_ring_is_a_usage_error(monkeypatch):
-    monkeypatch.setattr(ops, "DECODE_RING", "bulk")
-    with pytest.raises(UsageError, match="DECODE_RING.*'cp.async' or 'tma'"):
-        ops.decode_ring_code()
+def test_unknown_decode_ring_is_a_usage_error():
+    with pytest.raises(UsageError, match="decode_ring='bulk'.*'cp.async', 'tma'"):
+        KernelPolicy(decode_ring="bulk")
 
 
-def test_gemv_takes_only_small_aligned_steps(monkeypatch):
-    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
+def test_gemv_takes_only_small_aligned_steps():
     fake = _FakeGemvExtension()
-    assert ops.use_gemv(fake, 64, RowLayout.for_expert(7168, 2048, tp=4))  # Ir = 512
-    assert not ops.use_gemv(fake, 65, RowLayout.for_expert(7168, 2048))
-    assert not ops.use_gemv(fake, 8, RowLayout.for_expert(4096 + 64, 2048))  # not whole 256-weight chunks
-    assert not ops.use_gemv(_FakeExtension(), 8, RowLayout.for_expert(4096, 2048))  # an older build
+    assert cp.use_gemv(fake, 64, RowLayout.for_expert(7168, 2048, tp=4))  # Ir = 512
+    assert not cp.use_gemv(fake, 65, RowLayout.for_expert(7168, 2048))
+    assert not cp.use_gemv(fake, 8, RowLayout.for_expert(4096 + 64, 2048))  # not whole 256-weight chunks
+    assert not cp.use_gemv(_FakeExtension(), 8, RowLayout.for_expert(4096, 2048))  # an older build
 
 
 @pytest.mark.parametrize("T,E", [(3, 16), (80, 16)])
@@ -924,10 +929,10 @@ def test_cuda_path_plumbing_with_stand_in_extension(T, E, monkeypatch):
     x = torch.randn(T, 96, generator=_rng(3))
     fake = _FakeExtension()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    got = ops._moe_cuda(fake, x, ids.to(torch.int32), w, pool, torch.arange(E), lay2, fpool, f4, lay4, 0.5, None)
-    ref = ops.moe_forward_reference(x, ids, w, pool, torch.arange(E), lay2, fpool, f4, lay4, 0.5)
+    got = cp.moe_cuda(fake, x, ids.to(torch.int32), w, pool, torch.arange(E), lay2, fpool, f4, lay4, 0.5, None)
+    ref = reference.moe_forward_reference(x, ids, w, pool, torch.arange(E), lay2, fpool, f4, lay4, 0.5)
     assert _rel(got, ref) < 1e-5
-    routed = T * 4 >= ops.PREFILL_PAIRS_PER_EXPERT * E
+    routed = T * 4 >= cp.PREFILL_PAIRS_PER_EXPERT * E
     assert ("route" in fake.calls) == routed
     assert fake.calls.count("combine") >= 1
     # A missing 2-bit expert is reported through the flag after the launches.
@@ -935,33 +940,33 @@ def test_cuda_path_plumbing_with_stand_in_extension(T, E, monkeypatch):
     slot[int(ids[0, 0])] = -1 if int(f4[int(ids[0, 0])]) < 0 else slot[int(ids[0, 0])]
     if int(f4[int(ids[0, 0])]) < 0:
         with pytest.raises(ops.ResidencyError, match=str(int(ids[0, 0]))):
-            ops._moe_cuda(fake, x, ids, w, pool, slot, lay2, fpool, f4, lay4, None, None)
-        assert int(ops._error_flag(x.device)) == 0  # reset once reported
+            cp.moe_cuda(fake, x, ids, w, pool, slot, lay2, fpool, f4, lay4, None, None)
+        assert int(cp.error_flag(x.device)) == 0  # reset once reported
 
 
 def test_kernel_shape_rule():
     x = torch.zeros(1, 1)
-    assert not ops.kernel_supports(RowLayout.for_expert(4096, 2048), x)  # CPU tensor: never the CUDA path
+    assert not cp.kernel_supports(RowLayout.for_expert(4096, 2048), x)  # CPU tensor: never the CUDA path
 
     class _Cuda:
         is_cuda = True
 
-    assert ops.kernel_supports(RowLayout.for_expert(7168, 2048, tp=4), _Cuda())
-    assert not ops.kernel_supports(RowLayout.for_expert(224, 96), _Cuda())  # 56-byte code rows
-    assert ops.kernel_supports(RowLayout.for_expert(224, 96, fmt="fp4"), _Cuda())
+    assert cp.kernel_supports(RowLayout.for_expert(7168, 2048, tp=4), _Cuda())
+    assert not cp.kernel_supports(RowLayout.for_expert(224, 96), _Cuda())  # 56-byte code rows
+    assert cp.kernel_supports(RowLayout.for_expert(224, 96, fmt="fp4"), _Cuda())
 
 
 def test_decode_stage_shape_rule(monkeypatch):
     """The streaming decode stages take K in whole chunks up to the extension's gemv_max_k (the zero page they
     stream for a missing expert covers that much); other shapes go to the tiles."""
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
+    gemv = KernelPolicy(decode="gemv")
     fake = _FakeGemvExtension()
-    assert ops.use_gemv(fake, 8, RowLayout.for_expert(7168, 2048))
-    assert not ops.use_gemv(fake, fake.gemv_max_pairs() + 1, RowLayout.for_expert(7168, 2048))
-    assert not ops.use_gemv(fake, 8, RowLayout.for_expert(7168 + 64, 2048))  # H not a multiple of 256
+    assert cp.use_gemv(fake, 8, RowLayout.for_expert(7168, 2048), policy=gemv)
+    assert not cp.use_gemv(fake, fake.gemv_max_pairs() + 1, RowLayout.for_expert(7168, 2048), policy=gemv)
+    assert not cp.use_gemv(fake, 8, RowLayout.for_expert(7168 + 64, 2048), policy=gemv)  # H not a multiple of 256
     monkeypatch.setattr(fake, "gemv_max_k", lambda: 4096)
-    assert ops.use_gemv(fake, 8, RowLayout.for_expert(4096, 2048))
-    assert not ops.use_gemv(fake, 8, RowLayout.for_expert(7168, 2048))
+    assert cp.use_gemv(fake, 8, RowLayout.for_expert(4096, 2048), policy=gemv)
+    assert not cp.use_gemv(fake, 8, RowLayout.for_expert(7168, 2048), policy=gemv)
 
 
 class _FakeRowdotExtension(_FakeGemvExtension):
@@ -998,14 +1003,13 @@ class _FakeRowdotExtension(_FakeGemvExtension):
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("fused", [False, True])
 def test_rowdot_decode_plumbing_with_stand_in_extension(x_dtype, fp4, T, fused, monkeypatch):
-    monkeypatch.setattr(ops, "FUSED_COMBINE", fused)
     lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(T, x_dtype, fp4)
     fake = _FakeRowdotExtension()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "rowdot")
-    got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, extra.get("fp4_pool"),
-                        extra.get("fp4_slot_of"), extra.get("fp4_layout"), None, None)
-    ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2, **extra)
+    got = cp.moe_cuda(fake, x, ids, w, pool, slot_of, lay2, extra.get("fp4_pool"),
+                      extra.get("fp4_slot_of"), extra.get("fp4_layout"), None, None,
+                      KernelPolicy(decode="rowdot", fused_combine=fused))
+    ref = reference.moe_forward_reference(x, ids, w, pool, slot_of, lay2, **extra)
     np_ = 1 if T == 1 else 2
     assert fake.calls[:2] == [f"rowdot13/{np_}", f"rowdot2/{np_}"]
     assert "xprep" not in fake.calls and "gemv13" not in fake.calls
@@ -1016,30 +1020,28 @@ def test_rowdot_decode_plumbing_with_stand_in_extension(x_dtype, fp4, T, fused, 
     assert _rel(got.float(), ref.float()) < tol
 
 
-def test_decode_kernel_selection(monkeypatch):
+def test_decode_kernel_selection():
     fake = _FakeRowdotExtension()
     lay = RowLayout.for_expert(4096, 2048)
-    monkeypatch.delenv("MOETPLAN_DECODE_KERNEL", raising=False)
-    assert ops.decode_kernel() == "auto"
-    # auto: rowdot only up to ROWDOT_MAX_TOKENS tokens, gemv above; exactly one of them per step.
-    monkeypatch.setattr(ops, "ROWDOT_MAX_TOKENS", 2)
-    assert ops.use_rowdot(fake, 12, lay, 2) and not ops.use_gemv(fake, 12, lay, 2)
-    assert not ops.use_rowdot(fake, 24, lay, 3) and ops.use_gemv(fake, 24, lay, 3)
-    monkeypatch.setattr(ops, "ROWDOT_MAX_TOKENS", 0)
-    assert not ops.use_rowdot(fake, 6, lay, 1) and ops.use_gemv(fake, 6, lay, 1)
+    assert KernelPolicy().decode == "auto"
+    # auto: rowdot only up to rowdot_max_tokens tokens, gemv above; exactly one of them per step.
+    two = KernelPolicy(rowdot_max_tokens=2)
+    assert cp.use_rowdot(fake, 12, lay, 2, two) and not cp.use_gemv(fake, 12, lay, 2, two)
+    assert not cp.use_rowdot(fake, 24, lay, 3, two) and cp.use_gemv(fake, 24, lay, 3, two)
+    assert not cp.use_rowdot(fake, 6, lay, 1) and cp.use_gemv(fake, 6, lay, 1)  # the default: 0
     # Forced choices, shape limits and builds without the stage.
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "rowdot")
-    assert ops.use_rowdot(fake, 64, lay, 8) and not ops.use_gemv(fake, 64, lay, 8)
-    assert not ops.use_rowdot(fake, 65, lay, 9)
-    assert not ops.use_rowdot(fake, 8, RowLayout.for_expert(4096 + 64, 2048), 1)
-    assert not ops.use_rowdot(_FakeGemvExtension(), 8, lay, 1)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "gemv")
-    assert not ops.use_rowdot(fake, 6, lay, 1) and ops.use_gemv(fake, 6, lay, 1)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "mma")
-    assert not ops.use_rowdot(fake, 6, lay, 1) and not ops.use_gemv(fake, 6, lay, 1)
-    monkeypatch.setenv("MOETPLAN_DECODE_KERNEL", "bogus")
-    with pytest.raises(UsageError, match="auto"):
-        ops.decode_kernel()
+    rowdot = KernelPolicy(decode="rowdot")
+    assert cp.use_rowdot(fake, 64, lay, 8, rowdot) and not cp.use_gemv(fake, 64, lay, 8, rowdot)
+    assert not cp.use_rowdot(fake, 65, lay, 9, rowdot)
+    assert not cp.use_rowdot(fake, 8, RowLayout.for_expert(4096 + 64, 2048), 1, rowdot)
+    assert not cp.use_rowdot(_FakeGemvExtension(), 8, lay, 1, rowdot)
+    gemv, mma = KernelPolicy(decode="gemv"), KernelPolicy(decode="mma")
+    assert not cp.use_rowdot(fake, 6, lay, 1, gemv) and cp.use_gemv(fake, 6, lay, 1, gemv)
+    assert not cp.use_rowdot(fake, 6, lay, 1, mma) and not cp.use_gemv(fake, 6, lay, 1, mma)
+    with pytest.raises(UsageError, match="'auto'"):
+        KernelPolicy(decode="bogus")
+    with pytest.raises(UsageError, match="rowdot_max_tokens"):
+        KernelPolicy(rowdot_max_tokens=-1)
 
 
 def _ws_offsets(y: int, K: int) -> torch.Tensor:
@@ -1109,7 +1111,7 @@ class _FakePrefillExtension(_FakeGemvExtension):
                         partial[p] = 0
                     continue
                 row = pool[slot]
-                W = ops.dequantize_rows(row[q_off:q_off + N * K // 4].view(N, K // 4),
+                W = reference.dequantize_rows(row[q_off:q_off + N * K // 4].view(N, K // 4),
                                         row[s_off:s_off + N * K // 32].view(N, K // 32), "2bit")
                 if wgmma:  # B tiled per pass (prefill_tile_b / the w13 stage's tiled output)
                     src = _from_paired(b.view(-1)[_ws_offsets(y, K)[col]].float())
@@ -1136,62 +1138,54 @@ def test_prefill_plumbing_with_stand_in_extension(wgmma, fp4, monkeypatch):
     lay2, pool, slot_of, extra, ids, w, x = _stand_in_case(96, torch.float32, fp4)
     fake = _FakePrefillExtension(wgmma=wgmma)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    for env in ("MOETPLAN_PREFILL_KERNEL", "MOETPLAN_PREFILL_VARIANT"):
-        monkeypatch.delenv(env, raising=False)
     ids[:, 0] = 3  # one expert with 96+ pairs: two passes of 64
     for limit in (None, 0.5):
         fake.calls.clear()
-        got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, extra.get("fp4_pool"),
-                            extra.get("fp4_slot_of"), extra.get("fp4_layout"), limit, None)
-        ref = ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2, swiglu_limit=limit, **extra)
+        ran = []
+        got = cp.moe_cuda(fake, x, ids, w, pool, slot_of, lay2, extra.get("fp4_pool"),
+                          extra.get("fp4_slot_of"), extra.get("fp4_layout"), limit, None, ran=ran.append)
+        ref = reference.moe_forward_reference(x, ids, w, pool, slot_of, lay2, swiglu_limit=limit, **extra)
         # 24 pairs per expert (< WGMMA_PAIRS_PER_EXPERT): the default is the mma.sync tiles (variant 1) even where
         # wgmma is available; bf16 B and intermediate
-        assert fake.calls[:5] == ["route", "tiles", "pair_x", "prefill13", "prefill2"]
+        assert fake.calls[:5] == ["route", "tiles", "pair_x", "prefill13", "prefill2"] and ran == ["prefill-tiled"]
         assert fake.passes > fake.segments  # expert 3's pairs span two block passes
         assert fake.variants[-1] == (False, 1)
         assert ("stage13r" in fake.calls) == fp4  # FP4-resident experts take the warp tiles
         assert _rel(got.float(), ref.float()) < 1e-2
-    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "wgmma")
+    forced = KernelPolicy(prefill="wgmma")
     if not wgmma:
         with pytest.raises(UsageError, match="compute-capability 9.0"):
-            ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+            cp.moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None, forced)
         return
     fake.calls.clear()
-    got = ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    got = cp.moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None, forced)
     assert fake.calls[:4] == ["route", "tiles", "tile_b", "prefill13"] and fake.variants[-1] == (True, 1)
     assert fake.bn == 128  # the wgmma stages' pass list: 128-pair passes
-    assert _rel(got.float(), ops.moe_forward_reference(x, ids, w, pool, slot_of, lay2).float()) < 1e-2
-    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "tiled")
-    monkeypatch.setenv("MOETPLAN_PREFILL_VARIANT", "2")
-    ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    assert _rel(got.float(), reference.moe_forward_reference(x, ids, w, pool, slot_of, lay2).float()) < 1e-2
+    cp.moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None,
+                KernelPolicy(prefill="tiled", prefill_variant=2))
     assert fake.variants[-1] == (False, 2)
-    monkeypatch.setenv("MOETPLAN_PREFILL_VARIANT", "7")
-    with pytest.raises(UsageError, match="MOETPLAN_PREFILL_VARIANT"):
-        ops._moe_cuda(fake, x, ids, w, pool, slot_of, lay2, None, None, None, None, None)
+    with pytest.raises(UsageError, match="prefill_variant=7"):
+        KernelPolicy(prefill="tiled", prefill_variant=7)
 
 
-def test_prefill_kernel_selection(monkeypatch):
+def test_prefill_kernel_selection():
     fake = _FakePrefillExtension()
     lay = RowLayout.for_expert(4096, 2048)
-    monkeypatch.delenv("MOETPLAN_PREFILL_KERNEL", raising=False)
-    assert ops.prefill_kernel() == "auto" and ops.use_tiled_prefill(fake, lay) == "tiled"
-    assert ops.use_tiled_prefill(fake, RowLayout.for_expert(4096 + 64, 2048)) is None  # H % 128: warp tiles
-    assert ops.use_tiled_prefill(_FakeGemvExtension(), lay) is None  # an older build
-    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "warp")
-    assert ops.use_tiled_prefill(fake, lay) is None
-    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "wgmma")
-    assert ops.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay) == "wgmma"
+    assert KernelPolicy().prefill == "auto" and cp.use_tiled_prefill(fake, lay) == "tiled"
+    assert cp.use_tiled_prefill(fake, RowLayout.for_expert(4096 + 64, 2048)) is None  # H % 128: warp tiles
+    assert cp.use_tiled_prefill(_FakeGemvExtension(), lay) is None  # an older build
+    assert cp.use_tiled_prefill(fake, lay, policy=KernelPolicy(prefill="warp")) is None
+    assert cp.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay, policy=KernelPolicy(prefill="wgmma")) == "wgmma"
     # auto: wgmma on Hopper for wide passes only; never where the build or GPU lacks it
-    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "auto")
-    wide = ops.WGMMA_PAIRS_PER_EXPERT
-    assert ops.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay, wide) == "wgmma"
-    assert ops.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay, wide - 0.5) == "tiled"
-    assert ops.use_tiled_prefill(_FakePrefillExtension(wgmma=False), lay, 10 * wide) == "tiled"
-    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "tiled")
-    assert ops.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay, 10 * wide) == "tiled"
-    monkeypatch.setenv("MOETPLAN_PREFILL_KERNEL", "bogus")
-    with pytest.raises(UsageError, match="auto"):
-        ops.prefill_kernel()
+    wide = cp.WGMMA_PAIRS_PER_EXPERT
+    assert cp.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay, wide) == "wgmma"
+    assert cp.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay, wide - 0.5) == "tiled"
+    assert cp.use_tiled_prefill(_FakePrefillExtension(wgmma=False), lay, 10 * wide) == "tiled"
+    tiled = KernelPolicy(prefill="tiled")
+    assert cp.use_tiled_prefill(_FakePrefillExtension(wgmma=True), lay, 10 * wide, tiled) == "tiled"
+    with pytest.raises(UsageError, match="'auto'"):
+        KernelPolicy(prefill="bogus")
 
 
 def test_wgmma_b_tile_layout_is_a_permutation_per_pass():

@@ -9,7 +9,6 @@ consecutive kernels overlap, the rest is launch gaps).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.kernels import (atomic_write_json, capture, machine_info, model_shapes, resident_layer,  # noqa: E402
                            time_events)
+from moetplan.contract.runtime import KernelPolicy  # noqa: E402
 from moetplan.runtime import kernels as kmod, ops  # noqa: E402
 from moetplan.runtime.format import RowLayout  # noqa: E402
 
@@ -49,7 +49,8 @@ def short_name(name: str) -> str:
     return name[:60]
 
 
-def timeline(m: dict[str, Any], T: int, layers_in_step: int, gen: torch.Generator) -> dict[str, Any]:
+def timeline(m: dict[str, Any], T: int, layers_in_step: int, gen: torch.Generator,
+             policy: KernelPolicy = KernelPolicy()) -> dict[str, Any]:
     H, I, k, E = m["H"], m["I"], m["k"], m["E"]
     lay = RowLayout.for_expert(H, I, fmt="2bit")
     NL = 16  # distinct layers (16 x 6 experts x 14 MB >> L2 at the smallest case)
@@ -61,7 +62,7 @@ def timeline(m: dict[str, Any], T: int, layers_in_step: int, gen: torch.Generato
     def step():
         for li in range(L):
             d = layers[li % NL]
-            ops.moe_forward(x, d["ids"], d["w"], d["pool"], d["slot_of"], lay, out=outs[li % NL])
+            ops.moe_forward(x, d["ids"], d["w"], d["pool"], d["slot_of"], lay, out=outs[li % NL], policy=policy)
 
     g = capture(step)
     t = time_events(g.replay, reps=10)
@@ -107,8 +108,7 @@ def main() -> None:
         if want and m["name"] not in want:
             continue
         for T, pdl in [(int(s), p) for s in args.tokens.split(",") for p in args.pdl.split(",")]:
-            os.environ["MOETPLAN_PDL"] = pdl
-            r = {"pdl": pdl == "1", **timeline(m, T, args.layers, gen)}
+            r = {"pdl": pdl == "1", **timeline(m, T, args.layers, gen, KernelPolicy(pdl=pdl == "1"))}
             res["cases"].append(r)
             kk = "  ".join(f"{n} {v['mean_us']:.1f}" for n, v in r["per_kernel"].items())
             print(f"{m['name']:18s} T={T} pdl={pdl}: {r['per_layer_us']:.1f} us/layer (graph), kernels cover "

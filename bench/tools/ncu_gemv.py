@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.kernels import model_shapes, resident_layer  # noqa: E402
+from moetplan.contract.runtime import KernelPolicy  # noqa: E402
 from moetplan.runtime import ops  # noqa: E402
 from moetplan.runtime.format import RowLayout  # noqa: E402
 
@@ -26,7 +27,10 @@ def main() -> None:
     ap.add_argument("--model", default="DeepSeek-V4-Flash")
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--decode-kernel", default="auto", help="KernelPolicy.decode of the calls")
+    ap.add_argument("--prefill-kernel", default="auto", help="KernelPolicy.prefill of the calls")
     args = ap.parse_args()
+    policy = KernelPolicy(decode=args.decode_kernel, prefill=args.prefill_kernel)
     m = next(s for s in model_shapes() if s["name"] == args.model)
     gen = torch.Generator(device="cuda").manual_seed(0)
     lay = RowLayout.for_expert(m["H"], m["I"], fmt="2bit")
@@ -34,7 +38,7 @@ def main() -> None:
     ids, w, slot_of, pool = d["ids"], d["w"], d["slot_of"], d["pool"]
     x = (torch.randn(args.tokens, m["H"], device="cuda", generator=gen) * 0.3).to(torch.bfloat16)
     for _ in range(args.calls):
-        ops.moe_forward(x, ids, w, pool, slot_of, lay)
+        ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=policy)
     torch.cuda.synchronize()
     print(f"{args.model} T={args.tokens}: {d['used']} experts, {d['used'] * lay.payload_bytes / 1e6:.1f} MB, "
           f"weights={d['used'] * 3 * m['H'] * m['I']}")

@@ -27,7 +27,7 @@ MIN_CAPABILITY = (8, 0)
 EXT_NAME = "moetplan_moe"
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"module": None, "tried": False, "reason": None, "warned": False}
+_state: dict[str, Any] = {"module": None, "tried": False, "reason": None, "noted": set()}
 
 
 class KernelBuildError(MoetplanError):
@@ -165,22 +165,19 @@ def get_module():
             return _state["module"]
         reason = None
         mod = None
-        if os.environ.get("MOETPLAN_KERNELS", "").lower() in ("0", "off", "ref", "reference"):
-            reason = "MOETPLAN_KERNELS=off"
-        else:
-            try:
-                import torch
+        try:
+            import torch
 
-                if not torch.cuda.is_available():
-                    reason = "no CUDA device"
-                elif _device_capability() is None:
-                    reason = f"GPU capability {torch.cuda.get_device_capability()} below sm_80"
-                else:
-                    mod = build(None)
-            except MoetplanError as e:
-                reason = str(e)
-            except Exception as e:  # pragma: no cover - unexpected toolchain failures
-                reason = f"{type(e).__name__}: {e}"
+            if not torch.cuda.is_available():
+                reason = "no CUDA device"
+            elif _device_capability() is None:
+                reason = f"GPU capability {torch.cuda.get_device_capability()} below sm_80"
+            else:
+                mod = build(None)
+        except MoetplanError as e:
+            reason = str(e)
+        except Exception as e:  # pragma: no cover - unexpected toolchain failures
+            reason = f"{type(e).__name__}: {e}"
         _state.update(module=mod, tried=True, reason=reason)
         return mod
 
@@ -190,20 +187,13 @@ def fallback_reason() -> str | None:
     return _state["reason"]
 
 
-def note_fallback() -> None:
-    """The one log line saying the torch reference path is in use, and why."""
-    if not _state["warned"]:
-        _state["warned"] = True
-        log.warning("moetplan MoE kernels unavailable (%s); using the torch reference path", fallback_reason())
-
-
-def note_shape_fallback(why: str) -> None:
-    """One log line per distinct shape that the kernels do not take (the reference path runs instead)."""
-    seen = _state.setdefault("shape_warned", set())
+def note_reference(why: str) -> None:
+    """One log line per distinct reason a GPU step ran on the torch reference instead of the kernels."""
+    seen = _state.setdefault("noted", set())
     if why not in seen:
         seen.add(why)
-        log.warning("moetplan MoE kernels skip this layer shape (%s); using the torch reference path", why)
+        log.warning("moetplan MoE kernels not used (%s); using the torch reference path", why)
 
 
 def reset_for_tests() -> None:
-    _state.update(module=None, tried=False, reason=None, warned=False, shape_warned=set())
+    _state.update(module=None, tried=False, reason=None, noted=set())

@@ -231,39 +231,6 @@ def writer() -> records.RecordWriter | None:
 # --------------------------------------------------------------------------- expert computation
 
 
-def _swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return torch.nn.functional.silu(gate) * up
-
-
-def moe_reference(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    expert_weights: Any,
-    swiglu_limit: float | None = None,
-) -> torch.Tensor:
-    """Plain torch MoE: sum_j w_tj * W2_e(swiglu(W13_e x_t)); `expert_weights(e)` -> (w13 [2I,H], w2 [H,I]).
-
-    Computes in x's dtype, so an fp32 run is an fp32 reference (the oracle vLLM's own output is compared to).
-    """
-    out = torch.zeros_like(x)
-    flat_ids = topk_ids.reshape(-1).to(torch.long)
-    tok = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
-    wts = topk_weights.reshape(-1)
-    for e in torch.unique(flat_ids).tolist():
-        sel = (flat_ids == e).nonzero(as_tuple=True)[0]
-        t = tok[sel]
-        w13, w2 = expert_weights(e)
-        h = _swiglu(x[t] @ w13.to(x.dtype).t(), swiglu_limit)
-        y = h @ w2.to(x.dtype).t()
-        out.index_add_(0, t, y * wts[sel].to(x.dtype).unsqueeze(1))
-    return out
-
-
 @dataclass
 class LayerState:
     """One MoE layer's routed experts after load, as the custom op sees them."""
@@ -291,7 +258,9 @@ class LayerState:
         if self.fmt == "unquantized":
             assert self.w13 is not None and self.w2 is not None
             w13, w2 = self.w13, self.w2
-            return moe_reference(x, topk_weights, topk_ids, lambda e: (w13[e], w2[e]), self.swiglu_limit)
+            from moetplan.runtime.reference import moe_reference
+
+            return moe_reference(x, topk_ids, topk_weights, lambda e, _fp4: (w13[e], w2[e]), self.swiglu_limit)
         return self._forward_2bit(x, topk_weights, topk_ids, warmup)
 
     def fp4_args(self, topk_ids: torch.Tensor, warmup: bool = False) -> dict[str, Any]:
