@@ -41,18 +41,16 @@ def start_run(args: list[str], env: dict[str, str], deadline_s: float = 480) -> 
 
 
 # Offline vLLM engines, one after another in a subprocess (engines are spawned, so the script needs the __main__
-# guard). A job is [model, quantization or None, plan path or None, FP4 promoter or None, seconds to wait before
-# shutdown (the worker's run-record flusher writes about once a second)].
+# guard). A job is [model, quantization or None, plan path or None, seconds to wait before shutdown (the worker's
+# run-record flusher writes about once a second)]. Everything the worker does comes from the plan.
 OFFLINE_SCRIPT = '''
 import gc, json, os, sys, time
 
 
-def generate(model, quantization, plan, promoter=None, settle_s=0.0):
+def generate(model, quantization, plan, settle_s=0.0):
     from vllm import LLM, SamplingParams
     if plan:
         os.environ["MOETPLAN_PLAN"] = plan
-    if promoter:
-        os.environ["MOETPLAN_FP4_PROMOTER"] = promoter
     # vLLM's AMX MLA kernel (chosen wherever CPUID reports AMX) takes bf16 only; fp32 MLA names the reference
     # CPU_MLA backend, as moetplan's launch does (launch/command.py, cpu_mla_backend).
     from moetplan.vllm_compat import cpu_mla_backend
@@ -92,17 +90,21 @@ def run_offline(script_dir: Path, jobs: dict[str, list], env: dict[str, str], pr
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def plan_file(tmp: Path, ckpt: Path, fmt: str, tag: str = "", gate: dict | None = None, **placement: Any) -> str:
-    """A CPU plan for a generated checkpoint with these placement fields set, saved as a file; returns its path."""
+def plan_file(tmp: Path, ckpt: Path, fmt: str, tag: str = "", gate: dict | None = None, promoter: str | None = None,
+              **placement: Any) -> str:
+    """A CPU plan for a generated checkpoint with these placement fields set (and the FP4 promoter, a runtime
+    knob), saved as a file; returns its path."""
     from moetplan.plan.cpu_backend import plan_for_cpu
     from moetplan.models import resolve_model
-    from moetplan.contract import Gate, save_json
+    from moetplan.contract import Gate, RuntimeKnobs, save_json
 
     plan = plan_for_cpu(resolve_model(str(ckpt)), context=512, expert_format=fmt)
     for k, v in placement.items():
         setattr(plan.placement, k, v)
     if gate is not None:
         plan.placement.gate = Gate(**gate)
+    if promoter is not None:
+        plan.runtime_knobs = RuntimeKnobs(promoter=promoter)
     path = tmp / f"{ckpt.name}.{fmt}{tag}.json"
     save_json(plan, path)
     return str(path)

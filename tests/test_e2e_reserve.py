@@ -42,19 +42,19 @@ def runs(tmp_path_factory):
     plans = {
         "plain": plan_file(tmp, ckpt, "2bit", ".plain"),
         "reserve": plan_file(tmp, ckpt, "2bit", ".reserve", fp4_reserve_slots=16, pack_dir=packs),
-        "gate": plan_file(tmp, ckpt, "2bit", ".gate", gate={"enabled": True, "tau": 1.0}, fp4_reserve_slots=32,
-                          pack_dir=packs),
+        "gate": plan_file(tmp, ckpt, "2bit", ".gate", gate={"enabled": True, "tau": 1.0}, promoter="gate",
+                          fp4_reserve_slots=32, pack_dir=packs),
         "gate_never": plan_file(tmp, ckpt, "2bit", ".gate_never", gate={"enabled": True, "tau": 0.0},
-                                fp4_reserve_slots=32, pack_dir=packs),
+                                promoter="gate", fp4_reserve_slots=32, pack_dir=packs),
     }
     m = str(ckpt)
     settle = 2.5  # the worker's run-record flusher writes about once a second
     jobs = {  # in this order: the reserve run writes the FP4 pack the gate runs read
-        "plain": [m, "moetplan", plans["plain"], "gate", settle],
-        "reserve": [m, "moetplan", plans["reserve"], "background", settle],
-        "gate_a": [m, "moetplan", plans["gate"], "gate", settle],
-        "gate_b": [m, "moetplan", plans["gate"], "gate", settle],
-        "gate_never": [m, "moetplan", plans["gate_never"], "gate", settle],
+        "plain": [m, "moetplan", plans["plain"], settle],
+        "reserve": [m, "moetplan", plans["reserve"], settle],  # the background promoter (the default)
+        "gate_a": [m, "moetplan", plans["gate"], settle],  # gate-only promoter: tokens independent of timing
+        "gate_b": [m, "moetplan", plans["gate"], settle],
+        "gate_never": [m, "moetplan", plans["gate_never"], settle],
     }
     plan_of = {name: args[2] for name, args in jobs.items()}
     records: dict[str, dict] = {}

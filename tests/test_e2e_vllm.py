@@ -98,7 +98,7 @@ def offline(env, checkpoints, tmp_path_factory):
         "moetplan_2bit_a": [qwen, "moetplan", plans["2bit"]],
         # (1.5 s before shutdown: the store KPIs below are read from its run record, which the worker's flusher
         # writes about once a second besides the exit write)
-        "moetplan_2bit_nvme": [qwen, "moetplan", plans["nvme"], None, 1.5],
+        "moetplan_2bit_nvme": [qwen, "moetplan", plans["nvme"], 1.5],
         "moetplan_2bit_from_pack": [qwen, "moetplan", plans["from_pack"]],
         # the same expert values stored as FP8 block-128: the FP8 source path must give the same 2-bit rows
         "moetplan_2bit_fp8": [str(checkpoints["tiny-moe-fp8"]), "moetplan",
@@ -139,7 +139,7 @@ def test_plugin_counters_reach_the_run_record(served, served_tokens):
     assert rt["moe_layers"] == 2 and rt["expert_format"] == "unquantized"
     assert rt["moe_calls"] >= 2 * MAX_TOKENS  # 2 MoE layers x (prefill + decode steps)
     assert rt["tokens"] >= MAX_TOKENS and rt["routings"] == rt["tokens"] * 4 * 2
-    assert rt["token_hit_rate"] == 1.0
+    assert rt["token_hit_rate"] == 1.0 and set(rt["kernel_paths"]) == {"reference:unquantized"}
     assert rec.model_id == "tiny-moe" and rec.plan_path == served["ready"]["plan"]
 
 
@@ -167,6 +167,9 @@ def test_2bit_experts_are_deterministic_across_runs_tiers_and_packs(offline):
     plans = offline["_plans"]
     ra, rn, rp = _record(plans["2bit"]), _record(plans["nvme"]), _record(plans["from_pack"])
     assert ra.runtime["expert_sources"] == ["float32"] and ra.runtime["token_hit_rate"] == 1.0
+    # which kernel path ran, and why the reference did (on the CPU backend it is the only path)
+    assert set(ra.runtime["kernel_paths"]) == {"reference"} and ra.runtime["kernel_fallbacks"] > 0
+    assert list(ra.runtime["kernel_fallback_reasons"]) == ["cuda: x is on the CPU"]
     assert rn.runtime["tier"] == "nvme" and rn.runtime["slots"] == 24 and rn.runtime["pack"]
     assert 0.0 < rn.runtime["token_hit_rate"] <= 1.0 and rn.runtime["misses_per_step"] is not None
     assert rp.runtime["expert_sources"][0].startswith("pack:")

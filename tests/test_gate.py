@@ -164,14 +164,11 @@ def test_bad_configuration_is_refused():
         GateController(make_reserve(), max_promotions_per_step=-1)
 
 
-def test_from_plan():
-    from types import SimpleNamespace
+def test_from_the_runtime_section():
+    from moetplan.contract import Gate, RuntimeSection
 
-    from moetplan.contract import Gate
-
-    plan = SimpleNamespace(placement=SimpleNamespace(gate=Gate(enabled=True, tau=0.3, max_promotions_per_step=12),
-                                                     mtp=1))
-    g = GateController.from_plan(plan, make_reserve())
+    section = RuntimeSection(gate=Gate(enabled=True, tau=0.3, max_promotions_per_step=12), mtp=1)
+    g = GateController.from_section(section, make_reserve())
     assert (g.enabled, g.tau, g.max_promotions_per_step, g.spec_tokens) == (True, 0.3, 12, 1)
 
 

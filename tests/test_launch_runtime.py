@@ -2,6 +2,7 @@
 nvme tiers), FP8 sources, the CPU rotary workaround, run records and the plugin registration."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 from types import SimpleNamespace
@@ -15,26 +16,43 @@ pytest.importorskip("vllm")
 from moetplan.contract.errors import ConfigError  # noqa: E402
 from moetplan.contract.model import Attention, ModelSpec  # noqa: E402
 from moetplan import contract as schema  # noqa: E402
+from moetplan.contract.runtime import RuntimeKnobs  # noqa: E402
+from moetplan.contract.sizing import reserve_slots  # noqa: E402
 from moetplan.runtime import records  # noqa: E402
+from moetplan.runtime import vllm_config as vc  # noqa: E402
 from moetplan.runtime import vllm_method as vm  # noqa: E402
+from moetplan.runtime.expert_source import source_expert_weights  # noqa: E402
 from moetplan.runtime.format import RowLayout, pack_expert_row, unpack_expert_row  # noqa: E402
+from moetplan.runtime.layer import LayerState  # noqa: E402
+from moetplan.runtime.worker import WorkerRuntime  # noqa: E402
 
 
-def _plan(**placement) -> schema.Plan:
+def _plan(knobs: RuntimeKnobs | None = None, **placement) -> schema.Plan:
     spec = ModelSpec(id="local:t", name="t", num_layers=2, moe_layers=2, hidden_size=64, moe_intermediate_size=32,
                      n_routed_experts=8, top_k=2, vocab_size=64, max_position_embeddings=256,
                      attention=Attention(kind="gqa", num_heads=2, num_kv_heads=1, head_dim=32),
                      kv_bytes_per_token={"bf16": 256.0}, non_routed_params_b=1e-5)
     return schema.Plan(model=spec, hardware=schema.HardwareProfile(host=schema.HostInfo(ram_gib=8)),
-                       placement=schema.Placement(**placement),
+                       placement=schema.Placement(**placement), runtime_knobs=knobs or RuntimeKnobs(),
                        memory=schema.MemoryLedger(), prediction=schema.Prediction(decode_tok_s=0))
 
 
-@pytest.fixture(autouse=True)
-def _clean_runtime():
-    vm._reset_for_tests(None)
-    yield
-    vm._reset_for_tests(None)
+GATE_ONLY = RuntimeKnobs(promoter="gate")  # the test promotes by hand: no background thread's timing
+
+
+@pytest.fixture
+def workers():
+    """Build workers (one per simulated process) and close their reserves' threads after the test."""
+    made: list[WorkerRuntime] = []
+
+    def make(plan: schema.Plan, path: str | None = None) -> WorkerRuntime:
+        w = WorkerRuntime(plan, path, rank=0)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
 
 
 def _experts(E=8, H=64, I=32, seed=0):
@@ -63,32 +81,42 @@ def _naive(x, ids, w, w13, w2):
 # --------------------------------------------------------------------------- settings
 
 
-def test_settings_from_plan_reads_tier_slots_and_format(tmp_path):
-    plan = _plan(expert_tier="host", gpu_expert_cache_slots=12, max_num_seqs=2, mtp=1,
-                 expert_format="unquantized")
-    s = vm.RuntimeSettings.from_plan(plan, "p.json")
-    assert (s.expert_tier, s.cache_slots, s.expert_format) == ("host", 12, "unquantized")
+def test_the_worker_reads_the_plans_runtime_section(workers):
+    plan = _plan(expert_tier="nvme", gpu_expert_cache_slots=12, host_arena_rows=5, fp4_reserve_slots=3,
+                 max_num_seqs=2, mtp=1, expert_format="unquantized",
+                 knobs=RuntimeKnobs(promoter="gate", kernels=schema.KernelPolicy(decode="gemv")))
+    s = workers(plan, "p.json").section
+    assert (s.tier, s.cache_slots, s.arena_rows, s.reserve_slots, s.expert_format) == ("nvme", 12, 5, 3,
+                                                                                        "unquantized")
     assert s.decode_batch_tokens == 4  # 2 seqs x (1 + 1 MTP token)
-    assert vm.RuntimeSettings.from_plan(_plan(), None).expert_format == "2bit"
+    assert s.row_bytes == RowLayout.for_expert(64, 32).stride  # the rows the plan sized are the rows allocated
+    assert (s.promoter, s.kernels.decode) == ("gate", "gemv")
+    with pytest.raises(ValueError, match="frozen"):  # the worker cannot drift from the plan
+        s.cache_slots = 3
+    assert workers(_plan()).section.expert_format == "2bit"
     bad = _plan()
     object.__setattr__(bad.placement, "expert_format", "int3")  # e.g. a newer plan than this runtime knows
     with pytest.raises(ConfigError, match="expert_format 'int3'"):
-        vm.RuntimeSettings.from_plan(bad)
+        workers(bad)
+    with pytest.raises(ValueError, match="promoter"):
+        RuntimeKnobs(promoter="sometimes")
 
 
-def test_settings_need_the_plan_env(monkeypatch, tmp_path):
-    monkeypatch.delenv(vm.PLAN_ENV, raising=False)
+def test_the_process_worker_needs_the_plan(monkeypatch, tmp_path):
+    monkeypatch.delenv("MOETPLAN_PLAN", raising=False)
     with pytest.raises(ConfigError, match="MOETPLAN_PLAN is not set.*moetplan run"):
-        vm.RuntimeSettings.from_env()
+        WorkerRuntime.from_env()
     bad = tmp_path / "plan.json"
     bad.write_text("{not json")
-    monkeypatch.setenv(vm.PLAN_ENV, str(bad))
+    monkeypatch.setenv("MOETPLAN_PLAN", str(bad))
     with pytest.raises(ConfigError, match="not valid JSON"):
-        vm.RuntimeSettings.from_env()
+        WorkerRuntime.from_env()
     good = tmp_path / "good.json"
     schema.save_json(_plan(expert_tier="resident"), good)
-    monkeypatch.setenv(vm.PLAN_ENV, str(good))
-    assert vm.RuntimeSettings.from_env().plan_path == str(good)
+    monkeypatch.setenv("MOETPLAN_PLAN", str(good))
+    w = WorkerRuntime.from_env()
+    assert w.plan_path == str(good) and w.record_path() == str(tmp_path / "good.run.json")
+    assert copy.deepcopy(w) is w  # one per process: a copied config shares it
 
 
 # --------------------------------------------------------------------------- expert computation
@@ -117,7 +145,7 @@ def _layer_2bit(w13, w2, tier="resident", moe_index=0):
     E, two_i, H = w13.shape
     layout = RowLayout.for_expert(H, two_i // 2, 1, "2bit")
     rows = torch.stack([pack_expert_row(w13[e], w2[e], layout) for e in range(E)])
-    st = vm.LayerState(key=moe_index, moe_index=moe_index, name=f"l{moe_index}", fmt="2bit", tier=tier,
+    st = LayerState(key=moe_index, moe_index=moe_index, name=f"l{moe_index}", fmt="2bit", tier=tier,
                        num_experts=E, hidden=H, inter=two_i // 2, layout=layout)
     return st, rows
 
@@ -136,52 +164,60 @@ def test_2bit_resident_layer_computes_on_the_quantized_rows():
     assert not torch.allclose(got.double(), _naive(x, ids, w, w13, w2), atol=1e-4)
 
 
-def _tiered_layers(tmp_path, tier, slots, monkeypatch):
-    s = vm.RuntimeSettings.from_plan(_plan(expert_tier=tier, gpu_expert_cache_slots=slots,
-                                           host_arena_rows=256, pack_dir=str(tmp_path / "packs")))
+def _checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir(exist_ok=True)
     (ckpt / "model.safetensors").write_bytes(b"\0" * 16)
     (ckpt / "config.json").write_text("{}")
-    monkeypatch.setattr(vm, "_model_dir", lambda: str(ckpt))
+    return str(ckpt)
+
+
+def _tiered_layers(tmp_path, tier, slots, workers):
+    w = workers(_plan(expert_tier=tier, gpu_expert_cache_slots=slots, host_arena_rows=256,
+                      pack_dir=str(tmp_path / "packs")))
+    w.packs.set_model_dir(_checkpoint(tmp_path))
     layers, resident = [], []
     for li in range(2):
         w13, w2 = _experts(seed=10 + li)
         st, rows = _layer_2bit(w13, w2, tier, li)
-        ref = vm.LayerState(**{**st.__dict__, "tier": "resident"})
+        ref = LayerState(**{**st.__dict__, "tier": "resident"})
         ref.rows, ref.slot_of = rows.clone(), torch.arange(8, dtype=torch.int32)
-        st.store = vm._attach_store(st, rows, s)
+        st.store = w.attach_store(st, rows)
+        w.layers[li] = st
         layers.append(st)
         resident.append(ref)
-    return layers, resident
+    return w, layers, resident
 
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
-def test_tiered_store_gives_the_resident_result_through_decode_and_chunked_prefill(tier, tmp_path, monkeypatch):
-    layers, resident = _tiered_layers(tmp_path, tier, slots=6, monkeypatch=monkeypatch)
+def test_tiered_store_gives_the_resident_result_through_decode_and_chunked_prefill(tier, tmp_path, workers):
+    w, layers, resident = _tiered_layers(tmp_path, tier, slots=6, workers=workers)
     g = torch.Generator().manual_seed(7)
     for T, seed in ((1, 1), (1, 2), (9, 3), (1, 4)):  # 9 tokens x top-2 touch more experts than the 6 slots
         x = torch.randn(T, 64, generator=g)
-        ids, w = _routing(T, 2, 8, seed)
+        ids, wt = _routing(T, 2, 8, seed)
         for st, ref in zip(layers, resident):
-            assert torch.allclose(st.forward(x, w, ids), ref.forward(x, w, ids), atol=1e-5)
-    store = vm._TIERED.store
+            assert torch.allclose(st.forward(x, wt, ids), ref.forward(x, wt, ids), atol=1e-5)
+    store = w.tiered.store
     assert store.stats()["slots"] == 6
-    kp = vm._store_kpis()
+    assert type(store.backing).__name__ == {"host": "PinnedHostStore", "nvme": "PackArenaStore"}[tier]
+    kp = w.store_kpis()
     assert kp["token_hit_rate"] is not None and 0.0 <= kp["token_hit_rate"] <= 1.0
     if tier == "nvme":
-        assert vm._TIERED.pack_path and os.path.exists(vm._TIERED.pack_path)
+        assert store.backing.arena_rows == 256  # the plan's arena rows, as planned
+        assert w.tiered.pack_path and os.path.exists(w.tiered.pack_path)
         # a later boot finds the pack valid and reads rows instead of quantizing
-        s = vm.RuntimeSettings.from_plan(_plan(expert_tier="nvme", pack_dir=str(tmp_path / "packs")))
-        pack = vm.open_valid_pack(s, layers[0].layout, 8)
+        later = workers(_plan(expert_tier="nvme", pack_dir=str(tmp_path / "packs")))
+        later.packs.set_model_dir(_checkpoint(tmp_path))
+        pack = later.packs.valid_pack(layers[0].layout, 8)
         assert pack is not None
         got = np.empty((8, layers[0].layout.stride), dtype=np.uint8)
         pack.read_rows([pack.row_index(1, e) for e in range(8)], got)
         assert np.array_equal(got, resident[1].rows.numpy())
 
 
-def test_tier_without_cache_slots_is_a_clear_error(tmp_path, monkeypatch):
-    layers, _ = _tiered_layers(tmp_path, "host", slots=0, monkeypatch=monkeypatch)
+def test_tier_without_cache_slots_is_a_clear_error(tmp_path, workers):
+    _, layers, _ = _tiered_layers(tmp_path, "host", slots=0, workers=workers)
     ids, w = _routing(1, 2, 8)
     with pytest.raises(ConfigError, match="gpu_expert_cache_slots"):
         layers[0].forward(torch.randn(1, 64), w, ids)
@@ -198,7 +234,7 @@ def test_fp8_block_experts_are_dequantized_exactly():
                             w2_weight=torch.nn.Parameter(w2, requires_grad=False),
                             w13_weight_scale_inv=torch.nn.Parameter(s13, requires_grad=False),
                             w2_weight_scale_inv=torch.nn.Parameter(s2, requires_grad=False), layer_name="l")
-    src = vm.source_expert_weights(layer)
+    src = source_expert_weights(layer)
     assert src.name == "fp8" and (src.num_experts, src.hidden, src.inter) == (E, H, I)
     expect13 = w13.double() * s13.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
     expect2 = w2.double() * s2.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
@@ -218,7 +254,7 @@ def test_fp8_small_experts_keep_one_block_row_per_half():
         data=torch.ones(E, H, I).to(torch.float8_e4m3fn)), w13_weight_scale_inv=SimpleNamespace(data=s13),
         w2_weight_scale_inv=SimpleNamespace(data=torch.tensor([[[4.0]]])), weight_block_size=[128, 128],
         layer_name="l")
-    f13, f2 = vm.source_expert_weights(layer).expert(0)
+    f13, f2 = source_expert_weights(layer).expert(0)
     assert torch.equal(f13[:I], w13[0, :I].double() * 2.0) and torch.equal(f13[I:], w13[0, I:].double() * 0.5)
     assert f2.unique().tolist() == [4.0]
 
@@ -231,7 +267,7 @@ def test_fp8_per_tensor_scales_per_half():
     layer.w2_weight = SimpleNamespace(data=torch.ones(E, H, I).to(torch.float8_e4m3fn))
     layer.w13_weight_scale = SimpleNamespace(data=torch.tensor([[2.0, 3.0]]))
     layer.w2_weight_scale = SimpleNamespace(data=torch.tensor([5.0]))
-    f13, f2 = vm.source_expert_weights(layer).expert(0)
+    f13, f2 = source_expert_weights(layer).expert(0)
     assert f13[:I].unique().tolist() == [2.0] and f13[I:].unique().tolist() == [3.0]
     assert f2.unique().tolist() == [5.0]
 
@@ -239,7 +275,7 @@ def test_fp8_per_tensor_scales_per_half():
 def test_unsupported_expert_dtype_names_the_fix():
     layer = SimpleNamespace(w13_weight=torch.zeros(1, 2, 2, dtype=torch.int32), layer_name="model.layers.3.mlp")
     with pytest.raises(ConfigError, match="model.layers.3.mlp.*moetplan quantize"):
-        vm.source_expert_weights(layer)
+        source_expert_weights(layer)
 
 
 # --------------------------------------------------------------------------- rotary workaround
@@ -379,21 +415,19 @@ def test_plugin_registers_the_method_idempotently():
     plugin.register()
     plugin.register()
     assert QUANTIZATION_METHODS.count("moetplan") == 1
-    assert get_quantization_config("moetplan") is vm.MoetplanConfig
+    assert get_quantization_config("moetplan") is vc.MoetplanConfig
 
 
-def test_config_claims_checkpoints_only_when_asked_and_wraps_their_config(tmp_path, monkeypatch):
-    plan_path = tmp_path / "plan.json"
-    schema.save_json(_plan(), plan_path)
-    monkeypatch.setenv(vm.PLAN_ENV, str(plan_path))
+def test_config_claims_checkpoints_only_when_asked_and_wraps_their_config(workers):
+    w = workers(_plan())
     fp8_cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    assert vm.MoetplanConfig.override_quantization_method(fp8_cfg, "moetplan") == "moetplan"
-    assert vm.MoetplanConfig.override_quantization_method(fp8_cfg, None) is None
-    cfg = vm.MoetplanConfig.from_config(fp8_cfg)
-    assert type(cfg.inner).__name__ == "Fp8Config"
+    assert vc.MoetplanConfig.override_quantization_method(fp8_cfg, "moetplan") == "moetplan"
+    assert vc.MoetplanConfig.override_quantization_method(fp8_cfg, None) is None
+    cfg = vc.MoetplanConfig(fp8_cfg, worker=w)
+    assert type(cfg.inner).__name__ == "Fp8Config" and cfg.worker is w
     cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     assert cfg.inner.packed_modules_mapping == {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    plain = vm.MoetplanConfig()
+    plain = vc.MoetplanConfig(worker=w)
     assert plain.inner is None and plain.get_name() == "moetplan" and plain.get_config_filenames() == []
     assert torch.float32 in plain.get_supported_act_dtypes()
 
@@ -412,7 +446,7 @@ def test_serve_shim_answers_the_vllm_version_lookup():
         assert "cpu" in ver  # vLLM's platform detection looks for it
 
 
-def test_method_over_a_quantized_checkpoint_answers_like_its_source():
+def test_method_over_a_quantized_checkpoint_answers_like_its_source(workers):
     class ModelOptNvFp4FusedMoE:  # stand-in for the checkpoint's own method (vLLM's loader keys on the name)
         weight_scale_refine = (2, 2)
         use_global_sf = True
@@ -420,20 +454,21 @@ def test_method_over_a_quantized_checkpoint_answers_like_its_source():
         def uses_weight_scale_2_pattern(self):
             return True
 
-    moe = SimpleNamespace()
-    m = vm.method_for(moe, ModelOptNvFp4FusedMoE())
+    moe, w = SimpleNamespace(), workers(_plan())
+    m = vm.method_for(moe, ModelOptNvFp4FusedMoE(), w)
     assert "ModelOpt" in type(m).__name__ and isinstance(m, vm.MoetplanMoEMethod)
     assert m.weight_scale_refine == (2, 2) and m.use_global_sf is True
     assert m.uses_weight_scale_2_pattern() is True
     assert m.is_monolithic is False and m.supports_eplb is False
-    assert type(vm.method_for(moe, ModelOptNvFp4FusedMoE())) is type(m)  # one subclass per source class
-    plain = vm.method_for(moe)
+    assert type(vm.method_for(moe, ModelOptNvFp4FusedMoE(), w)) is type(m)  # one subclass per source class
+    assert m.worker is w
+    plain = vm.method_for(moe, worker=w)
     assert type(plain) is vm.MoetplanMoEMethod and plain.uses_weight_scale_2_pattern() is False
     with pytest.raises(AttributeError):
         plain.weight_scale_refine
 
 
-# --------------------------------------------------------------------------- FP4 reserve and gate glue (H12)
+# --------------------------------------------------------------------------- FP4 reserve and gate glue
 
 
 class _FakeMoELayer(torch.nn.Module):
@@ -442,19 +477,18 @@ class _FakeMoELayer(torch.nn.Module):
         self.layer_name, self.params_dtype = name, torch.float32
 
 
-def _load_through_method(s, monkeypatch, tmp_path, L=2, E=8, H=64, I=32):
-    """Drive the real MoE method (create_weights -> weights land -> process_weights_after_loading) per layer."""
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir(exist_ok=True)
-    (ckpt / "model.safetensors").write_bytes(b"\0" * 16)
-    (ckpt / "config.json").write_text("{}")
-    monkeypatch.setattr(vm, "_model_dir", lambda: str(ckpt))
-    vm._reset_for_tests(s)
-    moe = SimpleNamespace(moe_parallel_config=SimpleNamespace(use_ep=False, tp_size=1), is_act_and_mul=True,
-                          has_bias=False)
+_MOE = SimpleNamespace(moe_parallel_config=SimpleNamespace(use_ep=False, tp_size=1), is_act_and_mul=True,
+                       has_bias=False)
+
+
+def _load_through_method(plan, workers, tmp_path, L=2, E=8, H=64, I=32):
+    """A worker for `plan`, and the real MoE method driven through it (create_weights -> weights land ->
+    process_weights_after_loading) per layer: what vLLM does in one worker process."""
+    w = workers(plan)
+    w.packs.set_model_dir(_checkpoint(tmp_path))
     methods, layers, weights = [], [], []
     for li in range(L):  # vLLM builds every layer first, then loads and processes them
-        m, layer = vm.method_for(moe), _FakeMoELayer(f"model.layers.{li}.mlp.experts")
+        m, layer = vm.method_for(_MOE, worker=w), _FakeMoELayer(f"model.layers.{li}.mlp.experts")
         m.create_weights(layer, E, H, I, torch.float32)
         methods.append(m)
         layers.append(layer)
@@ -464,104 +498,100 @@ def _load_through_method(s, monkeypatch, tmp_path, L=2, E=8, H=64, I=32):
         layer.w2_weight.data.copy_(w2)
         weights.append((w13, w2))
         m.process_weights_after_loading(layer)
-    return weights
+    w.test_methods = list(zip(methods, layers))  # what vLLM keeps on its layers
+    return w, weights
 
 
-def test_reserve_slots_from_plan_slots():
-    lay = RowLayout.for_expert(64, 32, 1, "fp4")
-    s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=5))
-    assert vm.reserve_wanted(s) and vm.reserve_slots(s, lay, 2, 8) == 5
-    s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=100))
-    assert vm.reserve_slots(s, lay, 2, 8) == 16  # never more rows than experts
-    assert not vm.reserve_wanted(vm.RuntimeSettings.from_plan(_plan()))
+def test_apply_goes_through_the_custom_op_to_the_worker(tmp_path, workers):
+    w, _ = _load_through_method(_plan(), workers, tmp_path)
+    (m0, layer0), (m1, layer1) = w.test_methods
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    ids, wt = _routing(3, 2, 8)
+    for m, layer in w.test_methods:
+        got = m.apply(layer, x, wt, ids)  # torch.ops.moetplan.routed_experts(x, w, ids, worker id, key)
+        assert torch.equal(got, w.layers[m.key].forward(x, wt, ids))
+    assert isinstance(m0.worker_id, int) and m0.worker_id == m1.worker_id and (m0.key, m1.key) == (0, 1)
+    assert w.stats.warmup_calls == 2  # outside a vLLM forward context: counted as a warm-up run, not traffic
 
 
-def test_promoter_mode_is_validated(monkeypatch):
-    monkeypatch.delenv(vm.PROMOTER_ENV, raising=False)
-    assert vm.promoter_mode() == "background"
-    monkeypatch.setenv(vm.PROMOTER_ENV, "gate")
-    assert vm.promoter_mode() == "gate"
-    monkeypatch.setenv(vm.PROMOTER_ENV, "sometimes")
-    with pytest.raises(ConfigError, match="MOETPLAN_FP4_PROMOTER='sometimes'.*background"):
-        vm.promoter_mode()
+def test_reserve_slots_are_the_plans_slots():
+    assert _plan(fp4_reserve_slots=5).runtime.reserve_wanted
+    assert reserve_slots(_plan(fp4_reserve_slots=5).runtime.reserve_slots, 2, 8) == 5
+    assert reserve_slots(_plan(fp4_reserve_slots=100).runtime.reserve_slots, 2, 8) == 16  # never more than rows
+    assert not _plan().runtime.reserve_wanted
 
 
-def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_path, monkeypatch):
-    from moetplan.runtime.format import pack_expert_row
+def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_path, workers):
     from moetplan.runtime.reference import moe_forward_reference
 
-    monkeypatch.setenv(vm.PROMOTER_ENV, "gate")  # the test promotes by hand
-    s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=4))
-    weights = _load_through_method(s, monkeypatch, tmp_path)
-    res = vm._GATE_STATE.reserve
+    w, weights = _load_through_method(_plan(GATE_ONLY, fp4_reserve_slots=4), workers, tmp_path)
+    res = w.fp4.reserve
     assert res is not None and res.pool.num_slots == 4 and res.num_layers == 2 and res.num_experts == 8
-    assert vm._GATE_STATE.source.startswith("quantized at load")  # no pack_dir: rows in host RAM
-    st = vm._LAYERS[1]
+    assert w.fp4.source.startswith("quantized at load")  # no pack_dir: rows in host RAM
+    st = w.layers[1]
     fp4 = RowLayout.for_expert(64, 32, 1, "fp4")
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
-    ids, w = _routing(3, 2, 8)
-    before = st.forward(x, w, ids)  # nothing promoted yet: the 2-bit result
-    assert torch.allclose(before, moe_forward_reference(x, ids, w, st.rows, st.slot_of, st.layout), atol=1e-5)
+    ids, wt = _routing(3, 2, 8)
+    before = st.forward(x, wt, ids)  # nothing promoted yet: the 2-bit result
+    assert torch.allclose(before, moe_forward_reference(x, ids, wt, st.rows, st.slot_of, st.layout), atol=1e-5)
     assert res.stats()["steps"] == 0 and res.c.routings == ids.numel()  # observed (heat), no FP4 routing yet
     hot = int(ids[0, 0])
     assert res.promote_now([(1, hot)]) == [(1, hot)]
-    after = st.forward(x, w, ids)
+    after = st.forward(x, wt, ids)
     w13, w2 = weights[1]
     fp4_rows = torch.stack([pack_expert_row(w13[e], w2[e], fp4) for e in range(8)])
     slot = torch.full((8,), -1, dtype=torch.int32)
     slot[hot] = 0
-    expect = moe_forward_reference(x, ids, w, st.rows, st.slot_of, st.layout, fp4_pool=fp4_rows[hot:hot + 1],
+    expect = moe_forward_reference(x, ids, wt, st.rows, st.slot_of, st.layout, fp4_pool=fp4_rows[hot:hot + 1],
                                    fp4_slot_of=slot, fp4_layout=fp4)
     assert torch.allclose(after, expect, atol=1e-5)
     assert not torch.allclose(after, before, atol=1e-6)  # the FP4 row really was used
-    st.forward(x, w, ids, warmup=True)  # profile runs compute but do not heat the reserve
+    st.forward(x, wt, ids, warmup=True)  # profile runs compute but do not heat the reserve
     assert res.c.routings == 2 * ids.numel()
-    kp = vm._reserve_kpis()
+    kp = w.fp4.kpis()
     assert kp["fp4_reserve"]["gate_promotions"] == 1 and kp["fp4_reserve"]["slots"] == 4
     assert "gate" not in kp  # no controller installed
+    # the kernel path log saw every call (CPU: the reference, with the reason)
+    rec = w.store_kpis()
+    assert rec["kernel_paths"] == {"reference": 3} and rec["kernel_fallbacks"] == 3
+    assert list(rec["kernel_fallback_reasons"]) == ["cuda: x is on the CPU"]
 
 
-def test_reserve_is_built_once_a_later_drafter_layer_does_not_replace_it(tmp_path, monkeypatch):
-    monkeypatch.setenv(vm.PROMOTER_ENV, "gate")
-    _load_through_method(vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=4)), monkeypatch, tmp_path)
-    res = vm._GATE_STATE.reserve
-    moe = SimpleNamespace(moe_parallel_config=SimpleNamespace(use_ep=False, tp_size=1), is_act_and_mul=True,
-                          has_bias=False)
-    m, layer = vm.method_for(moe), _FakeMoELayer("drafter.layers.0.mlp.experts")  # e.g. an MTP drafter's MoE
+def test_reserve_is_built_once_a_later_drafter_layer_does_not_replace_it(tmp_path, workers):
+    w, _ = _load_through_method(_plan(GATE_ONLY, fp4_reserve_slots=4), workers, tmp_path)
+    res = w.fp4.reserve
+    m, layer = vm.method_for(_MOE, worker=w), _FakeMoELayer("drafter.layers.0.mlp.experts")  # an MTP drafter's MoE
     m.create_weights(layer, 8, 64, 32, torch.float32)
     layer.w13_weight.data.copy_(_experts()[0])
     layer.w2_weight.data.copy_(_experts()[1])
     m.process_weights_after_loading(layer)
-    assert vm._GATE_STATE.reserve is res and not vm._GATE_STATE.fp4_rows and len(vm._LAYERS) == 3
-    assert vm._LAYERS[2].fp4_args(torch.tensor([[0, 1]])) == {}  # outside the reserve: 2-bit only
+    assert w.fp4.reserve is res and not w.fp4.fp4_rows and len(w.layers) == 3
+    assert w.layers[2].fp4_args(torch.tensor([[0, 1]])) == {}  # outside the reserve: 2-bit only
 
 
-def test_reserve_rows_go_to_an_fp4_pack_and_the_next_boot_reads_them(tmp_path, monkeypatch):
-    monkeypatch.setenv(vm.PROMOTER_ENV, "gate")
-    plan = _plan(fp4_reserve_slots=4, pack_dir=str(tmp_path / "packs"))
-    _load_through_method(vm.RuntimeSettings.from_plan(plan), monkeypatch, tmp_path)
-    src = vm._GATE_STATE.source
+def test_reserve_rows_go_to_an_fp4_pack_and_the_next_boot_reads_them(tmp_path, workers):
+    plan = _plan(GATE_ONLY, fp4_reserve_slots=4, pack_dir=str(tmp_path / "packs"))
+    w, _ = _load_through_method(plan, workers, tmp_path)
+    src = w.fp4.source
     assert src.startswith("pack:") and "fp4" in src
-    rows_a = vm._GATE_STATE.reserve.source
+    rows_a = w.fp4.reserve.source
     buf_a = np.empty((2, rows_a.stride), dtype=np.uint8)
     rows_a.read_rows([rows_a.row_index(1, 3), rows_a.row_index(0, 7)], buf_a)
-    vm._reset_for_tests(None)
-    # second boot: the FP4 pack is found at create_weights, so the layers quantize no FP4 rows
-    _load_through_method(vm.RuntimeSettings.from_plan(plan), monkeypatch, tmp_path)
-    g = vm._GATE_STATE
+    # second boot (a new worker): the FP4 pack is found at create_weights, so the layers quantize no FP4 rows
+    w2, _ = _load_through_method(plan, workers, tmp_path)
+    g = w2.fp4
     assert g.fp4_pack is not None and g.source == src and not g.fp4_rows
     buf_b = np.empty_like(buf_a)
     g.reserve.source.read_rows([g.reserve.source.row_index(1, 3), g.reserve.source.row_index(0, 7)], buf_b)
     assert np.array_equal(buf_a, buf_b)
 
 
-def test_unquantized_experts_get_no_reserve_and_say_so(tmp_path, monkeypatch, caplog):
-    s = vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=4, expert_format="unquantized"))
+def test_unquantized_experts_get_no_reserve_and_say_so(tmp_path, workers, caplog):
     with caplog.at_level("INFO", logger="vllm.moetplan"):
-        _load_through_method(s, monkeypatch, tmp_path)
-    assert vm._GATE_STATE.reserve is None and "unquantized" in vm._GATE_STATE.note
+        w, _ = _load_through_method(_plan(fp4_reserve_slots=4, expert_format="unquantized"), workers, tmp_path)
+    assert w.fp4.reserve is None and "unquantized" in w.fp4.note
     assert any("do not apply to unquantized" in r.getMessage() for r in caplog.records)
-    assert vm._reserve_kpis()["fp4_reserve_note"].startswith("not applicable")
+    assert w.fp4.kpis()["fp4_reserve_note"].startswith("not applicable")
 
 
 class _Router:
@@ -589,44 +619,42 @@ class _TinyModel(torch.nn.Module):
         return hidden
 
 
-def test_after_model_loaded_installs_the_plan_gate_with_the_reserve(tmp_path, monkeypatch):
-    monkeypatch.setenv(vm.PROMOTER_ENV, "gate")
-    plan = _plan(fp4_reserve_slots=4, gate=schema.Gate(enabled=True, tau=0.25, max_promotions_per_step=3))
-    _load_through_method(vm.RuntimeSettings.from_plan(plan), monkeypatch, tmp_path)
-    model = vm.after_model_loaded(_TinyModel(), SimpleNamespace(model_config=SimpleNamespace(enforce_eager=True)))
+EAGER = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=True))
+
+
+def test_after_model_loaded_installs_the_plan_gate_with_the_reserve(tmp_path, workers):
+    plan = _plan(GATE_ONLY, fp4_reserve_slots=4, gate=schema.Gate(enabled=True, tau=0.25, max_promotions_per_step=3))
+    w, _ = _load_through_method(plan, workers, tmp_path)
+    model = w.after_model_loaded(_TinyModel(), EAGER)
     ctrl = model._moetplan_gate
-    assert ctrl is vm._GATE_STATE.controller and ctrl.reserve is vm._GATE_STATE.reserve
+    assert ctrl is w.fp4.controller and ctrl.reserve is w.fp4.reserve
     assert ctrl.enabled and ctrl.tau == 0.25 and ctrl.max_promotions_per_step == 3
-    assert vm.after_model_loaded(model) is model  # once per process
-    kp = vm._reserve_kpis()
+    assert w.after_model_loaded(model) is model  # once per process
+    kp = w.fp4.kpis()
     assert kp["gate"]["enabled"] and kp["gate"]["steps"] == 0 and "fp4_reserve" in kp
-    rec = vm._make_record()  # merged with the store stats in the run record's runtime section
+    rec = w.make_record()  # merged with the store stats in the run record's runtime section
     assert rec.runtime["gate"]["tau"] == 0.25 and rec.runtime["token_hit_rate"] == 1.0
 
 
-def test_gate_without_a_reserve_or_off_is_not_installed(tmp_path, monkeypatch):
-    plan = _plan(gate=schema.Gate(enabled=True, tau=0.5))  # no reserve
-    _load_through_method(vm.RuntimeSettings.from_plan(plan), monkeypatch, tmp_path)
+def test_gate_without_a_reserve_or_off_is_not_installed(tmp_path, workers):
+    w, _ = _load_through_method(_plan(gate=schema.Gate(enabled=True, tau=0.5)), workers, tmp_path)  # no reserve
     m = _TinyModel()
-    assert vm.after_model_loaded(m) is m and getattr(m, "_moetplan_gate", None) is None
-    assert "no FP4 reserve" in vm._reserve_kpis()["gate_note"]
-    vm._reset_for_tests(None)
-    _load_through_method(vm.RuntimeSettings.from_plan(_plan(fp4_reserve_slots=4)), monkeypatch, tmp_path)
-    assert getattr(vm.after_model_loaded(m), "_moetplan_gate", None) is None  # gate off in the plan
-    vm._reset_for_tests(None)
-    assert vm.after_model_loaded(m) is m  # not a moetplan model: untouched
+    assert w.after_model_loaded(m) is m and getattr(m, "_moetplan_gate", None) is None
+    assert "no FP4 reserve" in w.fp4.kpis()["gate_note"]
+    w, _ = _load_through_method(_plan(fp4_reserve_slots=4), workers, tmp_path)
+    assert getattr(w.after_model_loaded(m), "_moetplan_gate", None) is None  # gate off in the plan
+    assert workers(_plan(gate=schema.Gate(enabled=True))).after_model_loaded(m) is m  # no moetplan layers: untouched
 
 
-def test_gate_is_refused_under_cuda_graphs(tmp_path, monkeypatch):
-    plan = _plan(fp4_reserve_slots=4, gate=schema.Gate(enabled=True))
-    _load_through_method(vm.RuntimeSettings.from_plan(plan), monkeypatch, tmp_path)
+def test_gate_is_refused_under_cuda_graphs(tmp_path, workers, monkeypatch):
+    w, _ = _load_through_method(_plan(fp4_reserve_slots=4, gate=schema.Gate(enabled=True)), workers, tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    m = vm.after_model_loaded(_TinyModel(), SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False)))
+    m = w.after_model_loaded(_TinyModel(), SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False)))
     assert getattr(m, "_moetplan_gate", None) is None
-    assert "--enforce-eager" in vm._reserve_kpis()["gate_note"]
+    assert "--enforce-eager" in w.fp4.kpis()["gate_note"]
 
 
-def test_plugin_load_hook_hands_the_loaded_model_to_the_method(monkeypatch):
+def test_plugin_load_hook_hands_the_loaded_model_to_its_worker(workers, monkeypatch):
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     from moetplan.runtime import plugin
@@ -634,13 +662,17 @@ def test_plugin_load_hook_hands_the_loaded_model_to_the_method(monkeypatch):
     assert plugin.install_load_hook() and plugin.install_load_hook()  # idempotent on vLLM's loader
     assert BaseModelLoader.load_model._moetplan_hook and not hasattr(BaseModelLoader.load_model.__wrapped__,
                                                                      "_moetplan_hook")
+    w = workers(_plan())
+    moetplan_model, other_model = torch.nn.Sequential(torch.nn.Module()), torch.nn.Sequential(torch.nn.Module())
+    moetplan_model[0].quant_method = vm.method_for(_MOE, worker=w)  # as vLLM puts it on a RoutedExperts layer
 
     class Loader:
         def load_model(self, vllm_config, model_config, prefix=""):
-            return ("model", vllm_config, prefix)
+            return moetplan_model if prefix == "ours" else other_model
 
     seen = []
-    monkeypatch.setattr(vm, "after_model_loaded", lambda model, cfg: seen.append((model, cfg)) or "wrapped")
+    monkeypatch.setattr(w, "after_model_loaded", lambda model, cfg: seen.append((model, cfg)) or "wrapped")
     assert plugin.install_load_hook(Loader) and plugin.install_load_hook(Loader)
-    assert Loader().load_model("vcfg", "mcfg", prefix="p") == "wrapped"
-    assert seen == [(("model", "vcfg", "p"), "vcfg")]
+    assert Loader().load_model("vcfg", "mcfg", prefix="ours") == "wrapped"
+    assert seen == [(moetplan_model, "vcfg")]
+    assert Loader().load_model("vcfg", "mcfg", prefix="theirs") is other_model  # not a moetplan model: untouched

@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from moetplan.contract.errors import ConfigError, UsageError
+from moetplan.contract.runtime import RuntimeSection
 from moetplan.runtime.backing import ArrayRowSource
 from moetplan.runtime.format import RowLayout, dequantize_fp4, pack_expert_row, quantize_fp4, unpack_expert_row
 from moetplan.runtime.ops import moe_forward
-from moetplan.runtime.reserve import FP4Reserve, Mxfp4RowSource, QuantizingRowSource, reserve_from_plan
+from moetplan.runtime.reserve import FP4Reserve, Mxfp4RowSource, QuantizingRowSource, reserve_from_section
 
 L, E, H, I = 2, 8, 64, 64
 LAY2 = RowLayout.for_expert(H, I, 1, "2bit")
@@ -284,11 +284,9 @@ def test_mxfp4_bytes_are_used_as_is():
     assert torch.equal(row[LAY4.w2_s_off:LAY4.w2_s_off + s2.numel()], s2.reshape(-1))
 
 
-def test_reserve_from_plan_and_fp4_routing_share():
-    plan = SimpleNamespace(placement=SimpleNamespace(fp4_reserve_slots=0))
-    assert reserve_from_plan(plan, source(), layout=LAY4) is None
-    plan.placement.fp4_reserve_slots = 2
-    r = reserve_from_plan(plan, source(), layout=LAY4, background=False)
+def test_reserve_from_section_and_fp4_routing_share():
+    assert reserve_from_section(RuntimeSection(reserve_slots=0), source(), layout=LAY4) is None
+    r = reserve_from_section(RuntimeSection(reserve_slots=2), source(), layout=LAY4, background=False)
     assert r is not None and r.pool.num_slots == 2
     r.promote_now([(0, 1)])
     r.observe(0, torch.tensor([[1, 2], [1, 3]]))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,11 +10,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moetplan.contract.errors import UsageError
+from moetplan.contract.errors import ConfigError, UsageError
 from moetplan.runtime.backing import (
     ArrayRowSource, FileRowSource, PackArenaStore, PackPageCacheStore, PinnedHostStore,
 )
-from moetplan.runtime.store import ExpertStore, StoreCapacityError, store_from_plan
+from moetplan.contract.runtime import RuntimeSection
+from moetplan.runtime.store import ExpertStore, StoreCapacityError
+from moetplan.runtime.tiers import expert_store
 
 L, E, S = 4, 10, 4096
 ROWS = np.random.default_rng(11).integers(0, 256, (L * E, S), dtype=np.uint8)
@@ -251,13 +252,20 @@ def test_bad_calls_name_the_problem():
         ExpertStore(_backing("host"), 4, protected_share=1.0)
 
 
-def test_store_from_plan_uses_placement_slots():
-    plan = SimpleNamespace(placement=SimpleNamespace(gpu_expert_cache_slots=6, fp4_reserve_slots=3))
-    main, fp4 = store_from_plan(plan, _backing("host"), fp4_backing=_backing("pagecache"))
-    assert main.pool.num_slots == 6 and fp4 is not None and fp4.pool.num_slots == 3
-    plan.placement.gpu_expert_cache_slots = 0
+def test_the_store_factory_sizes_the_store_as_the_runtime_section_says():
+    src = _backing("host").source
+    host = expert_store(RuntimeSection(tier="host", cache_slots=6), src)
+    assert host.pool.num_slots == 6 and type(host.backing).__name__ == "PinnedHostStore"
+    arena = expert_store(RuntimeSection(tier="nvme", cache_slots=4, arena_rows=3), src)
+    assert type(arena.backing).__name__ == "PackArenaStore" and arena.backing.arena_rows == 3
+    assert type(expert_store(RuntimeSection(tier="nvme", cache_slots=4), src).backing).__name__ == \
+        "PackPageCacheStore"  # no arena rows: the page cache is the RAM tier
     with pytest.raises(UsageError, match="resident"):
-        store_from_plan(plan, _backing("host"))
+        expert_store(RuntimeSection(tier="resident", cache_slots=6), src)
+    with pytest.raises(ConfigError, match="gpu_expert_cache_slots > 0"):
+        expert_store(RuntimeSection(tier="host"), src)
+    with pytest.raises(ConfigError, match="re-plan"):
+        expert_store(RuntimeSection(tier="host", cache_slots=6, row_bytes=src.stride + 4096), src)
 
 
 @pytest.mark.gpu

@@ -24,7 +24,10 @@ pytest.importorskip("vllm")
 
 from moetplan.contract.errors import ConfigError  # noqa: E402
 from moetplan import vllm_compat  # noqa: E402
+from moetplan import contract as schema  # noqa: E402
+from moetplan.runtime import vllm_config  # noqa: E402
 from moetplan.runtime import vllm_method as vm  # noqa: E402
+from moetplan.runtime.worker import WorkerRuntime  # noqa: E402
 
 E, K, H, I = 16, 4, 128, 64  # experts, top-k, hidden, expert FFN
 
@@ -66,14 +69,25 @@ def world():
     ps.destroy_distributed_environment()
 
 
+def _worker() -> WorkerRuntime:
+    """The worker one process would hold: a resident 2-bit plan for experts of these shapes."""
+    spec = schema.ModelSpec(id="local:t", name="t", num_layers=4, moe_layers=4, hidden_size=H,
+                            moe_intermediate_size=I, n_routed_experts=E, top_k=K, vocab_size=256,
+                            max_position_embeddings=512, attention=schema.Attention(kind="mla", num_heads=4),
+                            kv_bytes_per_token={"bf16": 1.0}, non_routed_params_b=1e-5)
+    plan = schema.Plan(model=spec, hardware=schema.HardwareProfile(host=schema.HostInfo(ram_gib=8)),
+                       placement=schema.Placement(), memory=schema.MemoryLedger(),
+                       prediction=schema.Prediction(decode_tok_s=0))
+    return WorkerRuntime(plan, rank=0)
+
+
 def _vllm_config(tmp_path, hf: dict):
     from vllm.config import ModelConfig, VllmConfig
 
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    vm._reset_for_tests(vm.RuntimeSettings(plan_path=None, plan=None, expert_format="2bit"))
     mc = ModelConfig(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=256)
     vc = VllmConfig(model_config=mc)
-    vc.quant_config = vm.MoetplanConfig()
+    vc.quant_config = vllm_config.MoetplanConfig(worker=_worker())
     return vc
 
 
@@ -111,7 +125,6 @@ def test_glm_moe_dsa_routed_experts_get_the_moetplan_method(world, tmp_path):
                       prefix=f"model.layers.{i}.mlp") for i in range(first, GLM["num_hidden_layers"])])
     names = [f"model.layers.{i}.mlp.experts" for i in range(first, GLM["num_hidden_layers"])]
     _check_moetplan_layers(_routed_experts(blocks), GLM["num_hidden_layers"] - first, names)
-    vm._reset_for_tests(None)
 
 
 def _ds4_modules() -> list:
@@ -137,7 +150,6 @@ def test_deepseek_v4_routed_experts_get_the_moetplan_method_hash_layers_too(worl
     _check_moetplan_layers(layers, n, [f"model.layers.{i}.ffn.experts" for i in range(n)])
     # the clamp DeepSeek-V4's SwiGLU applies reaches the layer state the op reads it from
     assert all(m.swiglu_limit == DS4["swiglu_limit"] for m in layers)
-    vm._reset_for_tests(None)
 
 
 def test_megamoe_backend_is_refused_with_the_fix():

@@ -4,6 +4,7 @@ the errors users see, and shared units. It imports no other moetplan package; ev
     schema.py   Plan, Placement, Goals, MemoryLedger, Prediction, HardwareProfile, RunRecord (pydantic)
     model.py    ModelSpec: the architecture numbers and the byte footprints they imply
     layout.py   the byte layout of an expert row (block size, alignments): the one size rule, torch-free
+    runtime.py  the runtime section a worker reads (Plan.runtime), the kernel policy, the gate's knobs
     sizing.py   slot counts: rows in a budget, a decode step's working set, the FP4 reserve and gate floor
     io.py       atomic writes, schema-checked loads
     paths.py    where files live: caches, run folders, packs, the run record beside a plan
@@ -41,6 +42,7 @@ from moetplan.contract.model import (
     AttentionKind,
     ModelSpec,
 )
+from moetplan.contract.runtime import KernelPolicy, RuntimeKnobs, RuntimeSection
 from moetplan.contract.schema import (
     PINNABLE_KNOBS,
     SCHEMA_VERSION,
@@ -74,5 +76,5 @@ __all__ = [
     "AttentionKind", "ModelSpec", "PINNABLE_KNOBS", "SCHEMA_VERSION", "Alternative", "ExpertTier", "Gate", "Goals",
     "GPUInfo", "GPURankMemory", "HardwareProfile", "HostInfo", "LedgerItem", "Launch", "MemoryLedger",
     "Objective", "Placement", "Plan", "Prediction", "Reason", "RunRecord", "StorageInfo", "Term", "ValueSource",
-    "GIB", "MIB", "parse_tokens",
+    "GIB", "MIB", "parse_tokens", "KernelPolicy", "RuntimeKnobs", "RuntimeSection",
 ]

@@ -34,6 +34,11 @@ CACHE_DIR = declare("MOETPLAN_CACHE_DIR", str, None,
 CONFIG_DIR = declare("MOETPLAN_CONFIG_DIR", str, None,
                      "Where `moetplan calibrate` writes this machine's factors; default: the user config dir.")
 HWDB = declare("MOETPLAN_HWDB", str, None, "An hwdb/ folder to read instead of the one beside the package.")
+KERNEL_CACHE = declare("MOETPLAN_KERNEL_CACHE", str, None,
+                       "Where built CUDA extensions are kept, keyed by source hash; default: <user cache>/kernels. "
+                       "Variant builds of the kernels point it at a folder of their own.")
+QUALITY_CACHE = declare("MOETPLAN_QUALITY_CACHE", str, None,
+                        "Where the quality harness keeps its trained tiny model; default: <user cache>/quality.")
 
 
 def _parse(var: EnvVar, raw: str) -> object:

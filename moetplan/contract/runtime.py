@@ -1,17 +1,23 @@
-"""What the runtime reads: `KernelPolicy`, which MoE kernel paths the op may take.
+"""The runtime section of the Plan: every knob a vLLM worker reads, typed and frozen, in one object.
 
+`KernelPolicy` says which MoE kernel paths the op may take; `RuntimeKnobs` holds what the planner does not decide
+(kernel policy, who promotes into the FP4 reserve, where the run record goes); `RuntimeSection` is what a worker
+reads: those knobs with the placement's sizes (rows, not GiB: what the plan sized is what the worker allocates).
 Benches and tests build a `KernelPolicy` and pass it to the op; nothing reads a module flag.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from moetplan.contract.errors import UsageError
 
 DECODE_KERNELS = ("auto", "rowdot", "gemv", "mma")
 PREFILL_KERNELS = ("auto", "tiled", "wgmma", "warp")
 DECODE_RINGS = (None, "cp.async", "tma")
+PROMOTERS = ("background", "gate")
 
 
 @dataclass(frozen=True)
@@ -68,4 +74,74 @@ class KernelPolicy:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(base, f.name)}
 
 
-__all__ = ["DECODE_KERNELS", "DECODE_RINGS", "KernelPolicy", "PREFILL_KERNELS"]
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+class Gate(BaseModel):
+    """The confidence gate's knobs (docs/GATE.md)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    enabled: bool = False
+    tau: float = 0.5
+    max_promotions_per_step: int | None = None
+    degraded: bool = False
+
+
+class RuntimeKnobs(_Frozen):
+    """What the worker needs beyond the placement; nothing here is planned."""
+
+    kernels: KernelPolicy = Field(default_factory=KernelPolicy)
+    # Who fills the FP4 reserve: "background" (the hottest experts, off the critical path) or "gate" (only the
+    # gate's synchronous promotions; tokens then do not depend on a thread's timing: runs compare token for token).
+    promoter: Literal["background", "gate"] = "background"
+    # The run record's file; None = beside the plan (plan.run.json, plan.run.rank<N>.json for other ranks).
+    record_path: str | None = None
+    record_interval_s: float = 2.0
+    # Where routed-expert weights and routing come from (room for other sources; the checkpoint and its router
+    # are the only ones today).
+    weights: Literal["checkpoint"] = "checkpoint"
+    router: Literal["model"] = "model"
+
+
+class RuntimeSection(_Frozen):
+    """Everything a worker reads from the Plan (`Plan.runtime`), derived from the placement and the knobs."""
+
+    expert_format: Literal["2bit", "unquantized"] = "2bit"
+    tier: Literal["resident", "host", "nvme"] = "resident"
+    tp: int = 1
+    cache_slots: int = 0  # GPU expert cache rows per rank (tiers host / nvme)
+    arena_rows: int = 0  # pinned RAM arena rows per rank over the pack file (tier nvme; 0 = the page cache)
+    reserve_slots: int = 0  # FP4 reserve rows per rank
+    row_bytes: int = 0  # one 2-bit expert row per rank (contract.layout); the worker's rows must be this size
+    fp4_row_bytes: int = 0
+    pack_dir: str | None = None
+    gate: Gate = Field(default_factory=Gate)
+    mtp: int = 0
+    decode_batch_tokens: int = 1  # the most tokens a decode step carries: max_num_seqs x (1 + MTP depth)
+    kernels: KernelPolicy = Field(default_factory=KernelPolicy)
+    promoter: Literal["background", "gate"] = "background"
+    record_path: str | None = None
+    record_interval_s: float = 2.0
+    weights: Literal["checkpoint"] = "checkpoint"
+    router: Literal["model"] = "model"
+
+    @property
+    def reserve_wanted(self) -> bool:
+        return self.reserve_slots > 0
+
+
+def runtime_section(placement: Any, knobs: RuntimeKnobs) -> RuntimeSection:
+    """The worker's view of a placement (contract.schema.Placement) and the runtime knobs."""
+    p = placement
+    return RuntimeSection(
+        expert_format=p.expert_format, tier=p.expert_tier, tp=p.tp, cache_slots=p.gpu_expert_cache_slots,
+        arena_rows=p.host_arena_rows, reserve_slots=p.fp4_reserve_slots, row_bytes=p.expert_row_bytes,
+        fp4_row_bytes=p.fp4_row_bytes, pack_dir=p.pack_dir, gate=p.gate.model_copy(), mtp=p.mtp,
+        decode_batch_tokens=max(1, int(p.max_num_seqs) * (1 + int(p.mtp))), kernels=knobs.kernels,
+        promoter=knobs.promoter, record_path=knobs.record_path, record_interval_s=knobs.record_interval_s,
+        weights=knobs.weights, router=knobs.router)
+
+
+__all__ = ["DECODE_KERNELS", "DECODE_RINGS", "Gate", "KernelPolicy", "PREFILL_KERNELS", "PROMOTERS", "RuntimeKnobs",
+           "RuntimeSection", "runtime_section"]

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from moetplan.contract.model import ModelSpec
+from moetplan.contract.runtime import Gate, RuntimeKnobs, RuntimeSection, runtime_section
 from moetplan.contract.sizing import rows_in
 from moetplan.contract.units import GIB
 
@@ -106,13 +107,6 @@ class Goals(_Model):
     objective: Objective = "balanced"
     pinned: dict[str, Any] = Field(default_factory=dict, description="Knobs fixed with --set name=value")
     pack_dir: str | None = None
-
-
-class Gate(_Model):
-    enabled: bool = False
-    tau: float = 0.5
-    max_promotions_per_step: int | None = None
-    degraded: bool = False
 
 
 # GiB knobs a user pins (--set) or a measurement names, and the stored count each one becomes: (count field, row
@@ -333,6 +327,14 @@ class Plan(_Model):
     alternatives: list[Alternative] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
     launch: Launch = Field(default_factory=Launch)
+    runtime_knobs: RuntimeKnobs = Field(default_factory=RuntimeKnobs, description="What the worker reads beyond "
+                                        "the placement: kernel policy, FP4 promoter, run-record path")
+
+    @property
+    def runtime(self) -> RuntimeSection:
+        """The runtime section: everything a vLLM worker reads, typed and frozen (placement sizes as rows)."""
+        return runtime_section(self.placement, self.runtime_knobs)
+
     @model_validator(mode="before")
     @classmethod
     def _row_sizes_of_saved_plans(cls, data: Any) -> Any:

@@ -71,12 +71,17 @@ class GateController:
         self.recomputing = False  # True while the second forward of a fired step runs (runtime stats skip it)
 
     @classmethod
-    def from_plan(cls, plan: Any, reserve: Any = None) -> "GateController":
-        """The gate the Plan configured (placement.gate; MTP depth decides the speculative-decoding limit)."""
-        g = plan.placement.gate
+    def from_section(cls, section: Any, reserve: Any = None) -> "GateController":
+        """The gate a runtime section configured (its gate; MTP depth decides the speculative-decoding limit)."""
+        g = section.gate
         return cls(reserve, enabled=bool(g.enabled), tau=float(g.tau),
                    max_promotions_per_step=g.max_promotions_per_step, degraded=bool(g.degraded),
-                   spec_tokens=int(plan.placement.mtp))
+                   spec_tokens=int(section.mtp))
+
+    @classmethod
+    def from_plan(cls, plan: Any, reserve: Any = None) -> "GateController":
+        """The gate the Plan configured (Plan.runtime)."""
+        return cls.from_section(plan.runtime, reserve)
 
     # ------------------------------------------------------------------ recording (called by MoE layers)
 

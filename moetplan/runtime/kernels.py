@@ -17,6 +17,7 @@ from typing import Any
 
 
 from moetplan.contract.errors import MoetplanError, UsageError
+from moetplan.contract import envs
 
 log = logging.getLogger("moetplan.kernels")
 
@@ -44,7 +45,7 @@ def source_dir() -> Path:
 
 
 def cache_root() -> Path:
-    env = os.environ.get("MOETPLAN_KERNEL_CACHE")
+    env = envs.get(envs.KERNEL_CACHE)
     if env:
         return Path(env)
     import platformdirs

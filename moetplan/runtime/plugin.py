@@ -4,13 +4,12 @@ vLLM calls `register()` in every process it starts (API server, engine core, eac
 config is built, so it must be idempotent and cheap: it registers the "moetplan" quantization method, on the
 CPU platform the AMX permission (`cpu_amx`) and the rotary-embedding workaround, on CUDA the fixes this vLLM release
 and GPU need (`cuda_fixes`), and a model-loader hook. It first checks the vLLM version against the supported range
-(`vllm_compat`). The plan itself (MOETPLAN_PLAN) is read lazily, when vLLM builds the method's config in the worker,
-so the API server never pays for it.
+(`vllm_compat`). The plan itself (MOETPLAN_PLAN) is read when vLLM builds the method's config.
 
 The model-loader hook: the confidence gate wraps the loaded model's forward / compute_logits (docs/GATE.md), so it
 needs the model object, which the MoE method never sees. vLLM's model runners (GPU and CPU) get the model from
-`BaseModelLoader.load_model` in the worker process; wrapping that method hands the finished model to
-`vllm_method.after_model_loaded`, which does nothing unless this process serves moetplan experts with a gate.
+`BaseModelLoader.load_model` in the worker process; wrapping that method hands the finished model to the worker
+its MoE methods hold (`WorkerRuntime.after_model_loaded`), which does nothing unless the plan enables a gate.
 """
 from __future__ import annotations
 
@@ -59,7 +58,7 @@ def register() -> None:
     if note:
         log.warning("moetplan: %s", note)
     from moetplan.runtime.rotary_fix import apply_rotary_fix
-    from moetplan.runtime.vllm_method import register_method
+    from moetplan.runtime.vllm_config import register_method
 
     from vllm.platforms import current_platform
 

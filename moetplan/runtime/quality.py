@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from moetplan.contract.errors import UsageError
+from moetplan.contract import envs
 from moetplan.runtime.format import RowLayout, pack_expert_row
 from moetplan.runtime.gate import GateController
 from moetplan.runtime.ops import moe_forward
@@ -114,7 +115,7 @@ def _fingerprint(spec: TinyMoeSpec, corpus: str) -> str:
 
 
 def default_cache_root() -> Path:
-    env = os.environ.get("MOETPLAN_QUALITY_CACHE")
+    env = envs.get(envs.QUALITY_CACHE)
     if env:
         return Path(env)
     import platformdirs

@@ -642,13 +642,13 @@ class FP4Reserve:
             }
 
 
-def reserve_from_plan(plan: Any, source: Any, *, layout: RowLayout, device: str | torch.device = "cpu",
-                      **kw: Any) -> FP4Reserve | None:
-    """The FP4 reserve the Plan sized (placement.fp4_reserve_slots), or None when the plan has none."""
-    slots = int(plan.placement.fp4_reserve_slots)
+def reserve_from_section(section: Any, source: Any, *, layout: RowLayout, device: str | torch.device = "cpu",
+                         **kw: Any) -> FP4Reserve | None:
+    """The FP4 reserve a runtime section sized (Plan.runtime.reserve_slots), or None when it has none."""
+    slots = int(section.reserve_slots)
     if slots <= 0:
         return None
     return FP4Reserve(source, slots, layout=layout, device=device, **kw)
 
 
-__all__ = ["FP4Reserve", "Mxfp4RowSource", "QuantizingRowSource", "reserve_from_plan"]
+__all__ = ["FP4Reserve", "Mxfp4RowSource", "QuantizingRowSource", "reserve_from_section"]

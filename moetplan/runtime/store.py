@@ -699,20 +699,4 @@ def _coalesce(views: list[torch.Tensor], slots: list[int], stride: int) -> list[
     return runs
 
 
-def store_from_plan(plan: Any, backing: BackingStore, *, device: str | torch.device = "cpu",
-                    fp4_backing: BackingStore | None = None, **kw: Any) -> tuple[ExpertStore, ExpertStore | None]:
-    """The 2-bit expert cache and (when the plan has FP4 reserve slots) the FP4 reserve pool, sized by the Plan."""
-    p = plan.placement
-    if p.gpu_expert_cache_slots < 1:
-        raise UsageError(
-            "the plan has no GPU expert cache (placement.gpu_expert_cache_slots = 0): experts are resident; "
-            "the tiered store is only for expert_tier host/nvme plans"
-        )
-    main = ExpertStore(backing, p.gpu_expert_cache_slots, device=device, name="experts", **kw)
-    fp4 = None
-    if fp4_backing is not None and p.fp4_reserve_slots > 0:
-        fp4 = ExpertStore(fp4_backing, p.fp4_reserve_slots, device=device, name="fp4_reserve", **kw)
-    return main, fp4
-
-
-__all__ = ["ExpertStore", "SlotPool", "StoreCapacityError", "store_from_plan"]
+__all__ = ["ExpertStore", "SlotPool", "StoreCapacityError"]

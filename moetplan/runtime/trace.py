@@ -200,13 +200,14 @@ def replay(trace: Trace, slots: int, *, warmup_steps: int = 0, decay: float = 0.
     A step's experts are pinned until it ends, so `slots` must hold one step's working set (at most
     layers x top_k x tokens rows): fewer raises StoreCapacityError, as the planner's guard would.
     """
-    from moetplan.runtime.backing import ArrayRowSource, PinnedHostStore
-    from moetplan.runtime.store import ExpertStore
+    from moetplan.contract.runtime import RuntimeSection
+    from moetplan.runtime.backing import ArrayRowSource
+    from moetplan.runtime.tiers import expert_store
 
     L, E = trace.num_layers, trace.num_experts
     src = ArrayRowSource(np.zeros((L * E, row_bytes), dtype=np.uint8), L, E)
-    store = ExpertStore(PinnedHostStore(src, pin=False), slots, device="cpu", decay=decay,
-                        prefill_tokens=max(trace.tokens, 1))
+    store = expert_store(RuntimeSection(tier="host", cache_slots=slots), src, pin=False, decay=decay,
+                         prefill_tokens=max(trace.tokens, 1))
     warm = min(max(warmup_steps, 0), trace.steps - 1)
     for s in range(trace.steps):
         if s == warm:

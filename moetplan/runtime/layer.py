@@ -1,0 +1,106 @@
+"""One MoE layer's routed experts after load, as the custom op computes them: unquantized through the reference,
+2-bit resident from the layer's own slot pool, or tiered through the worker's expert store."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moetplan.contract.layout import RowLayout
+from moetplan.contract.runtime import KernelPolicy
+from moetplan.runtime.ops import PathLog, moe_forward
+from moetplan.runtime.reference import moe_reference
+
+log = logging.getLogger("vllm.moetplan")
+
+
+@dataclass
+class LayerState:
+    """What one MoE layer computes from; `fp4` is the worker's reserve holder (its reserve is built once every
+    layer has loaded, so a layer reads it per call)."""
+
+    key: int
+    moe_index: int  # counts MoE layers only (pack row order)
+    name: str
+    fmt: str
+    tier: str
+    num_experts: int
+    hidden: int
+    inter: int  # per TP rank
+    swiglu_limit: float | None = None
+    w13: torch.Tensor | None = None  # unquantized: [E, 2I, H]
+    w2: torch.Tensor | None = None  # unquantized: [E, H, I]
+    rows: torch.Tensor | None = None  # 2-bit resident: [E, stride] uint8 device pool
+    slot_of: torch.Tensor | None = None  # expert id -> pool slot
+    layout: RowLayout | None = None
+    store: Any = None  # tiers.TieredExperts, when the tier is not resident
+    source: str = ""  # where the rows came from: the checkpoint dtype (quantized at load) or pack:<file>
+    first: bool = False  # first MoE layer of the model: marks a step
+    fp4: Any = None  # reserve_build.ReserveState of the worker
+    policy: KernelPolicy = field(default_factory=KernelPolicy)
+    paths: PathLog | None = None
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                warmup: bool = False) -> torch.Tensor:
+        if self.fmt == "unquantized":
+            assert self.w13 is not None and self.w2 is not None
+            w13, w2 = self.w13, self.w2
+            if self.paths is not None:
+                self.paths.ran("reference:unquantized")
+            return moe_reference(x, topk_ids, topk_weights, lambda e, _fp4: (w13[e], w2[e]), self.swiglu_limit)
+        fp4 = self.fp4_args(topk_ids, warmup)
+        if self.store is None:
+            return self._op(x, topk_ids, topk_weights, self.rows, self.slot_of, fp4)
+        return self._store_forward(x, topk_weights, topk_ids, fp4)
+
+    def fp4_args(self, topk_ids: torch.Tensor, warmup: bool = False) -> dict[str, Any]:
+        """The FP4 reserve's arguments for this call (read every call: a promotion becomes visible through them).
+        Profile / dummy runs are not traffic: they do not heat the reserve."""
+        res = self.fp4.reserve if self.fp4 is not None else None
+        if res is None or self.moe_index >= res.num_layers:
+            return {}
+        if not warmup:
+            res.observe(self.moe_index, topk_ids)
+        return res.op_args(self.moe_index)
+
+    def _op(self, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, pool: torch.Tensor, slot_of: torch.Tensor,
+            fp4: dict[str, Any]) -> torch.Tensor:
+        return moe_forward(x, ids, wts, pool, slot_of, self.layout, swiglu_limit=self.swiglu_limit, policy=self.policy,
+                           paths=self.paths, **fp4)
+
+    def _store_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       fp4: dict[str, Any]) -> torch.Tensor:
+        """Make this layer's routed experts resident in the slot pool, then compute from it.
+
+        A call that needs more rows than the cache may hold (a long prefill) is computed in chunks: each chunk's
+        experts are resident while it is computed, the other pairs count with weight 0 (routed to a resident
+        expert so the op reads valid rows).
+        """
+        from moetplan.runtime.store import StoreCapacityError
+
+        store = self.store.get()
+        layer = self.moe_index
+        if x.shape[0] <= store.prefill_tokens:  # decode: the step's working set fits (the planner's guard)
+            try:
+                store.ensure(layer, topk_ids)
+                return self._op(x, topk_ids, topk_weights, store.data, store.residency[layer], fp4)
+            except StoreCapacityError as e:
+                log.warning("moetplan: %s; computing this step in chunks", e)
+        out = None
+        for mask, _slots in store.ensure_chunks(layer, topk_ids, num_tokens=int(x.shape[0])):
+            mask = mask.to(topk_ids.device)
+            if not bool(mask.any()):
+                continue
+            if bool(mask.all()):
+                ids, wts = topk_ids, topk_weights
+            else:
+                ids = torch.where(mask, topk_ids, topk_ids[mask][0])
+                wts = torch.where(mask, topk_weights, torch.zeros_like(topk_weights))
+            y = self._op(x, ids, wts, store.data, store.residency[layer], fp4)
+            out = y if out is None else out + y
+        return out if out is not None else torch.zeros_like(x)
+
+
+__all__ = ["LayerState"]

@@ -1,0 +1,234 @@
+"""One `WorkerRuntime` per vLLM worker process (one TP rank): the Plan's runtime section, and what the MoE layers
+of that process share: their states, the tiered store, the FP4 reserve and gate, the kernel path log and the run
+record. The quantization config and every MoE method hold it; nothing else keeps per-process state.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from moetplan.contract import envs
+from moetplan.contract.errors import ConfigError
+from moetplan.runtime import records
+from moetplan.runtime.layer import LayerState
+from moetplan.runtime.ops import PathLog
+from moetplan.runtime.pack_resolve import PackResolver
+from moetplan.runtime.reserve_build import ReserveState
+from moetplan.runtime.tiers import TieredExperts
+
+log = logging.getLogger("vllm.moetplan")
+
+EXPERT_FORMATS = ("2bit", "unquantized")
+
+
+def tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
+
+
+def is_warmup() -> bool:
+    """True inside vLLM's profile/dummy runs (no attention metadata): not user traffic, not counted."""
+    try:
+        from vllm.forward_context import (
+            get_forward_context,
+            is_forward_context_available,
+        )
+
+        if not is_forward_context_available():
+            return True
+        return get_forward_context().attn_metadata is None
+    except Exception:
+        return False
+
+
+class WorkerRuntime:
+    """Everything one worker process serves its MoE layers with, read from one Plan."""
+
+    def __init__(self, plan: Any, plan_path: str | None = None, *, rank: int | None = None):
+        fmt = plan.placement.expert_format
+        if fmt not in EXPERT_FORMATS:
+            raise ConfigError(f"{plan_path or 'plan'}: expert_format '{fmt}' is not one the runtime serves; use one "
+                              f"of {', '.join(EXPERT_FORMATS)}")
+        self.plan, self.plan_path = plan, str(plan_path) if plan_path else None
+        self.section = plan.runtime
+        self._rank = rank  # None: asked of vLLM when needed (its TP group may not exist yet at construction)
+        self.layers: dict[int, LayerState] = {}
+        self.moe_layers_created = 0  # MoE layers numbered in construction order: the pack's layer order
+        self.stats = records.RuntimeStats(decode_batch_tokens=self.section.decode_batch_tokens)
+        self.paths = PathLog()
+        self.packs = PackResolver(self.section.pack_dir, lambda: self.rank)
+        self.fp4 = ReserveState()
+        self.tiered: TieredExperts | None = None
+        self._writer: records.RecordWriter | None = None
+
+    @classmethod
+    def from_plan_file(cls, path: str | os.PathLike[str]) -> "WorkerRuntime":
+        from moetplan.contract import Plan, SchemaError, load_json
+
+        try:
+            plan = load_json(Plan, path)
+        except SchemaError as e:
+            raise ConfigError(f"{envs.PLAN.name}: {e}") from None
+        return cls(plan, str(path))
+
+    @classmethod
+    def from_env(cls) -> "WorkerRuntime":
+        """A worker for the plan MOETPLAN_PLAN names (the only variable at the vLLM boundary)."""
+        path = envs.get(envs.PLAN)
+        if not path:
+            raise ConfigError(
+                f"The moetplan quantization method needs a plan: {envs.PLAN.name} is not set. Start the server "
+                "with `moetplan run plan.json` (or export MOETPLAN_PLAN=/path/plan.json before `vllm serve`)")
+        return cls.from_plan_file(path)
+
+    @classmethod
+    def for_process(cls) -> "WorkerRuntime":
+        """This process's worker, built from MOETPLAN_PLAN on first use."""
+        global _PROCESS
+        with _PROCESS_LOCK:
+            if _PROCESS is None:
+                _PROCESS = cls.from_env()
+            return _PROCESS
+
+    @property
+    def rank(self) -> int:
+        return tp_rank() if self._rank is None else self._rank
+
+    # One per process: a copy of a config (or a pickle sent to another process) means that process's worker.
+    def __deepcopy__(self, memo: dict) -> "WorkerRuntime":
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (process_worker, ())  # a module-level function: pickled by reference (cloudpickle too)
+
+    # ------------------------------------------------------------------ layers
+
+    def new_moe_index(self) -> int:
+        self.moe_layers_created += 1
+        return self.moe_layers_created - 1
+
+    def layer_state(self, **fields: Any) -> LayerState:
+        """A layer's state wired to this worker's reserve, kernel policy and path log."""
+        return LayerState(**fields, fp4=self.fp4, policy=self.section.kernels, paths=self.paths)
+
+    def attach_store(self, st: LayerState, rows: torch.Tensor) -> TieredExperts:
+        """Hand a layer's rows to the worker's tiered store (built at the first forward)."""
+        if self.tiered is None:
+            self.tiered = TieredExperts(self.section, self.packs.write_and_open)
+        self.tiered.add(st.moe_index, rows, st.layout)
+        return self.tiered
+
+    def layer_loaded(self, st: LayerState, device: Any, load_s: float) -> None:
+        self.layers[st.key] = st
+        s = self.section
+        if st.fmt == "unquantized" and s.reserve_wanted and st.key == 0:
+            log.info("moetplan: the plan's FP4 reserve (and gate) do not apply to unquantized experts: "
+                     "every expert is computed at the checkpoint's precision already")
+            self.fp4.note = "not applicable: experts unquantized"
+        if (st.fmt == "2bit" and s.reserve_wanted and not self.fp4.built
+                and len(self.layers) == self.moe_layers_created):
+            # the last MoE layer of this worker: the reserve spans them all (built once: a speculative drafter's
+            # MoE layers, loaded later, are not in it)
+            self.fp4.build(s, self.packs, self.layers[0], len(self.layers), device, f"fp4_reserve.rank{self.rank}")
+        self.stats.layers = len(self.layers)
+        self.stats.load_s += load_s
+
+    def after_model_loaded(self, model: Any, vllm_config: Any = None) -> Any:
+        """The plugin's model-loader hook: install the plan's confidence gate on the loaded model."""
+        if not self.layers:
+            return model
+        return self.fp4.install_gate(self.section, model, vllm_config)
+
+    # ------------------------------------------------------------------ the op
+
+    def run_layer(self, key: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        st = self.layers[key]
+        t0 = time.perf_counter()
+        warmup = is_warmup()
+        ctrl = self.fp4.controller
+        out = st.forward(x, topk_weights, topk_ids, warmup)
+        self.stats.on_call(st.first, int(x.shape[0]), int(topk_ids.numel()), warmup, time.perf_counter() - t0,
+                           recompute=ctrl is not None and ctrl.recomputing)
+        w = self.writer()
+        if w is not None:
+            w.maybe_write()
+        return out
+
+    # ------------------------------------------------------------------ run record
+
+    def store_kpis(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        layers = list(self.layers.values())
+        tiers = {st.tier for st in layers}
+        out["expert_tier"] = ",".join(sorted(tiers)) if tiers else None
+        out["expert_format"] = next((st.fmt for st in layers), None)
+        out["expert_sources"] = sorted({st.source for st in layers})
+        out.update(self.paths.as_dict())
+        if self.tiered is not None and self.tiered.pack_path:
+            out["pack"] = self.tiered.pack_path
+        if layers and all(st.store is None for st in layers):
+            # Every routed expert is in the device pool: every routing is a hit, no step waits on a fetch.
+            out.update(token_hit_rate=1.0, misses_per_step=0.0, zero_miss_step_share=1.0)
+            return out
+        store = self.tiered.store if self.tiered is not None else None
+        if store is not None:
+            try:
+                out.update(store.stats())  # hit rates, misses per step, bytes moved: already in the Plan's names
+            except Exception as e:  # a broken KPI read must not take the worker down
+                out["store_kpi_error"] = repr(e)
+        return out
+
+    def make_record(self) -> Any:
+        return records.build_run_record(self.plan, self.plan_path, self.stats,
+                                        store_kpis={**self.store_kpis(), **self.fp4.kpis()},
+                                        extra_runtime={"tp_rank": self.rank, "worker_pid": os.getpid()})
+
+    def record_version(self) -> tuple[Any, ...]:
+        """Changes whenever the record would: MoE calls, and gate steps / reserve promotions (the gate judges a
+        step after its MoE calls, and the background promoter works between steps)."""
+        st = self.stats
+        return (st.moe_calls, st.warmup_calls, st.recompute_calls, st.layers, *self.fp4.version())
+
+    def record_path(self) -> str | None:
+        if self.section.record_path:
+            return self.section.record_path
+        return str(records.run_record_path(self.plan_path, self.rank)) if self.plan_path else None
+
+    def writer(self) -> records.RecordWriter | None:
+        if self._writer is None:
+            path = self.record_path()
+            if path is None:
+                return None
+            self._writer = records.RecordWriter(path, self.make_record, self.section.record_interval_s,
+                                                version=self.record_version)
+            self._writer.start_flusher()
+            atexit.register(self._writer.close)
+        return self._writer
+
+    def close(self) -> None:
+        """Stop the reserve's promoter and the record's flusher (tests; a served worker exits instead)."""
+        self.fp4.close()
+        if self._writer is not None:
+            self._writer.stop_flusher()
+
+
+_PROCESS: WorkerRuntime | None = None
+_PROCESS_LOCK = threading.Lock()
+
+
+def process_worker() -> WorkerRuntime:
+    """This process's WorkerRuntime (what a pickled one becomes in the process that unpickles it)."""
+    return WorkerRuntime.for_process()
+
+
+__all__ = ["EXPERT_FORMATS", "WorkerRuntime", "is_warmup", "process_worker", "tp_rank"]
