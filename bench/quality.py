@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from moetplan import hwdb  # noqa: E402
 from moetplan.contract import atomic_write_text  # noqa: E402
 from moetplan.runtime import quality as Q  # noqa: E402
 
@@ -95,7 +96,9 @@ def main() -> int:
     t0 = time.perf_counter()
     model, tok, info = Q.load_or_train(spec, args.cache, log=lambda s: print(f"  train {s}", flush=True))
     load_s = time.perf_counter() - t0
-    q = Q.QualityConfig(tau=args.tau, eval_tokens=args.eval_tokens, reserve_share=args.reserve_share)
+    floor = float(hwdb.guards()["fp4_gate"]["floor_factor"])  # the planner's gate floor, as a plan would size it
+    q = Q.QualityConfig(tau=args.tau, eval_tokens=args.eval_tokens, reserve_share=args.reserve_share,
+                        gate_floor_factor=floor)
     res = Q.run_quality(model, tok, q, log=lambda s: print(s, flush=True))
     sweep = {}
     for tau in [float(t) for t in args.sweep.split(",") if t.strip()]:

@@ -71,11 +71,6 @@ def test_the_contract_imports_no_other_moetplan_package():
     assert set(_internal(import_graph()).get("contract", set())) == set()
 
 
-import pytest  # noqa: E402
-
-
-@pytest.mark.xfail(strict=True, reason="runtime/quality.py still reads the gate floor from hwdb (one reserve rule "
-                   "is being written); remove this marker when it passes")
 def test_the_runtime_imports_nothing_of_the_planning_side_nor_typer():
     graph = import_graph()
     bad = {u: graph["runtime"][u] for u in ("cli", "launch", "plan", "report", "hwdb", "bench", "typer")

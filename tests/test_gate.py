@@ -8,7 +8,8 @@ from moetplan.contract.errors import ConfigError, UsageError
 from moetplan.runtime.format import RowLayout, pack_expert_row
 from moetplan.runtime.gate import GateController, run_record_kpis
 from moetplan.runtime.ops import moe_forward
-from moetplan.runtime.reserve import FP4Reserve, QuantizingRowSource
+from moetplan.runtime.reserve import FP4Reserve
+from moetplan.runtime.reserve_sources import QuantizingRowSource
 
 L, E, H, I, V = 2, 8, 64, 64, 16
 LAY2 = RowLayout.for_expert(H, I, 1, "2bit")
@@ -250,7 +251,8 @@ def install(model):
     import torch
     from moetplan.runtime.format import RowLayout
     from moetplan.runtime.gate import GateController, wrap_vllm_model
-    from moetplan.runtime.reserve import FP4Reserve, QuantizingRowSource
+    from moetplan.runtime.reserve import FP4Reserve
+    from moetplan.runtime.reserve_sources import QuantizingRowSource
 
     cfg = json.loads(os.environ["GATE_TEST_CFG"])
     h, i, layers, e = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"], cfg["num_experts"]

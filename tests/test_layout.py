@@ -10,7 +10,7 @@ from moetplan.contract.layout import RowLayout as ContractLayout
 from moetplan.contract.units import GIB
 from moetplan.plan.ledger import build_ledger
 from moetplan.runtime.format import RowLayout
-from moetplan.runtime.store import SlotPool
+from moetplan.runtime.slots import SlotPool
 
 TPS = (1, 2, 4, 8)
 CASES = [(m, tp) for m in hwdb.model_ids() for tp in TPS]

@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from moetplan import hwdb
+from moetplan.contract.errors import UsageError
 from moetplan.runtime import quality as Q
 from moetplan.runtime.format import dequantize_2bit, dequantize_fp4, quantize_2bit, quantize_fp4
 from moetplan.runtime.gate import GateController
 from moetplan.runtime.reserve import FP4Reserve
 
+FLOOR = float(hwdb.guards()["fp4_gate"]["floor_factor"])  # the planner's gate floor
 SMALL = Q.TinyMoeSpec(hidden=64, moe_inter=64, experts=8, top_k=2, layers=2, heads=2, kv_heads=1, vocab=320,
                       train_steps=2, seq_len=32, batch=2)
 
@@ -125,7 +128,8 @@ def test_run_quality_end_to_end_small(model, monkeypatch):
 
     monkeypatch.setattr(Q, "TRAIN_MODULES", ("colorsys",))
     tok = build_tokenizer(module_text(("colorsys", "bisect")), SMALL.vocab)
-    res = Q.run_quality(model, tok, Q.QualityConfig(tau=0.9, eval_tokens=40, prompt=8, warmup_tokens=64))
+    res = Q.run_quality(model, tok, Q.QualityConfig(tau=0.9, eval_tokens=40, prompt=8, warmup_tokens=64,
+                                                     gate_floor_factor=FLOOR))
     for k in ("two_bit", "reserve", "reserve_gate"):
         assert 0.0 <= res[k]["agreement"] <= 1.0 and res[k]["kl"] >= 0 and res[k]["positions"] == 33
     g = res["reserve_gate"]["gate"]
@@ -135,8 +139,10 @@ def test_run_quality_end_to_end_small(model, monkeypatch):
 
 def test_reserve_slots_follow_the_gate_floor():
     cfg = SMALL.hf_config()
-    slots, step_set = Q.reserve_slots(cfg, Q.QualityConfig(reserve_share=0.25))
-    assert step_set == 2 * 2 and slots == 4 + math.ceil(1.7 * 4)
+    slots, step_set = Q.reserve_slots(cfg, Q.QualityConfig(reserve_share=0.25, gate_floor_factor=FLOOR))
+    assert FLOOR == 1.7 and step_set == 2 * 2 and slots == 4 + math.ceil(1.7 * 4)
+    with pytest.raises(UsageError, match="gate_floor_factor"):
+        Q.reserve_slots(cfg, Q.QualityConfig())
 
 
 def test_bench_result_file_is_well_formed():

@@ -13,7 +13,8 @@ from moetplan.contract.runtime import RuntimeSection
 from moetplan.runtime.backing import ArrayRowSource
 from moetplan.runtime.format import RowLayout, dequantize_fp4, pack_expert_row, quantize_fp4, unpack_expert_row
 from moetplan.runtime.ops import moe_forward
-from moetplan.runtime.reserve import FP4Reserve, Mxfp4RowSource, QuantizingRowSource, reserve_from_section
+from moetplan.runtime.reserve import FP4Reserve, reserve_from_section
+from moetplan.runtime.reserve_sources import Mxfp4RowSource, QuantizingRowSource
 
 L, E, H, I = 2, 8, 64, 64
 LAY2 = RowLayout.for_expert(H, I, 1, "2bit")

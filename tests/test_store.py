@@ -305,7 +305,7 @@ def test_cuda_pool_matches_pack_rows(kind):
 
 
 def test_coalesce_merges_adjacent_rows_into_one_copy():
-    from moetplan.runtime.store import _coalesce
+    from moetplan.runtime.slots import _coalesce
 
     src = torch.arange(10 * 64, dtype=torch.int64).to(torch.uint8).view(10, 64)
     views = [src[2], src[3], src[4], src[7], src[1]]

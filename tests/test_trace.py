@@ -127,8 +127,6 @@ def test_model_shape_comes_from_hwdb_and_skew_is_fitted():
     from moetplan import hwdb
 
     spec = hwdb.model_spec("deepseek-v4-flash")
-    from moetplan import hwdb
-
     doc = run_replay(model=hwdb.model_spec("deepseek-v4-flash"), steps=12, shares=(0.19,), warmup=4)
     t = doc["trace"]
     assert (t["layers"], t["experts"], t["top_k"]) == (spec.moe_layers, spec.n_routed_experts, spec.top_k)

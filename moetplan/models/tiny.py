@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from moetplan.contract.errors import UnknownNameError
 
@@ -44,6 +44,49 @@ CHAT_TEMPLATE = (
 _VOCAB = 512
 
 
+def qwen3_moe_config(*, hidden: int, moe_inter: int, experts: int, top_k: int, layers: int, heads: int,
+                     kv_heads: int, head_dim: int, vocab: int = _VOCAB, **extra: Any) -> dict[str, Any]:
+    """A Qwen3-MoE config.json (GQA attention, softmax router, no shared expert); dims multiples of 32."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "moe_intermediate_size": moe_inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        **extra,
+    }
+
+
+def byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: list[str], unk_token: str | None = None):
+    """A byte-level BPE tokenizer (tokenizers.Tokenizer) trained here on `texts`: no hub."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=unk_token) if unk_token else models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
 @dataclass(frozen=True)
 class TinyModel:
     name: str
@@ -58,31 +101,8 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-moe": TinyModel(
         name="tiny-moe",
         description="Qwen3-MoE-style, 2 layers, 16 experts top-4, hidden 128, expert FFN 64",
-        config={
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "vocab_size": _VOCAB,
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "moe_intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 64,
-            "num_experts": 16,
-            "num_experts_per_tok": 4,
-            "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0,
-            "tie_word_embeddings": False,
-            "initializer_range": 0.1,
-            "bos_token_id": 0,
-            "eos_token_id": 1,
-            "pad_token_id": 2,
-        },
+        config=qwen3_moe_config(hidden=128, moe_inter=64, experts=16, top_k=4, layers=2, heads=4, kv_heads=2,
+                                head_dim=64, initializer_range=0.1),
     ),
     "tiny-moe-mla": TinyModel(
         name="tiny-moe-mla",
@@ -188,19 +208,9 @@ def _corpus() -> list[str]:
 
 def build_tokenizer(out_dir: Path) -> None:
     """A byte-level BPE tokenizer trained here (no hub), saved as tokenizer.json + tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=_VOCAB,
-        special_tokens=_SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok = byte_level_bpe(_corpus(), _VOCAB, _SPECIAL_TOKENS, unk_token="<|unk|>")
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|bos|>",

@@ -363,7 +363,7 @@ class PinnedHostStore(BackingStore):
 
     def __init__(self, source: Any, *, pin: bool | None = None, progress: bool | None = None,
                  load_batch_rows: int = 64):
-        from moetplan.runtime.heat import progress_bar
+        from moetplan.runtime.progress import progress_bar
 
         super().__init__(source)
         self.pinned = torch.cuda.is_available() if pin is None else pin

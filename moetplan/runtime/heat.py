@@ -6,24 +6,22 @@ the next start seeds its scores from them and fills its free slots hottest-first
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from moetplan.contract.errors import UsageError
 from moetplan.contract import atomic_write_text
 
-if TYPE_CHECKING:
-    from moetplan.runtime.store import ExpertStore
+# An ExpertStore (moetplan.runtime.store), which imports nothing from here: heat reads it, never the reverse.
+ExpertStore = Any
 
 log = logging.getLogger("moetplan.store")
 
@@ -163,19 +161,4 @@ class HeatKeeper:
             self.saves += 1
 
 
-@contextlib.contextmanager
-def progress_bar(total: int, label: str, *, enabled: bool | None = None) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar when on a terminal (or enabled=True); silent otherwise (enabled=False / non-tty)."""
-    show = sys.stderr.isatty() if enabled is None else enabled
-    if not show or total <= 0:
-        yield lambda n: None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  transient=True) as bar:
-        task = bar.add_task(label, total=total)
-        yield lambda n: bar.advance(task, n)
-
-
-__all__ = ["HEAT_VERSION", "HeatKeeper", "HeatSet", "heat_path", "load_heat", "progress_bar", "restore_heat", "save_heat"]
+__all__ = ["HEAT_VERSION", "HeatKeeper", "HeatSet", "heat_path", "load_heat", "restore_heat", "save_heat"]

@@ -26,11 +26,14 @@ from typing import Any, Callable
 import torch
 
 from moetplan.contract.errors import UsageError
+from moetplan.contract.sizing import gate_floor_slots, reserve_slots as cap_reserve, step_working_set
+from moetplan.models.tiny import byte_level_bpe, qwen3_moe_config
 from moetplan.contract import envs
 from moetplan.runtime.format import RowLayout, pack_expert_row
 from moetplan.runtime.gate import GateController
 from moetplan.runtime.ops import moe_forward
-from moetplan.runtime.reserve import FP4Reserve, QuantizingRowSource
+from moetplan.runtime.reserve import FP4Reserve
+from moetplan.runtime.reserve_sources import QuantizingRowSource
 
 # Bump when training or the corpus recipe changes what a cached checkpoint holds.
 HARNESS_VERSION = 1
@@ -57,21 +60,15 @@ def module_text(names: tuple[str, ...]) -> str:
 
 
 def build_tokenizer(text: str, vocab_size: int = 512):
-    """A byte-level BPE tokenizer trained on `text` (tokenizers, no hub)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE tokenizer trained on `text` (the tiny models' builder, moetplan.models.tiny)."""
+    from tokenizers import pre_tokenizers
 
     specials = ["<|bos|>", "<|eos|>", "<|pad|>"]
     floor = len(pre_tokenizers.ByteLevel.alphabet()) + len(specials)
     if vocab_size < floor:
         raise UsageError(f"vocab_size {vocab_size} is below the byte-level floor {floor} (256 bytes + specials); "
                          f"use a vocab of at least {floor}")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([text[i:i + 4096] for i in range(0, len(text), 4096)], trainer)
-    return tok
+    return byte_level_bpe([text[i:i + 4096] for i in range(0, len(text), 4096)], vocab_size, specials)
 
 
 # --------------------------------------------------------------------------- model
@@ -98,14 +95,11 @@ class TinyMoeSpec:
     def hf_config(self):
         from transformers import Qwen3MoeConfig
 
-        return Qwen3MoeConfig(
-            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=2 * self.hidden,
-            moe_intermediate_size=self.moe_inter, num_hidden_layers=self.layers, num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads, head_dim=self.hidden // self.heads, num_experts=self.experts,
-            num_experts_per_tok=self.top_k, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-            max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-            output_router_logits=True, router_aux_loss_coef=0.01, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-        )
+        cfg = qwen3_moe_config(hidden=self.hidden, moe_inter=self.moe_inter, experts=self.experts, top_k=self.top_k,
+                               layers=self.layers, heads=self.heads, kv_heads=self.kv_heads,
+                               head_dim=self.hidden // self.heads, vocab=self.vocab, output_router_logits=True,
+                               router_aux_loss_coef=0.01)
+        return Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
 
 
 def _fingerprint(spec: TinyMoeSpec, corpus: str) -> str:
@@ -307,7 +301,8 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> dict[str, float]:
 class QualityConfig:
     tau: float = 0.3
     reserve_share: float = 0.25  # FP4 reserve rows as a share of all (layer, expert) rows, before the gate's room
-    gate_floor_factor: float | None = None  # room for one step's routed working set x this; None = hwdb guards
+    # room for one step's routed working set x this (the planner's fp4_gate.floor_factor, hwdb/guards.yaml)
+    gate_floor_factor: float | None = None
     eval_tokens: int = 512
     prompt: int = 16
     warmup_tokens: int = 512  # routing heat gathered on training text before the reserve is filled
@@ -316,15 +311,13 @@ class QualityConfig:
 
 def reserve_slots(cfg: Any, q: QualityConfig) -> tuple[int, int]:
     """(slots, max promotions per step): the hot share plus the gate's floor (one step's experts x factor)."""
-    rows = cfg.num_hidden_layers * cfg.num_experts
-    step_set = cfg.num_hidden_layers * cfg.num_experts_per_tok
-    factor = q.gate_floor_factor
-    if factor is None:
-        from moetplan.hwdb import guards
-
-        factor = float(guards()["fp4_gate"]["floor_factor"])
-    slots = max(1, int(round(q.reserve_share * rows))) + int(math.ceil(factor * step_set))
-    return min(rows, slots), step_set
+    if q.gate_floor_factor is None:
+        raise UsageError("QualityConfig.gate_floor_factor is not set: pass the planner's fp4_gate.floor_factor "
+                         "(hwdb/guards.yaml), so the harness sizes the reserve as a plan would")
+    step_set = step_working_set(cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    hot = max(1, int(round(q.reserve_share * cfg.num_hidden_layers * cfg.num_experts)))
+    slots = hot + gate_floor_slots(step_set, q.gate_floor_factor)
+    return cap_reserve(slots, cfg.num_hidden_layers, cfg.num_experts), step_set
 
 
 def run_quality(model: Any, tok: Any, q: QualityConfig | None = None,
