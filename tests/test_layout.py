@@ -4,13 +4,14 @@ from __future__ import annotations
 import pytest
 
 from moetplan import hwdb
-from moetplan.contract import Placement
+from moetplan.contract import HardwareProfile, HostInfo, MemoryLedger, Placement, Plan, Prediction
 from moetplan.contract.errors import UsageError
 from moetplan.contract.layout import RowLayout as ContractLayout
 from moetplan.contract.units import GIB
 from moetplan.plan.ledger import build_ledger
 from moetplan.runtime.format import RowLayout
 from moetplan.runtime.slots import SlotPool
+from moetplan.runtime.tiers import expert_store
 
 TPS = (1, 2, 4, 8)
 CASES = [(m, tp) for m in hwdb.model_ids() for tp in TPS]
@@ -45,6 +46,30 @@ def test_planned_expert_bytes_equal_allocated_bytes(model_id, tp):
     items = {i.name: i.gib for i in ledger.gpus[0].items}
     assert items["expert_cache"] * GIB == slots * p.expert_row_bytes
     assert items["fp4_reserve"] * GIB == reserve * p.fp4_row_bytes
+    # the worker's store, built by the one factory from the plan's runtime section, allocates those bytes
+    section = _plan(spec, p).runtime
+    store = expert_store(section, _Rows(spec, section.row_bytes), pin=False)
+    assert store.data.numel() == p.gpu_expert_cache_gib * GIB  # the GPU expert cache
+    assert store.backing.arena.numel() * tp == p.host_arena_gib * GIB  # the pinned arena (each rank its own)
+    store.close()
+
+
+class _Rows:
+    """A row source of the model's shape that reads nothing (the factory only needs its shape)."""
+
+    def __init__(self, spec, stride: int):
+        self.num_layers, self.num_experts, self.stride = spec.moe_layers, spec.n_routed_experts, stride
+
+    def row_index(self, layer: int, expert: int) -> int:
+        return layer * self.num_experts + expert
+
+    def read_rows(self, rows, out, o_direct: bool = False) -> None:
+        pass
+
+
+def _plan(spec, placement: Placement) -> Plan:
+    return Plan(model=spec, hardware=HardwareProfile(host=HostInfo(ram_gib=64)), placement=placement,
+                memory=MemoryLedger(), prediction=Prediction(decode_tok_s=0))
 
 
 def test_a_pinned_gib_becomes_whole_rows_and_round_trips():
