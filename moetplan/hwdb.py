@@ -551,12 +551,16 @@ def inline_profile(gpus: str, host_ram_gib: float, nvme_gbps: float | None = Non
 # --------------------------------------------------------------------------- guards & planner defaults (lead)
 
 _GUARD_KEYS = {
-    "gpu": ("cuda_graphs_workspace_gib", "speculative_extra_gib", "activation_bytes_per_context_token",
-            "gpu_memory_utilization", "gpu_memory_utilization_small_card", "small_card_gib"),
+    "gpu": ("cuda_graphs_workspace_gib", "speculative_kv_floor_gib", "comm_buffers_gib", "cuda_context_gib",
+            "activation_hidden_bytes_per_unit", "mla_chunked_context_tokens", "fp4_outside_headroom_gib",
+            "resident_guard_margin_gib", "resident_guard_speculative_gib", "resident_guard_kv_bytes_per_token",
+            "gpu_memory_utilization"),
     "expert_cache": ("floor_factor", "comfortable_factor", "seqs_cap"),
     "fp4_gate": ("floor_factor",),
-    "host": ("os_reserve_gib", "per_gpu_reserve_gib", "usable_fraction", "arena_min_gib"),
-    "planner": ("default_box", "default_context", "context_grid", "balanced_keep_decode", "mtp_depths", "max_tp"),
+    "host": ("os_reserve_gib", "per_gpu_reserve_gib", "usable_fraction", "arena_min_gib", "page_cache_share"),
+    "planner": ("default_box", "default_context", "context_grid", "balanced_keep_decode", "mtp_depths", "max_tp",
+                "mtp_depth_max_tiered", "batched_tokens_grid", "batched_tokens_default_small",
+                "batched_tokens_default_large", "batched_tokens_large_card_gib"),
 }
 
 
@@ -573,4 +577,30 @@ def guards() -> dict[str, Any]:
         for k in keys:
             if k not in sec:
                 raise ConfigError(f"{path}: missing '{section}.{k}'")
+    return data
+
+
+# --------------------------------------------------------------------------- engine support matrix
+
+
+def engine_support() -> dict[str, Any]:
+    """hwdb/engine_support.yaml: the attention each architecture needs and the GPU families vLLM runs it on."""
+    path = hwdb_dir() / "engine_support.yaml"
+    data = _read_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with 'families', 'architectures' and 'requirements'")
+    for key in ("families", "architectures", "by_attention", "requirements"):
+        if not isinstance(data.get(key), dict):
+            raise ConfigError(f"{path}: missing mapping '{key}'")
+    families = data["families"]
+    for name, req in data["requirements"].items():
+        if not isinstance(req, dict) or not isinstance(req.get("families"), dict):
+            raise ConfigError(f"{path}: requirement '{name}' needs a 'families' mapping")
+        for fam in [*req["families"], *(req.get("unsupported") or {})]:
+            if fam not in families:
+                raise ConfigError(f"{path}: requirement '{name}' names unknown family '{fam}' "
+                                  f"(known: {', '.join(families)})")
+    for arch, req in [*data["architectures"].items(), *data["by_attention"].items()]:
+        if req not in data["requirements"]:
+            raise ConfigError(f"{path}: '{arch}' needs unknown requirement '{req}'")
     return data

@@ -121,15 +121,21 @@ class Placement(_Model):
     gpu_expert_cache_slots: int = Field(0, description="Expert rows (per layer-expert) the cache holds per rank")
     fp4_reserve_gib: float = Field(0.0, description="Per GPU rank")
     fp4_reserve_slots: int = 0
-    host_arena_gib: float = Field(0.0, description="Pinned RAM arena over NVMe packs (tier nvme)")
+    host_arena_gib: float = Field(0.0, description="Pinned RAM arena over NVMe packs (tier nvme), per GPU rank: "
+                                                   "each rank's arena holds its own TP shard of the rows")
     kv_dtype: str = "fp8"
     kv_cache_gib: float = Field(0.0, description="Per GPU rank")
+    kv_tokens: int = Field(0, description="Tokens the KV pool holds (what vLLM prints as 'GPU KV cache size')")
+    kv_cache_clamped: bool = Field(False, description="kv_cache_gib is given to vLLM (--kv-cache-memory-bytes) "
+                                                      "instead of being what gpu_memory_utilization leaves")
     context: int = Field(4096, description="max_model_len")
     mtp: int = Field(0, description="Speculative tokens per step (MTP depth)")
     mtp_acceptance: float = Field(1.0, description="Mean tokens emitted per decode step")
     max_num_seqs: int = 1
     concurrency: int = 1
     max_num_batched_tokens: int = 8192
+    activation_peak_gib: float = Field(0.0, description="Per GPU rank: the forward pass's activation peak at "
+                                                        "max_num_batched_tokens tokens (outside the KV pool)")
     gpu_memory_utilization: float = 0.92
     pack_dir: str | None = None
     expert_format: Literal["2bit", "unquantized"] = Field(
