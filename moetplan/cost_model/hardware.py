@@ -39,7 +39,7 @@ class Rates:
     mem_bw_gbps: float
     h2d_gbps: float
     h2d_source: str
-    pcie_gbps: float  # per-direction GPU<->GPU traffic for TP (through the host when P2P is off)
+    pcie_gbps: float  # GPU<->GPU rate for TP traffic: peer-to-peer, or staged through host memory
     nvme_gbps: float
     nvme_source: str
     tflops: float
@@ -132,8 +132,10 @@ def rates(hw: HardwareProfile, placement: Placement) -> Rates:
     tfl = [bf16_tflops(g) for g in gpus]
     tflops, tfl_src = min(tfl, key=lambda t: t[0])
     nv, nv_src = nvme_gbps(hw)
-    # Without P2P, TP traffic goes GPU->host->GPU: bounded by the same pinned link rate.
-    pcie = h2d_rate
+    # TP traffic between GPUs: peer-to-peer over PCIe at the link rate; without P2P it is staged through host
+    # memory, a device->host copy then a host->device copy of every chunk.
+    links = _tables()["links.yaml"]
+    pcie = h2d_rate if hw.p2p else h2d_rate * float(links.get("gpu_gpu_via_host_share", 0.5))
     return Rates(
         mem_bw_gbps=slow_mem.mem_bw_gbps,
         h2d_gbps=h2d_rate,
