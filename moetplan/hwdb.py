@@ -586,6 +586,9 @@ def guards() -> dict[str, Any]:
 def engine_support() -> dict[str, Any]:
     """hwdb/engine_support.yaml: the attention each architecture needs and the GPU families vLLM runs it on."""
     path = hwdb_dir() / "engine_support.yaml"
+    key = ("engine_support", str(path), path.stat().st_mtime_ns if path.exists() else 0)
+    if key in _cache:
+        return _cache[key]
     data = _read_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with 'families', 'architectures' and 'requirements'")
@@ -603,4 +606,5 @@ def engine_support() -> dict[str, Any]:
     for arch, req in [*data["architectures"].items(), *data["by_attention"].items()]:
         if req not in data["requirements"]:
             raise ConfigError(f"{path}: '{arch}' needs unknown requirement '{req}'")
+    _cache[key] = data
     return data

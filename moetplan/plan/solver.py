@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Iterable, Iterator
 
 from moetplan import __version__
@@ -174,6 +175,7 @@ def _context_allowed(kv: str, ctx: int, goals: Goals, pins: dict[str, Any]) -> b
     return limit is None or ctx <= max(limit, asked)
 
 
+@lru_cache(maxsize=1)
 def _default_pack_dir() -> str:
     """Packs are the quantization cache for every tier; without a probed/given pack dir, the user cache dir."""
     from moetplan.contract import default_pack_dir
@@ -211,7 +213,13 @@ def size_placement(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: di
         p, why = _size(model, hw, goals, pins, tp, pp, tier, kv, mtp, context, mnbt, vram)
         if p is not None:
             return p, []
+        if not any(w.split(":", 1)[0] in _BATCH_SENSITIVE for w in why):
+            break  # fewer batched tokens would not change what is short
     return None, why
+
+
+# Ledger items a smaller activation peak can make room for.
+_BATCH_SENSITIVE = {"kv_cache", "vram", "gpu_memory_utilization", "expert_cache"}
 
 
 def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, Any], tp: int, pp: int, tier: str,
@@ -283,7 +291,7 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
             p.gate.max_promotions_per_step = p.fp4_reserve_slots // max(1, math.ceil(model.moe_layers / pp))
     for k in ("gpu_expert_cache_gib", "fp4_reserve_gib", "kv_cache_gib"):
         if k not in pins:
-            setattr(p, k, math.floor(getattr(p, k) / L.ROUND_GIB) * L.ROUND_GIB)  # never past the budget
+            setattr(p, k, round(math.floor(getattr(p, k) / L.ROUND_GIB) * L.ROUND_GIB, 6))  # never past the budget
     p.kv_cache_clamped = clamp is not None
     p.kv_tokens = L.kv_tokens(model, p)
     p.activation_peak_gib = round(L.activation_gib(model, p), 3)
@@ -340,8 +348,6 @@ def feasible(model: ModelSpec, hw: HardwareProfile, goals: Goals) -> bool:
 
 def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = None) -> list[Candidate]:
     """Every feasible candidate, predicted; InfeasibleError (with what is short and what fits) if none."""
-    from moetplan.cost_model import predict
-
     _precheck(model, hw, goals)
     pins = dict(goals.pinned)
     problems: dict[str, list[str]] = {}
@@ -354,6 +360,8 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
         if p is None:
             problems.setdefault(choice[2], []).extend(why)
             return None
+        from moetplan.cost_model import predict  # numpy and the calibration load only once something fits
+
         return Candidate(p, L.build_ledger(model, hw, p).ledger, predict(model, hw, p, calib))
 
     # Phase 1: every discrete choice at the smallest context the goals accept.

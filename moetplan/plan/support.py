@@ -4,6 +4,7 @@ works; `moetplan gpus --model M` prints the matrix."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from moetplan.contract import HardwareProfile
@@ -22,6 +23,16 @@ class FamilySupport:
 
 
 def _data() -> dict[str, Any]:
+    import os
+
+    from moetplan import hwdb
+
+    return _data_at(os.environ.get(hwdb.HWDB_ENV, ""))
+
+
+@lru_cache(maxsize=4)
+def _data_at(override: str) -> dict[str, Any]:
+    # The solver asks for every candidate; the file is read once per hwdb folder and process.
     from moetplan import hwdb
 
     return hwdb.engine_support()
@@ -116,3 +127,19 @@ def validated_context(kv_dtype: str) -> int | None:
     """Longest window a KV layout has been validated to, None when unbounded."""
     v = (_data().get("kv_dtype_validated_context") or {}).get(kv_dtype)
     return int(v) if v else None
+
+
+def support_rows(spec: ModelSpec) -> list[dict[str, Any]]:
+    """The matrix as rows for listings: family, its GPUs in hwdb, whether and how vLLM runs the model there."""
+    from moetplan import hwdb
+
+    fams = _data()["families"]
+    gpus_by_fam: dict[str, list[str]] = {}
+    for e in hwdb.gpu_entries():
+        fam = family_of(str(e["compute_capability"]))
+        if fam:
+            gpus_by_fam.setdefault(fam, []).append(e["id"])
+    return [{"family": r.family, "gpus": r.label, "compute_capability": fams[r.family]["compute_capability"],
+             "runs": r.supported, "backends": list(r.backends),
+             "kv_dtypes": list(r.kv_dtypes) if r.kv_dtypes else list(spec.kv_bytes_per_token),
+             "note": r.note, "hwdb_gpus": gpus_by_fam.get(r.family, [])} for r in matrix(spec)]
