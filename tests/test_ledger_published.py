@@ -111,3 +111,27 @@ def test_host_ram_counts_an_arena_per_rank():
     out = published.evaluate(cfg)
     arena = next(i for i in L.build_ledger(glm, cfg.hw, out.placement).ledger.host_items if i.name == "pinned_arena")
     assert arena.gib == pytest.approx(2 * 57)  # 57 GiB per rank, ~140 GiB of host RAM in all
+
+
+def test_no_published_measurement_is_refused():
+    """Every row the cost model is fitted on ran in vLLM-Moet, so the ledger plans each with its knobs pinned."""
+    from moetplan.cost_model.dataset import load_reference
+    from moetplan.plan.solver import size_placement
+
+    refused = []
+    for m in load_reference():
+        p = m.placement
+        pins = {k: getattr(p, k) for k in ("tp", "pp", "expert_tier", "kv_dtype", "context", "mtp", "fp4_reserve_gib",
+                                           "max_num_seqs", "concurrency", "gpu_memory_utilization",
+                                           "max_num_batched_tokens")}
+        if p.expert_tier != "resident":
+            pins["gpu_expert_cache_gib"] = p.gpu_expert_cache_gib
+        if p.expert_tier == "nvme":
+            pins["host_arena_gib"] = p.host_arena_gib
+        if p.gate.enabled:
+            pins["gate_tau"] = p.gate.tau
+        got, why = size_placement(m.model, m.hw, Goals(pinned=pins, concurrency=p.concurrency), pins, p.tp, p.pp,
+                                  p.expert_tier, p.kv_dtype, p.mtp, p.context)
+        if got is None:
+            refused.append((m.row_id, why[:1]))
+    assert refused == []

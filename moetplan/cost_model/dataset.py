@@ -111,8 +111,12 @@ def _load_csv(p: Path, prefix: str, notes: dict) -> list[Measurement]:
             concurrency=conc,
             gate=Gate(enabled=tau is not None, tau=tau if tau is not None else 0.5),
         )
+        note = notes.get(rid) or {}
+        for knob in ("gpu_memory_utilization", "max_num_batched_tokens"):
+            if note.get(knob) is not None:
+                setattr(placement, knob, type(getattr(placement, knob))(note[knob]))
         slots = placement.fp4_reserve_gib * GIB / model.expert_bytes("fp4", placement.tp)
-        if (notes.get(rid) or {}).get("fp4_format") == "split":
+        if note.get("fp4_format") == "split":
             slots *= 8 / 5  # a split-format slot is 5/8 of a 4-bit one
         placement.fp4_reserve_slots = int(slots)
         placement.gpu_expert_cache_slots = int(placement.gpu_expert_cache_gib * GIB // model.expert_bytes("2bit",
