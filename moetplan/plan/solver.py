@@ -249,6 +249,14 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
 
     if tier == "resident":
         left -= L.experts_resident_gib(model, p)
+        if left < 0:
+            # Weights and workspaces alone exceed the budget: name what they are, the largest optional one first.
+            items = L.fixed_gpu_items(model, p)
+            parts = ", ".join(f"{i.name} {i.gib:.1f}" for i in items)
+            optional = [i for i in items if i.name in ("drafter", "mtp_layer") and i.gib >= -left]
+            item = optional[0].name if optional else "vram"
+            return None, [f"{item}: {parts} and resident experts {L.experts_resident_gib(model, p):.1f} GiB/rank "
+                          f"exceed the {budget:.1f} GiB budget before any KV pool; short {-left + kv_floor:.1f} GiB"]
         if left < kv_floor:
             return None, [f"kv_cache: resident experts leave {left:.1f} GiB/rank for the KV pool, which needs "
                           f"{kv_floor:.1f} GiB; short {kv_floor - left:.1f} GiB"]
