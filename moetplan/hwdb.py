@@ -217,6 +217,16 @@ def gpu_entry(name_or_alias: str) -> dict:
     return copy.deepcopy(entries[gid])
 
 
+def gpu_value(name_or_alias: str, key: str, default: Any = None) -> Any:
+    """One scalar field of a datasheet entry, without copying the entry (the cost model asks per candidate)."""
+    entries, index = _gpu_table()
+    gid = index.get(_compact(name_or_alias)) or match_gpu(name_or_alias)
+    if gid is None:
+        return gpu_entry(name_or_alias)  # raises UnknownNameError with close names
+    value = entries[gid].get(key, default)
+    return copy.deepcopy(value) if isinstance(value, (dict, list)) else value
+
+
 def gpu_info(gpu_id: str, index: int = 0) -> GPUInfo:
     """GPUInfo filled from the datasheet (what `--gpus` and boxes use; `probe` measures instead)."""
     e = gpu_entry(gpu_id)

@@ -331,3 +331,14 @@ def test_missing_hwdb_dir(monkeypatch, tmp_path):
     monkeypatch.setenv(hwdb.HWDB_ENV, str(tmp_path / "nope"))
     with pytest.raises(ConfigError, match="hwdb folder not found"):
         hwdb.model_ids()
+
+
+def test_gpu_value_reads_one_field_by_any_name():
+    entry = hwdb.gpu_entry("rtx-5090")
+    assert hwdb.gpu_value("NVIDIA GeForce RTX 5090", "sms") == entry["sms"] > 0
+    assert hwdb.gpu_value("rtx-5090", "no-such-field", 7) == 7
+    aliases = hwdb.gpu_value("rtx-5090", "aliases")
+    aliases.append("mutated")  # a copy: the datasheet stays as read
+    assert "mutated" not in hwdb.gpu_entry("rtx-5090")["aliases"]
+    with pytest.raises(UnknownNameError, match="rtx-5090"):
+        hwdb.gpu_value("rtx-5909", "sms")

@@ -86,18 +86,22 @@ def nvme_gbps(hw: HardwareProfile) -> tuple[float, str]:
     return float(_tables()["links.yaml"].get("default_nvme_gbps", 2.0)), "default (no storage measurement)"
 
 
+@lru_cache(maxsize=64)
+def _datasheet_sms(hwdb_id: str) -> int | None:
+    # Read once per process, like the tables above: every candidate the solver predicts asks for it.
+    try:
+        from moetplan import hwdb
+
+        return hwdb.gpu_value(hwdb_id, "sms")
+    except Exception:  # noqa: BLE001 - unknown id or loader missing: the caller falls back to memory BW
+        return None
+
+
 def bf16_tflops(gpu: GPUInfo) -> tuple[float, str]:
     table = _tables()["gpu_compute.yaml"]
     per_gpu = (table.get("gpus") or {}).get(gpu.hwdb_id or "", {})
     cc = gpu.compute_capability
-    sms = None
-    if gpu.hwdb_id:
-        try:
-            from moetplan import hwdb
-
-            sms = hwdb.gpu_entry(gpu.hwdb_id).get("sms")
-        except Exception:  # noqa: BLE001 - unknown id or loader missing: fall back below
-            sms = None
+    sms = _datasheet_sms(gpu.hwdb_id) if gpu.hwdb_id else None
     rate = per_gpu.get("flops_per_clk_per_sm") or (table.get("flops_per_clk_per_sm") or {}).get(cc)
     clock = per_gpu.get("boost_clock_ghz")
     if sms and rate and clock:

@@ -209,8 +209,9 @@ def size_placement(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: di
     does not fit."""
     vram = min(g.vram_gib for g in hw.gpus[: tp * pp])
     why: list[str] = []
+    pack_dir = goals.pack_dir or hw.storage.path or _default_pack_dir()
     for mnbt in _batched_tokens_options(vram, pins):
-        p, why = _size(model, hw, goals, pins, tp, pp, tier, kv, mtp, context, mnbt, vram)
+        p, why = _size(model, hw, goals, pins, tp, pp, tier, kv, mtp, context, mnbt, vram, pack_dir)
         if p is not None:
             return p, []
         if not any(w.split(":", 1)[0] in _BATCH_SENSITIVE for w in why):
@@ -223,7 +224,8 @@ _BATCH_SENSITIVE = {"kv_cache", "vram", "gpu_memory_utilization", "expert_cache"
 
 
 def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, Any], tp: int, pp: int, tier: str,
-          kv: str, mtp: int, context: int, mnbt: int, vram: float) -> tuple[Placement | None, list[str]]:
+          kv: str, mtp: int, context: int, mnbt: int, vram: float,
+          pack_dir: str) -> tuple[Placement | None, list[str]]:
     conc = pins.get("concurrency", goals.concurrency)
     seqs = pins.get("max_num_seqs", max(conc, 1))
     gate_tau = pins.get("gate_tau")
@@ -231,7 +233,7 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
         tp=tp, pp=pp, expert_tier=tier, kv_dtype=kv, context=context, mtp=mtp,
         mtp_acceptance=pins.get("mtp_acceptance", model.mtp_accept(mtp)),
         max_num_seqs=seqs, concurrency=conc, max_num_batched_tokens=mnbt,
-        pack_dir=goals.pack_dir or hw.storage.path or _default_pack_dir(),
+        pack_dir=pack_dir,
         gate=Gate(enabled=bool(gate_tau), tau=gate_tau or 0.5),
     )
     p.gpu_memory_utilization = pins.get("gpu_memory_utilization", L.gpu_memory_utilization_for(model, p, vram))
@@ -360,6 +362,7 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
     pins = dict(goals.pinned)
     problems: dict[str, list[str]] = {}
     ctx_opts = _context_options(model, goals, pins)
+    loaded = [calib]
 
     def evaluate(choice: tuple, ctx: int) -> Candidate | None:
         if not _context_allowed(choice[3], ctx, goals, pins):
@@ -368,9 +371,11 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
         if p is None:
             problems.setdefault(choice[2], []).extend(why)
             return None
-        from moetplan.cost_model import predict  # numpy and the calibration load only once something fits
+        from moetplan.cost_model import load_calibration, predict  # numpy: only once something fits
 
-        return Candidate(p, L.build_ledger(model, hw, p).ledger, predict(model, hw, p, calib))
+        if loaded[0] is None:
+            loaded[0] = load_calibration(hw)  # once per search, not per candidate
+        return Candidate(p, L.build_ledger(model, hw, p).ledger, predict(model, hw, p, loaded[0]))
 
     # Phase 1: every discrete choice at the smallest context the goals accept.
     first: list[tuple[tuple, Candidate]] = []
