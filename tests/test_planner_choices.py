@@ -115,3 +115,28 @@ def test_context_above_the_model_maximum_names_the_maximum():
         _solve("kimi-k2.7-code", hwdb.box_profile("rtx-pro-6000x4"), context=1_000_000)
     with pytest.raises(UsageError, match="at most 262144 tokens"):
         _solve("kimi-k2.7-code", hwdb.box_profile("rtx-pro-6000x4"), "context=300000")
+
+
+@pytest.mark.parametrize("model,gpus,rams,frees", [
+    ("deepseek-v4-flash", ["1xrtx-4090", "1xrtx-5090"], [32, 64, 96, 128], [None, 400]),
+    ("glm-5.2", ["2xrtx-5090", "4xrtx-5090"], [96, 256], [None, 1800]),
+    ("kimi-k2.7-code", ["1xrtx-5090", "2xrtx-4090"], [64, 512], [None, 1800]),
+])
+def test_feasible_agrees_with_search(model, gpus, rams, frees):
+    """What diagnose() prints as 'would fit' is checked with feasible(): it must say exactly what search finds,
+    on both sides of the boundary."""
+    from moetplan.plan.solver import feasible
+
+    spec = hwdb.model_spec(model)
+    answers = set()
+    for g in gpus:
+        for ram in rams:
+            for free in frees:
+                hw = hwdb.inline_profile(g, ram, 3.2 if free else None, free)
+                try:
+                    found = bool(search(spec, hw, Goals()))
+                except InfeasibleError:
+                    found = False
+                assert feasible(spec, hw, Goals()) == found, (g, ram, free)
+                answers.add(found)
+    assert answers == {True, False}  # the grid straddles the boundary

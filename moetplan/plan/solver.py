@@ -219,6 +219,7 @@ def size_placement(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: di
     return None, why
 
 
+_ALL_FIT = "expert_cache: every expert fits in the cache"
 # Ledger items a smaller activation peak can make room for.
 _BATCH_SENSITIVE = {"kv_cache", "vram", "gpu_memory_utilization", "expert_cache"}
 
@@ -280,7 +281,7 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
         max_slots = math.ceil(model.moe_layers / pp) * model.n_routed_experts
         slots = min(int(max(cache, 0.0) * GIB // row2), max_slots)
         if slots >= max_slots and "expert_tier" not in pins:
-            return None, [f"expert_cache: every expert fits in the cache; resident is the same placement"]
+            return None, [f"{_ALL_FIT}; resident is the same placement"]
         p.gpu_expert_cache_gib = slots * row2 / GIB if "gpu_expert_cache_gib" not in pins else cache
         p.gpu_expert_cache_slots = slots
         p.fp4_reserve_gib = reserve
@@ -350,8 +351,19 @@ def feasible(model: ModelSpec, hw: HardwareProfile, goals: Goals) -> bool:
         return False
     pins = dict(goals.pinned)
     ctx = _context_options(model, goals, pins)[0]
+    pack_dir = goals.pack_dir or hw.storage.path or _default_pack_dir()
     for choice in _choices(model, hw, goals, pins):
-        if _context_allowed(choice[3], ctx, goals, pins) and size_placement(model, hw, goals, pins, *choice, ctx)[0]:
+        if not _context_allowed(choice[3], ctx, goals, pins):
+            continue
+        # Fewer batched tokens only shrink the activation peak: a choice short of memory at the fewest is short at
+        # all, which rules most choices out in one sizing (not so "every expert fits", which more room causes);
+        # the rest take search()'s own path, so the answers agree.
+        vram = min(g.vram_gib for g in hw.gpus[: choice[0] * choice[1]])
+        fewest = _batched_tokens_options(vram, pins)[-1]
+        p, why = _size(model, hw, goals, pins, *choice, ctx, fewest, vram, pack_dir)
+        if p is None and not any(w.startswith(_ALL_FIT) for w in why):
+            continue
+        if size_placement(model, hw, goals, pins, *choice, ctx)[0]:
             return True
     return False
 
