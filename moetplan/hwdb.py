@@ -590,31 +590,10 @@ def guards() -> dict[str, Any]:
     return data
 
 
-# --------------------------------------------------------------------------- engine support matrix
+# --------------------------------------------------------------------------- other tables
 
 
-def engine_support() -> dict[str, Any]:
-    """hwdb/engine_support.yaml: the attention each architecture needs and the GPU families vLLM runs it on."""
-    path = hwdb_dir() / "engine_support.yaml"
-    key = ("engine_support", str(path), path.stat().st_mtime_ns if path.exists() else 0)
-    if key in _cache:
-        return _cache[key]
-    data = _read_yaml(path)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping with 'families', 'architectures' and 'requirements'")
-    for key in ("families", "architectures", "by_attention", "requirements"):
-        if not isinstance(data.get(key), dict):
-            raise ConfigError(f"{path}: missing mapping '{key}'")
-    families = data["families"]
-    for name, req in data["requirements"].items():
-        if not isinstance(req, dict) or not isinstance(req.get("families"), dict):
-            raise ConfigError(f"{path}: requirement '{name}' needs a 'families' mapping")
-        for fam in [*req["families"], *(req.get("unsupported") or {})]:
-            if fam not in families:
-                raise ConfigError(f"{path}: requirement '{name}' names unknown family '{fam}' "
-                                  f"(known: {', '.join(families)})")
-    for arch, req in [*data["architectures"].items(), *data["by_attention"].items()]:
-        if req not in data["requirements"]:
-            raise ConfigError(f"{path}: '{arch}' needs unknown requirement '{req}'")
-    _cache[key] = data
-    return data
+def table(name: str) -> Any:
+    """Another hwdb/ file, parsed (cached until it changes); its reader checks its shape (engine_support.yaml:
+    plan/support.py)."""
+    return _read_yaml(hwdb_dir() / name)

@@ -342,3 +342,15 @@ def test_gpu_value_reads_one_field_by_any_name():
     assert "mutated" not in hwdb.gpu_entry("rtx-5090")["aliases"]
     with pytest.raises(UnknownNameError, match="rtx-5090"):
         hwdb.gpu_value("rtx-5909", "sms")
+
+
+def test_engine_support_naming_an_unknown_family_names_the_file(hwdb_copy):
+    from moetplan.plan import support
+
+    def bad(d):
+        req = next(iter(d["requirements"].values()))
+        req["families"]["sm_999"] = {"backends": ["x"]}
+
+    _edit_yaml(hwdb_copy / "engine_support.yaml", bad)
+    with pytest.raises(ConfigError, match=r"engine_support\.yaml: requirement '.*' names unknown family 'sm_999'"):
+        support.check(hwdb.model_spec("glm-5.2"), hwdb.box_profile("rtx-5090x1"))

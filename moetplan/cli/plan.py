@@ -35,7 +35,7 @@ def plan_cmd(
     from moetplan.contract import Goals, InfeasibleError, save_json
     from moetplan.hw.resolve import resolve_hardware
     from moetplan.launch.command import build_launch
-    from moetplan.models.from_config import spec_for_name
+    from moetplan.models.by_name import spec_for_name
     from moetplan.plan.request import check_args, with_notes
     from moetplan.plan.solver import parse_set, solve
 
@@ -138,7 +138,7 @@ def models_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
     from moetplan import hwdb
 
     from moetplan.models import tiny
-    from moetplan.models.from_config import spec_for_tiny
+    from moetplan.models.by_name import spec_for_tiny
 
     specs = [hwdb.model_spec(i) for i in hwdb.model_ids()]
     tinies = [spec_for_tiny(n).model_copy(update={"aliases": [tiny.get_tiny(n).description]})
@@ -208,7 +208,7 @@ def boxes_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
 def _support_table(model: str, as_json: bool) -> None:
     from rich.table import Table
 
-    from moetplan.models.from_config import spec_for_name
+    from moetplan.models.by_name import spec_for_name
     from moetplan.plan import support
 
     spec = spec_for_name(model)

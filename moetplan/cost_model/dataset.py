@@ -167,7 +167,7 @@ def from_run_record(run: RunRecord, path: str, hw: HardwareProfile | None = None
                 raise UsageError(f"{path}: its plan {plan_file} does not load ({e})") from None
     model = model or (plan.model if plan else None)
     if model is None and run.model_id:
-        from moetplan.models.from_config import spec_for_name
+        from moetplan.models.by_name import spec_for_name
 
         model = spec_for_name(run.model_id)
     if model is None:

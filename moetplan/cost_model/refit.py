@@ -49,7 +49,7 @@ def measurements_from_runs(paths: list[Path], hw: HardwareProfile | None = None,
                            model_name: str | None = None) -> list[Measurement]:
     model = None
     if model_name:
-        from moetplan.models.from_config import spec_for_name
+        from moetplan.models.by_name import spec_for_name
 
         model = spec_for_name(model_name)
     out: list[Measurement] = []

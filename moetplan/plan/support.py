@@ -8,7 +8,7 @@ from functools import lru_cache
 from typing import Any
 
 from moetplan.contract import HardwareProfile
-from moetplan.contract.errors import InfeasibleError
+from moetplan.contract.errors import ConfigError, InfeasibleError
 from moetplan.contract.model import ModelSpec
 
 
@@ -32,10 +32,35 @@ def _data() -> dict[str, Any]:
 
 @lru_cache(maxsize=4)
 def _data_at(override: str) -> dict[str, Any]:
-    # The solver asks for every candidate; the file is read once per hwdb folder and process.
+    # The solver asks for every candidate; the file is read and checked once per hwdb folder and process.
     from moetplan import hwdb
 
-    return hwdb.engine_support()
+    return _checked(hwdb.table(SUPPORT_FILE), hwdb.hwdb_dir() / SUPPORT_FILE)
+
+
+SUPPORT_FILE = "engine_support.yaml"
+
+
+def _checked(data: Any, path: Any) -> dict[str, Any]:
+    """engine_support.yaml's shape: families, the requirement each architecture (or attention kind) has, and the
+    families each requirement runs on — every name it uses defined in it."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with 'families', 'architectures' and 'requirements'")
+    for key in ("families", "architectures", "by_attention", "requirements"):
+        if not isinstance(data.get(key), dict):
+            raise ConfigError(f"{path}: missing mapping '{key}'")
+    families = data["families"]
+    for name, req in data["requirements"].items():
+        if not isinstance(req, dict) or not isinstance(req.get("families"), dict):
+            raise ConfigError(f"{path}: requirement '{name}' needs a 'families' mapping")
+        for fam in [*req["families"], *(req.get("unsupported") or {})]:
+            if fam not in families:
+                raise ConfigError(f"{path}: requirement '{name}' names unknown family '{fam}' "
+                                  f"(known: {', '.join(families)})")
+    for arch, req in [*data["architectures"].items(), *data["by_attention"].items()]:
+        if req not in data["requirements"]:
+            raise ConfigError(f"{path}: '{arch}' needs unknown requirement '{req}'")
+    return data
 
 
 def requirement(model: ModelSpec) -> tuple[str, dict[str, Any]]:
