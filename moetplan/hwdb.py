@@ -217,6 +217,16 @@ def gpu_entry(name_or_alias: str) -> dict:
     return copy.deepcopy(entries[gid])
 
 
+def gpu_value(name_or_alias: str, key: str, default: Any = None) -> Any:
+    """One scalar field of a datasheet entry, without copying the entry (the cost model asks per candidate)."""
+    entries, index = _gpu_table()
+    gid = index.get(_compact(name_or_alias)) or match_gpu(name_or_alias)
+    if gid is None:
+        return gpu_entry(name_or_alias)  # raises UnknownNameError with close names
+    value = entries[gid].get(key, default)
+    return copy.deepcopy(value) if isinstance(value, (dict, list)) else value
+
+
 def gpu_info(gpu_id: str, index: int = 0) -> GPUInfo:
     """GPUInfo filled from the datasheet (what `--gpus` and boxes use; `probe` measures instead)."""
     e = gpu_entry(gpu_id)
@@ -551,12 +561,16 @@ def inline_profile(gpus: str, host_ram_gib: float, nvme_gbps: float | None = Non
 # --------------------------------------------------------------------------- guards & planner defaults (lead)
 
 _GUARD_KEYS = {
-    "gpu": ("cuda_graphs_workspace_gib", "speculative_extra_gib", "activation_bytes_per_context_token",
-            "gpu_memory_utilization", "gpu_memory_utilization_small_card", "small_card_gib"),
+    "gpu": ("cuda_graphs_workspace_gib", "speculative_kv_floor_gib", "comm_buffers_gib", "cuda_context_gib",
+            "activation_hidden_bytes_per_unit", "mla_chunked_context_tokens", "fp4_outside_headroom_gib",
+            "resident_guard_margin_gib", "resident_guard_speculative_gib", "resident_guard_kv_bytes_per_token",
+            "gpu_memory_utilization"),
     "expert_cache": ("floor_factor", "comfortable_factor", "seqs_cap"),
     "fp4_gate": ("floor_factor",),
-    "host": ("os_reserve_gib", "per_gpu_reserve_gib", "usable_fraction", "arena_min_gib"),
-    "planner": ("default_box", "default_context", "context_grid", "balanced_keep_decode", "mtp_depths", "max_tp"),
+    "host": ("os_reserve_gib", "per_gpu_reserve_gib", "usable_fraction", "arena_min_gib", "page_cache_share"),
+    "planner": ("default_box", "default_context", "context_grid", "balanced_keep_decode", "mtp_depths", "max_tp",
+                "mtp_depth_max_tiered", "batched_tokens_grid", "batched_tokens_default_small",
+                "batched_tokens_default_large", "batched_tokens_large_card_gib"),
 }
 
 
@@ -574,3 +588,12 @@ def guards() -> dict[str, Any]:
             if k not in sec:
                 raise ConfigError(f"{path}: missing '{section}.{k}'")
     return data
+
+
+# --------------------------------------------------------------------------- other tables
+
+
+def table(name: str) -> Any:
+    """Another hwdb/ file, parsed (cached until it changes); its reader checks its shape (engine_support.yaml:
+    plan/support.py)."""
+    return _read_yaml(hwdb_dir() / name)

@@ -20,7 +20,7 @@ from moetplan.cost_model.calibration import (
 )
 from moetplan.cli.calibrate import calibrate_command
 from moetplan.cost_model.dataset import load_reference
-from moetplan.cost_model.fitting import evaluate, fit, summarize
+from moetplan.cost_model.fitting import evaluate, fit
 from moetplan.contract.errors import ConfigError, UsageError
 from moetplan.contract import Placement
 
@@ -36,39 +36,51 @@ def reference():
 
 
 def test_reference_table_loads_every_row(reference):
-    assert len(reference) == 11
+    # Both published files: 11 rows (r01..) and 16 more (m01..: batch curves, FP4 pools, the gate, PP4, drafter).
+    assert len(reference) == 27
+    assert {m.row_id for m in reference} == {f"r{i:02d}" for i in range(1, 12)} | {f"m{i:02d}" for i in range(1, 17)}
     assert {m.model.id for m in reference} == {"deepseek-v4-flash", "glm-5.2", "kimi-k2.7-code"}
     assert sum(1 for m in reference if m.prefill_tok_s) == 6
+    gated = {m.row_id: m.placement.gate for m in reference if m.placement.gate.enabled}
+    assert set(gated) == {"m04", "m06", "m08", "m13"} and gated["m08"].tau == 1.0
+    split = next(m for m in reference if m.row_id == "m07").placement
+    plain = split.fp4_reserve_gib * 2**30 / hwdb.model_spec("deepseek-v4-flash").expert_bytes("fp4", 2)
+    assert split.fp4_reserve_slots == pytest.approx(plain * 8 / 5, abs=1)  # the split format holds 1.6x the rows
+    pp4 = next(m for m in reference if m.row_id == "m11").placement
+    assert (pp4.tp, pp4.pp) == (1, 4)
 
 
 def test_checked_in_constants_meet_the_error_bar(reference):
     calib = load_calibration(user=False)
-    assert calib.held_out and set(calib.held_out).isdisjoint(calib.fitted_on)
-    results = evaluate(reference, calib, set(calib.held_out))
-    s = summarize(results)
-    assert s["rows"] == 17
-    assert s["median_abs_error"] <= 0.15
-    # Rows the fit never saw are judged too (TP2, GLM with MTP, Kimi batched, a bigger cache on NVMe).
-    assert s["median_abs_error_held_out_rows"] <= 0.25
+    results = [r for r in evaluate(reference, calib) if r.metric != "prefill_tok_s"]
+    assert len(results) == 27
+    errs = sorted(abs(r.error) for r in results)
+    assert errs[len(errs) // 2] <= 0.08  # in-sample median over decode and aggregate figures
+    # bench/calibrate.py records the leave-one-out figures next to the in-sample ones.
+    s = calib.summary
+    assert s["leave_one_out_median_abs_error"] <= 0.12
+    assert s["in_sample_median_abs_error"] == pytest.approx(errs[len(errs) // 2], abs=1e-3)
 
 
 def test_checked_in_constants_are_what_the_fit_gives(reference):
     calib = load_calibration(user=False)
-    refit = fit(reference, set(calib.held_out))
+    refit = fit(reference)
+    assert refit.routing.stream_overlap == calib.routing.stream_overlap
     fam = "sm120"
     for p in PARAMS:
         scope, name = p.split(".", 1)
-        got = getattr(refit.families[fam] if scope == "family" else refit.links, name)
-        want = getattr(calib.families[fam] if scope == "family" else calib.links, name)
-        assert got == pytest.approx(want, rel=2e-3), f"{p}: rerun bench/calibrate.py --write"
+        src = {"family": (refit.families[fam], calib.families[fam]), "link": (refit.links, calib.links),
+               "routing": (refit.routing, calib.routing)}[scope]
+        assert getattr(src[0], name) == pytest.approx(getattr(src[1], name), rel=2e-3), \
+            f"{p}: rerun bench/calibrate.py --write"
 
 
 def test_fit_linear_recovers_known_factors():
-    truth = {"family.dense_bw_eff": 0.6, "family.step_overhead_ms": 2.5, "link.fetch_latency_us": 800.0}
+    truth = {"family.dense_bw_eff": 0.6, "family.step_overhead_ms": 2.5, "link.fetch_overhead_mib": 0.8}
     priors = {p: Prior(v * 1.4, 1.0, "") for p, v in truth.items()}
     rows = []
     for i in range(1, 7):
-        coefs = {"family.dense_bw_eff": 3.0 * i, "family.step_overhead_ms": 1.0, "link.fetch_latency_us": float((7 - i) ** 2)}
+        coefs = {"family.dense_bw_eff": 3.0 * i, "family.step_overhead_ms": 1.0, "link.fetch_overhead_mib": float((7 - i) ** 2)}
         t = sum(c * linear_value(p, truth[p]) for p, c in coefs.items())
         rows.append(FitRow(f"r{i}", coefs, 0.0, t))
     got = fit_linear(rows, priors, list(truth), meas_sigma=0.001)
@@ -124,9 +136,9 @@ def test_calibrate_round_trip(tmp_path):
         load_calibration(hw, user=False).model_dump()).links
 
 
-def test_calibrate_takes_the_gate_fire_share_from_gated_runs(tmp_path):
-    from moetplan.cost_model.dataset import gate_fire_share
+def test_calibrate_takes_the_gate_recompute_share_from_gated_runs(tmp_path):
     from moetplan.contract import Gate
+    from moetplan.cost_model.dataset import gate_fire_share
 
     # 43 MoE layers; 30 of 200 decode steps fired: 30 * 43 second-pass MoE calls.
     rt = {"gate_recompute_moe_calls": 30 * 43, "moe_layers": 43, "decode_steps_timed": 200, "steps": 230}
@@ -134,10 +146,11 @@ def test_calibrate_takes_the_gate_fire_share_from_gated_runs(tmp_path):
     assert gate_fire_share({"moe_layers": 43}) is None
     assert gate_fire_share({**rt, "gate_fire_share": 0.12}) == pytest.approx(0.12)  # the gate's own figure first
     ds4, hw = hwdb.model_spec("deepseek-v4-flash"), hwdb.box_profile("rtx-5090x1")
-    assert load_calibration(hw).routing.gate_fire_share == pytest.approx(0.1)  # the checked-in default
-    pl = Placement.for_model(ds4, tp=1, context=32768, fp4_reserve_gib=2.0, gate=Gate(enabled=True, tau=0.3))
+    checked_in = load_calibration(hw).routing
+    tau = 0.5
+    pl = Placement.for_model(ds4, tp=1, context=32768, fp4_reserve_gib=2.0, gate=Gate(enabled=True, tau=tau))
     runs = []
-    for i, share in enumerate((0.15, 0.25, 0.2)):
+    for i, share in enumerate((0.05, 0.1, 0.075)):
         path = _run_record(tmp_path / f"gated{i}.json", pl, 0.8 * predict(ds4, hw, pl).decode_tok_s)
         d = json.loads(path.read_text())
         d["runtime"] = {"gate_recompute_moe_calls": int(share * 200) * 43, "moe_layers": 43, "decode_steps_timed": 200}
@@ -145,12 +158,60 @@ def test_calibrate_takes_the_gate_fire_share_from_gated_runs(tmp_path):
         runs.append(path)
     res = CliRunner().invoke(_app(), [*map(str, runs), "--box", "rtx-5090x1", "--json"])
     assert res.exit_code == 0, res.output
-    out = json.loads(res.output)["gate_fire_share"]
-    assert out["before"] == pytest.approx(0.1) and out["after"] == pytest.approx(0.2)  # median of the three runs
-    assert sorted(m["share"] for m in out["measured"]) == pytest.approx([0.15, 0.2, 0.25])
-    assert load_calibration(hw).routing.gate_fire_share == pytest.approx(0.2)
+    out = json.loads(res.output)["gate_recompute_share"]
+    # Measured at tau 0.5, the share is taken back to tau 1 through tau^gate_tau_exponent: median of the three runs.
+    want = 0.075 / tau ** checked_in.gate_tau_exponent
+    assert out["before"] == pytest.approx(checked_in.gate_recompute_share) and out["after"] == pytest.approx(want)
+    assert sorted(m["share"] for m in out["measured"]) == pytest.approx([0.05, 0.075, 0.1])
+    calib = load_calibration(hw)
+    assert calib.routing.gate_recompute_share == pytest.approx(want)
+    assert calib.gate_share(tau) == pytest.approx(0.075)
     res = CliRunner().invoke(_app(), [*map(str, runs), "--box", "rtx-5090x1", "--dry-run"])
-    assert res.exit_code == 0 and "FP4 gate fired on" in res.output, res.output
+    assert res.exit_code == 0 and "FP4 gate recomputed" in res.output, res.output
+
+
+def test_calibrate_keeps_the_old_factors_when_the_refit_is_worse(tmp_path, monkeypatch):
+    import moetplan.cost_model.refit as command
+
+    pl = Placement.for_model(hwdb.model_spec("ds4"), expert_tier="host", gpu_expert_cache_gib=11, context=32768,
+                             mtp=2, mtp_acceptance=2.7)
+    hw = hwdb.box_profile("rtx-5090x1")
+    run = _run_record(tmp_path / "run.json", pl, predict(hwdb.model_spec("ds4"), hw, pl).decode_tok_s)
+    real_fit = command.fit
+
+    def bad_fit(*a, **kw):  # a refit that lands far from the records it was given
+        calib = real_fit(*a, **kw)
+        fam = calib.families["sm120"].model_copy(update={"expert_bw_eff": 0.05})
+        return calib.model_copy(update={"families": {**calib.families, "sm120": fam}})
+
+    monkeypatch.setattr(command, "fit", bad_fit)
+    res = CliRunner().invoke(_app(), [str(run), "--box", "rtx-5090x1", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["worse_than_before"] and out["kept_previous"] and out["written_to"] is None
+    assert out["after"]["median_abs_error"] > out["before"]["median_abs_error"]
+    assert not user_calibration_path().exists()
+    res = CliRunner().invoke(_app(), [str(run), "--box", "rtx-5090x1"])
+    assert "not written" in res.output and "--force" in res.output
+    res = CliRunner().invoke(_app(), [str(run), "--box", "rtx-5090x1", "--force", "--json"])
+    assert json.loads(res.output)["written_to"] == str(user_calibration_path())
+    assert load_calibration(hw).family(hw).expert_bw_eff == pytest.approx(0.05)
+
+
+def test_calibrate_reads_records_of_tiny_models(tmp_path):
+    """A run record of `moetplan run --model tiny-moe` names the tiny model; its plan need not be at hand."""
+    from moetplan.contract import HostInfo, HardwareProfile, save_json
+
+    hw = HardwareProfile(gpus=[], host=HostInfo(ram_gib=24, cores=2, dram_gbps=10.0))
+    save_json(hw, tmp_path / "hw.json")
+    for name in ("tiny-moe", "tiny-moe-mla", "tiny-moe-fp8"):
+        pl = Placement(context=2048, kv_dtype="bf16")
+        rec = tmp_path / f"{name}.json"
+        rec.write_text(json.dumps({"kind": "run", "model_id": name, "placement": pl.model_dump(),
+                                   "measured": {"decode_tok_s": 5.0}}))
+        res = CliRunner().invoke(_app(), [str(rec), "--hw", str(tmp_path / "hw.json"), "--dry-run", "--json"])
+        assert res.exit_code == 0, (name, res.output)
+        assert json.loads(res.output)["family"] == "cpu"
 
 
 def test_calibrate_table_output_and_dry_run(tmp_path):

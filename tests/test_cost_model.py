@@ -70,15 +70,21 @@ def test_memory_bandwidth_halved_reads_double():
         assert term(b, name) / term(a, name) == pytest.approx(2.0, rel=1e-9)
 
 
-def test_kv_term_scales_with_context_and_sparse_caps_it():
+def test_kv_term_scales_with_filled_context_and_sparse_caps_it():
     hw = toy_hw()
-    a = decode_step(toy_model(), hw, Placement(context=16384), CAL)
-    b = decode_step(toy_model(), hw, Placement(context=32768), CAL)
+    a = decode_step(toy_model(), hw, Placement(context=65536), CAL, kv_tokens=16384)
+    b = decode_step(toy_model(), hw, Placement(context=65536), CAL, kv_tokens=32768)
     assert term(b, KV) / term(a, KV) == pytest.approx(2.0, rel=0.01)
+    # One fill rule: without a measured fill, decode reads routing.decode_filled_tokens whatever the window.
+    w1 = decode_step(toy_model(), hw, Placement(context=16384), CAL)
+    w2 = decode_step(toy_model(), hw, Placement(context=65536), CAL)
+    assert term(w1, KV) == pytest.approx(term(w2, KV))
+    short = decode_step(toy_model(), hw, Placement(context=1024), CAL)  # capped by the window
+    assert term(short, KV) == pytest.approx(term(w1, KV) * 1024 / CAL.routing.decode_filled_tokens, rel=0.01)
     sparse = toy_model(attention=Attention(kind="mla_sparse", num_heads=8, head_dim=128, index_topk=2048))
-    s1 = decode_step(sparse, hw, Placement(context=65536), CAL)
-    s2 = decode_step(sparse, hw, Placement(context=131072 // 2 * 2), CAL)
-    dense_kv = decode_step(toy_model(), hw, Placement(context=65536), CAL)
+    s1 = decode_step(sparse, hw, Placement(context=65536), CAL, kv_tokens=65536)
+    s2 = decode_step(sparse, hw, Placement(context=131072), CAL, kv_tokens=131072)
+    dense_kv = decode_step(toy_model(), hw, Placement(context=65536), CAL, kv_tokens=65536)
     assert term(s1, KV) < 0.5 * term(dense_kv, KV)  # top-k + indexer, not the whole context
     assert term(s2, KV) >= term(s1, KV)
 
@@ -118,7 +124,40 @@ def test_miss_bytes_double_when_link_halves():
     f = next(t for t in fast.terms if t.name == MISS_HOST)
     s = next(t for t in slow.terms if t.name == MISS_HOST)
     assert s.parts["link.h2d_eff"] == pytest.approx(2 * f.parts["link.h2d_eff"])
-    assert s.parts["link.fetch_latency_us"] == pytest.approx(f.parts["link.fetch_latency_us"])
+    # Per-layer fetch overheads are link time too (vLLM-Moet: its slower-linked 5090 pays 2x per miss).
+    assert s.parts["link.fetch_overhead_mib"] == pytest.approx(2 * f.parts["link.fetch_overhead_mib"])
+    # The replay of a missing step does not depend on the link.
+    assert s.parts["family.miss_replay_factor"] == pytest.approx(f.parts["family.miss_replay_factor"])
+
+
+def test_a_missing_step_replays_its_graph_once_per_factor():
+    from moetplan.cost_model.terms import GRAPH_TERMS
+
+    model, hw = toy_model(), toy_hw()
+    step = decode_step(model, hw, Placement.for_model(model, expert_tier="host", gpu_expert_cache_gib=0.05), CAL)
+    graph = sum(ms for t, ms in step.term_ms(CAL, hw) if t.name in GRAPH_TERMS)
+    miss = next(t for t in step.terms if t.name == MISS_HOST)
+    assert miss.parts["family.miss_replay_factor"] == pytest.approx(step.miss.p_step_miss * graph)
+    assert "family.eager_layer_us" not in miss.parts
+
+
+def test_per_sequence_cost_grows_with_streams():
+    from moetplan.cost_model.terms import SEQ_OVH
+
+    model, hw = toy_model(), toy_hw()
+    one = decode_step(model, hw, Placement(max_num_seqs=8), CAL, 1)
+    eight = decode_step(model, hw, Placement(max_num_seqs=8), CAL, 8)
+    assert term(eight, SEQ_OVH) == pytest.approx(8 * term(one, SEQ_OVH))
+
+
+def test_tp_traffic_without_p2p_goes_through_host_memory():
+    from moetplan.cost_model.hardware import rates
+
+    pl = Placement(tp=2)
+    via_host, p2p = toy_hw(2), toy_hw(2)
+    p2p.p2p = True
+    assert rates(via_host, pl).pcie_gbps == pytest.approx(0.5 * rates(p2p, pl).pcie_gbps)
+    assert rates(p2p, pl).pcie_gbps == pytest.approx(25.0)
 
 
 def test_union_grows_with_concurrency_sublinearly():
@@ -256,12 +295,21 @@ def test_gate_recomputes_cost_their_share_of_the_step():
     from moetplan.contract import Gate
 
     model, hw = toy_model(), toy_hw()
+    from moetplan.cost_model.terms import GRAPH_TERMS
+
     base = Placement.for_model(model, fp4_reserve_gib=0.02)
     off = predict(model, hw, base, CAL)
-    on = predict(model, hw, base.model_copy(update={"gate": Gate(enabled=True)}), CAL)
-    assert off.gate_fire_share is None and on.gate_fire_share == CAL.routing.gate_fire_share
-    assert on.step_ms == pytest.approx(off.step_ms * (1 + CAL.routing.gate_fire_share), rel=1e-3)
-    assert any(t.name == GATE for t in on.terms)
+    graph = sum(t.ms for t in off.terms if t.name in GRAPH_TERMS)
+    for tau in (0.3, 0.6, 1.0):
+        on = predict(model, hw, base.model_copy(update={"gate": Gate(enabled=True, tau=tau)}), CAL)
+        share = CAL.gate_share(tau)
+        assert off.gate_fire_share is None and on.gate_fire_share == pytest.approx(share)
+        assert on.step_ms - off.step_ms == pytest.approx(share * graph, rel=1e-3)  # one graph replay per recompute
+        assert any(t.name == GATE for t in on.terms)
+    assert CAL.gate_share(0.3) < CAL.gate_share(0.6) < CAL.gate_share(1.0) == CAL.routing.gate_recompute_share
+    # A degraded gate (reserve below its floor) caps promotions but still judges and recomputes.
+    degraded = predict(model, hw, base.model_copy(update={"gate": Gate(enabled=True, tau=0.6, degraded=True)}), CAL)
+    assert degraded.step_ms > off.step_ms
 
 
 def test_zero_rates_and_dense_models_are_usage_errors():

@@ -70,12 +70,11 @@ def test_whatifs_say_which_changes_do_not_fit():
     plan = solve(ds4, hw, Goals(context=32768, pinned={"expert_tier": "host"}))
     lines = whatifs(ds4, hw, plan.placement)
     # The solver gives the GPU expert cache all the VRAM left after the KV pool: 4 GiB more is 4 GiB short; 4 GiB
-    # less (10.4 GiB here) falls below the cache floor of one step's working set; an MTP change fits. Lines that
-    # fit come first.
+    # less stays above the cache floor of one step's working set and fits. Lines that fit come first.
     more = next(line for line in lines if line.startswith("+4 GiB GPU expert cache"))
     assert "does not fit as planned" in more and "short 4.0 GiB" in more
     less = next(line for line in lines if line.startswith("-4 GiB GPU expert cache"))
-    assert "does not fit as planned" in less and "working set" in less
+    assert "does not fit" not in less and "tok/s" in less
     assert any(line.startswith("MTP depth") and "does not fit" not in line for line in lines)
     fits = ["does not fit" not in line for line in lines]
     assert fits == sorted(fits, reverse=True)
@@ -83,5 +82,5 @@ def test_whatifs_say_which_changes_do_not_fit():
 
 def test_load_calibration_has_the_fitted_family():
     cal = load_calibration(hwdb.box_profile("rtx-5090x1"))
-    assert "sm120" in cal.families and cal.fitted_on and cal.held_out
+    assert "sm120" in cal.families and len(cal.fitted_on) == 27 and not cal.held_out  # fitted on every row
     assert 0 < cal.family(hwdb.box_profile("rtx-5090x1")).expert_bw_eff <= 0.92

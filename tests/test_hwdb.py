@@ -43,15 +43,17 @@ def test_two_bit_per_rank_and_per_expert_sizes():
 
 def test_published_dense_and_kv_figures():
     glm = hwdb.model_spec("glm-5.2")
-    # vLLM-Moet's 53.19 GiB BF16 "dense stack" = the 18.6B non-routed stack + the whole 9.9B MTP layer (its experts
-    # in BF16). Our runtime holds the MTP layer's experts at 2-bit, so dense = non-routed only, MTP counted apart.
-    assert glm.dense_bytes() / GIB == pytest.approx(18.6e9 * 2 / GIB)
-    assert (glm.dense_bytes() + glm.mtp_params_b * 1e9 * 2) / GIB == pytest.approx(53.19, rel=0.01)
-    assert 1.0 < glm.mtp_bytes_per_rank(tp=2) / GIB < 2.0
-    # vLLM-Moet measured 8 GiB/rank of KV = 157K tokens on GLM-5.2 (fp8_ds_mla incl. the MTP layer).
+    # vLLM-Moet's BF16 remainder after the routed experts is 53.19 GiB (the parameter formula gives only 18.6B =
+    # 34.6 GiB); the MTP layer's experts are not in it, our runtime adds them at 2-bit when MTP is on.
+    assert glm.dense_bytes() / GIB == pytest.approx(53.19)
+    assert not glm.dense_includes_mtp and 1.0 < glm.mtp_bytes_per_rank(tp=2) / GIB < 2.0
+    # vLLM-Moet measured 8 GiB/rank of KV = 157K tokens on GLM-5.2 (fp8_ds_mla incl. the MTP layer); its TP4 pools
+    # at the same memory were 415K tokens fp8 and 571K nvfp4, so a pool holds 54,728 x 415/571 B per nvfp4 token.
     assert 8 * GIB / glm.kv_bytes_per_token["fp8"] == pytest.approx(157_000, rel=0.01)
-    assert glm.kv_bytes_per_token["nvfp4"] == 30712
-    assert hwdb.model_spec("kimi-k2.7-code").dense_bytes() / GIB == pytest.approx(22.71)
+    assert glm.kv_bytes_per_token["nvfp4"] == pytest.approx(54728 * 415 / 571, rel=0.001)
+    kimi = hwdb.model_spec("kimi-k2.7-code")
+    assert kimi.dense_bytes() / GIB == pytest.approx(22.71 + kimi.dense_replicated_gib)  # + the vision tower
+    assert kimi.drafter_hf_repo and kimi.drafter_gib > 3
     ds4 = hwdb.model_spec("ds4-flash")
     assert ds4.kv_bytes_per_token["fp8"] == 4960
     assert ds4.swiglu_limit == 10
@@ -171,7 +173,8 @@ def test_link_rates_come_from_one_table():
 
 def test_gpu_info_is_datasheet():
     g = hwdb.gpu_info("5090", index=3)
-    assert (g.index, g.hwdb_id, g.vram_gib, g.mem_bw_gbps, g.compute_capability) == (3, "rtx-5090", 32, 1792, "12.0")
+    # The total CUDA reports (what gpu-memory-utilization multiplies), not the nominal 32 GB.
+    assert (g.index, g.hwdb_id, g.vram_gib, g.mem_bw_gbps, g.compute_capability) == (3, "rtx-5090", 31.36, 1792, "12.0")
     assert g.fp4 and g.fp8 and g.pcie_gen == 5 and g.pcie_width == 16
     assert g.sources["mem_bw_gbps"] == "datasheet"
     assert hwdb.gpu_info("rtx-pro-6000").vram_gib == pytest.approx(95.59)  # what the driver shows
@@ -328,3 +331,26 @@ def test_missing_hwdb_dir(monkeypatch, tmp_path):
     monkeypatch.setenv(hwdb.HWDB_ENV, str(tmp_path / "nope"))
     with pytest.raises(ConfigError, match="hwdb folder not found"):
         hwdb.model_ids()
+
+
+def test_gpu_value_reads_one_field_by_any_name():
+    entry = hwdb.gpu_entry("rtx-5090")
+    assert hwdb.gpu_value("NVIDIA GeForce RTX 5090", "sms") == entry["sms"] > 0
+    assert hwdb.gpu_value("rtx-5090", "no-such-field", 7) == 7
+    aliases = hwdb.gpu_value("rtx-5090", "aliases")
+    aliases.append("mutated")  # a copy: the datasheet stays as read
+    assert "mutated" not in hwdb.gpu_entry("rtx-5090")["aliases"]
+    with pytest.raises(UnknownNameError, match="rtx-5090"):
+        hwdb.gpu_value("rtx-5909", "sms")
+
+
+def test_engine_support_naming_an_unknown_family_names_the_file(hwdb_copy):
+    from moetplan.plan import support
+
+    def bad(d):
+        req = next(iter(d["requirements"].values()))
+        req["families"]["sm_999"] = {"backends": ["x"]}
+
+    _edit_yaml(hwdb_copy / "engine_support.yaml", bad)
+    with pytest.raises(ConfigError, match=r"engine_support\.yaml: requirement '.*' names unknown family 'sm_999'"):
+        support.check(hwdb.model_spec("glm-5.2"), hwdb.box_profile("rtx-5090x1"))

@@ -8,7 +8,6 @@ import pytest
 from typer.testing import CliRunner
 
 from moetplan.cli import app
-from moetplan.contract.errors import UsageError
 from moetplan.hw import storage as st
 from moetplan.hw.probe import probe
 from moetplan.hw.transfer import cuda_torch

@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from moetplan.cli import app
-from moetplan.contract.errors import UsageError
 from moetplan.runtime import format as F
 from moetplan.runtime import packs as P
 from moetplan.runtime import sources as S

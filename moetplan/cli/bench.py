@@ -7,8 +7,6 @@ from typing import Optional
 
 import typer
 
-from moetplan.bench.phases import parse_int_list, run_bench
-from moetplan.bench.render import render_run
 from moetplan.contract import MoetplanError
 
 
@@ -34,6 +32,9 @@ def bench_command(
                                 help="Keep what --out already holds; measure only what is missing or failed"),
 ) -> None:
     """Measure a served model: decode, prefill, TTFT, batch curve, and quality probes -> run record."""
+    # Imported here: the CLI loads every command module at start, and `moetplan plan` must not pay for httpx.
+    from moetplan.bench.phases import parse_int_list, run_bench
+    from moetplan.bench.render import render_run
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 

@@ -32,31 +32,31 @@ def plan_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
 ) -> None:
     """Solve the placement, predict tok/s and name the bottleneck."""
-    from moetplan.contract.errors import UsageError
-    from moetplan.models import resolve_model
+    from moetplan.contract import Goals, InfeasibleError, save_json
     from moetplan.hw.resolve import resolve_hardware
     from moetplan.launch.command import build_launch
-    from moetplan.contract import Goals, save_json
-    from moetplan.contract import parse_tokens as _parse_tokens
+    from moetplan.models.by_name import spec_for_name
+    from moetplan.plan.request import check_args, with_notes
     from moetplan.plan.solver import parse_set, solve
 
     try:
-        if objective not in ("decode", "context", "balanced"):
-            raise UsageError(f"--objective {objective}: must be decode, context or balanced")
-        try:
-            ctx = _parse_tokens(context) if context else None
-        except ValueError:
-            raise UsageError(f"--context {context}: not a token count (e.g. 32768 or 128k)") from None
-        spec = resolve_model(model)
+        ctx = check_args(objective, concurrency, context)
+        spec = spec_for_name(model)
+        goals = Goals(context=ctx, concurrency=concurrency, objective=objective, pinned=parse_set(set_),
+                      pack_dir=pack_dir)  # type: ignore[arg-type]
         profile, notes = resolve_hardware(hw, box, gpus, host_ram_gib, nvme_gbps, pack_dir_free_gib, pack_dir,
                                           probe_progress=not as_json)
-        goals = Goals(context=ctx, concurrency=concurrency, objective=objective, pinned=parse_set(set_),
-                      pack_dir=pack_dir)
-        plan = solve(spec, profile, goals)
+        try:
+            plan = solve(spec, profile, goals)
+        except InfeasibleError as e:
+            raise with_notes(e, notes) from None
         plan.warnings = notes + plan.warnings
         plan.launch = build_launch(plan)
     except MoetplanError as e:
         fail(e, as_json)
+        return
+    except Exception as e:  # noqa: BLE001 - a bug must still reach the user as one line and exit code 1
+        fail(MoetplanError(f"plan failed: {type(e).__name__}: {e} (please report it with the command line)"), as_json)
         return
     if out:
         save_json(plan, out)
@@ -137,13 +137,21 @@ def models_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
 
     from moetplan import hwdb
 
+    from moetplan.models import tiny
+    from moetplan.models.by_name import spec_for_tiny
+
     specs = [hwdb.model_spec(i) for i in hwdb.model_ids()]
+    tinies = [spec_for_tiny(n).model_copy(update={"aliases": [tiny.get_tiny(n).description]})
+              for n in tiny.tiny_names()]
+    tiny_ids = {s.id for s in tinies}
     if as_json:
         print(_json.dumps([{"id": s.id, "name": s.name, "aliases": s.aliases, "params_total_b": s.params_total_b,
                             "routed_2bit_gib": round(s.routed_gib("2bit"), 2),
-                            "dense_gib": round(s.dense_bytes() / 2**30, 2)} for s in specs], indent=2))
+                            "dense_gib": round(s.dense_bytes() / 2**30, 2), "tiny": s.id in tiny_ids}
+                           for s in specs + tinies], indent=2))
         return
-    t = Table(title="Models (hwdb/models)", header_style="bold")
+    specs += tinies
+    t = Table(title="Models (hwdb/models; tiny-* are embedded test models for `moetplan run`)", header_style="bold")
     for c in ("id", "name", "layers/MoE", "experts (top-k)", "2-bit experts GiB", "dense GiB", "aliases"):
         t.add_column(c, overflow="fold")
     for s in specs:
@@ -152,12 +160,19 @@ def models_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
     console.print(t)
 
 
-def gpus_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
-    """List the GPUs in hwdb."""
+def gpus_cmd(as_json: bool = typer.Option(False, "--json"),
+             model: Optional[str] = typer.Option(None, "--model", "-m", help="show which GPU families run it")) -> None:
+    """List the GPUs in hwdb; with --model, which GPU families current vLLM runs that model on."""
     from rich.table import Table
 
     from moetplan import hwdb
 
+    if model:
+        try:
+            _support_table(model, as_json)
+        except MoetplanError as e:
+            fail(e, as_json)
+        return
     infos = [hwdb.gpu_info(i) for i in hwdb.gpu_ids()]
     if as_json:
         print(_json.dumps([g.model_dump(exclude_none=True) for g in infos], indent=2))
@@ -187,4 +202,26 @@ def boxes_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
     t.add_column("machine", overflow="fold")
     for p in profs:
         t.add_row(p.box_id or "", hardware_line(p))
+    console.print(t)
+
+
+def _support_table(model: str, as_json: bool) -> None:
+    from rich.table import Table
+
+    from moetplan.models.by_name import spec_for_name
+    from moetplan.plan import support
+
+    spec = spec_for_name(model)
+    rows, needs = support.support_rows(spec), support.requirement(spec)[1]["what"]
+    if as_json:
+        print(_json.dumps({"model": spec.id, "architecture": spec.vllm_arch, "needs": needs, "families": rows},
+                          indent=2))
+        return
+    t = Table(title=f"{spec.name} ({spec.vllm_arch or spec.attention.kind}) needs {needs}: GPU families in current "
+              "vLLM", header_style="bold")
+    for c in ("family", "GPUs", "runs", "attention backends", "KV", "why / note"):
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(r["family"], r["gpus"], "yes" if r["runs"] else "[red]no[/]", ", ".join(r["backends"]) or "-",
+                  ", ".join(r["kv_dtypes"]) if r["runs"] else "-", r["note"])
     console.print(t)

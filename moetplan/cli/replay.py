@@ -9,7 +9,6 @@ import typer
 
 from moetplan.cli.common import fail
 from moetplan.contract import UsageError, atomic_write_text
-from moetplan.runtime.trace import run_replay
 
 
 def _table(doc: dict[str, Any]) -> None:
@@ -48,6 +47,8 @@ def replay_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table"),
 ) -> None:
     """Replay a routing trace through the expert store: token hit rate and zero-miss steps vs cache size."""
+    from moetplan.runtime.trace import run_replay  # numpy: loaded when replaying, not for every command
+
     try:
         share_list = [float(x) for x in shares.split(",") if x.strip()]
     except ValueError:

@@ -93,6 +93,10 @@ class ModelSpec(BaseModel):
         default_factory=dict, description="Mean tokens per step by MTP depth k (model fact, overridable)"
     )
     drafter_gib: float = Field(0.0, description="Separate drafter (e.g. Eagle3) size, when one exists")
+    drafter_hf_repo: str | None = Field(None, description="Where the separate drafter's checkpoint lives")
+    dense_replicated_gib: float = Field(
+        0.0, description="Part of the non-routed stack every TP rank holds whole beyond what the attention "
+        "geometry implies (e.g. a vision tower), GiB; included in dense_gib_published")
     swiglu_limit: float | None = None
 
     params_total_b: float | None = None

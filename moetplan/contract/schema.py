@@ -110,11 +110,11 @@ class Goals(_Model):
 
 
 # GiB knobs a user pins (--set) or a measurement names, and the stored count each one becomes: (count field, row
-# size field, whether the count is per rank of tensor parallelism, so the GiB is summed over ranks).
-SIZE_KNOBS: dict[str, tuple[str, str, bool]] = {
-    "gpu_expert_cache_gib": ("gpu_expert_cache_slots", "expert_row_bytes", False),
-    "fp4_reserve_gib": ("fp4_reserve_slots", "fp4_row_bytes", False),
-    "host_arena_gib": ("host_arena_rows", "expert_row_bytes", True),
+# size field). All three are per GPU rank.
+SIZE_KNOBS: dict[str, tuple[str, str]] = {
+    "gpu_expert_cache_gib": ("gpu_expert_cache_slots", "expert_row_bytes"),
+    "fp4_reserve_gib": ("fp4_reserve_slots", "fp4_row_bytes"),
+    "host_arena_gib": ("host_arena_rows", "expert_row_bytes"),
 }
 
 
@@ -127,7 +127,7 @@ def _int_or(v: Any, default: int) -> int:
 
 def _size_knobs_schema(schema: dict[str, Any]) -> None:
     # The derived GiB are written to plan.json and read back (checked against the rows), so the schema lists them.
-    for knob, (count, _, _) in SIZE_KNOBS.items():
+    for knob, (count, _) in SIZE_KNOBS.items():
         schema.setdefault("properties", {})[knob] = {
             "type": "number", "title": knob.replace("_", " ").capitalize(),
             "description": f"Derived: {count} x the row size, in GiB. As input (a pin) it becomes {count}."}
@@ -144,18 +144,24 @@ class Placement(_Model):
     expert_tier: ExpertTier = "resident"
     gpu_expert_cache_slots: int = Field(0, description="Expert rows (per layer-expert) the cache holds per rank")
     fp4_reserve_slots: int = Field(0, description="FP4 expert rows the reserve holds per rank")
-    host_arena_rows: int = Field(0, description="Rows of the pinned RAM arena over NVMe packs, per rank (tier nvme)")
+    host_arena_rows: int = Field(0, description="Rows of the pinned RAM arena over NVMe packs, per rank (tier nvme); "
+                                 "each rank's arena holds its own TP shard of the rows")
     expert_row_bytes: int = Field(0, description="One 2-bit expert row on one rank (what a cache slot and an arena "
                                   "row hold); 0 until sized for a model")
     fp4_row_bytes: int = Field(0, description="One FP4 expert row on one rank (what a reserve slot holds)")
     kv_dtype: str = "fp8"
     kv_cache_gib: float = Field(0.0, description="Per GPU rank")
+    kv_tokens: int = Field(0, description="Tokens the KV pool holds (what vLLM prints as 'GPU KV cache size')")
+    kv_cache_clamped: bool = Field(False, description="kv_cache_gib is given to vLLM (--kv-cache-memory-bytes) "
+                                                      "instead of being what gpu_memory_utilization leaves")
     context: int = Field(4096, description="max_model_len")
     mtp: int = Field(0, description="Speculative tokens per step (MTP depth)")
     mtp_acceptance: float = Field(1.0, description="Mean tokens emitted per decode step")
     max_num_seqs: int = 1
     concurrency: int = 1
     max_num_batched_tokens: int = 8192
+    activation_peak_gib: float = Field(0.0, description="Per GPU rank: the forward pass's activation peak at "
+                                                        "max_num_batched_tokens tokens (outside the KV pool)")
     gpu_memory_utilization: float = 0.92
     pack_dir: str | None = None
     expert_format: Literal["2bit", "unquantized"] = Field(
@@ -169,11 +175,11 @@ class Placement(_Model):
         if not isinstance(data, dict) or not any(k in data for k in SIZE_KNOBS):
             return data
         data = dict(data)
-        for knob, (count, row_field, per_rank) in SIZE_KNOBS.items():
+        for knob, (count, row_field) in SIZE_KNOBS.items():
             if knob not in data:
                 continue
             gib = float(data.pop(knob) or 0.0)
-            row = _int_or(data.get(row_field), 0) * (_int_or(data.get("tp"), 1) if per_rank else 1)
+            row = _int_or(data.get(row_field), 0)
             if count in data:  # a saved plan carries both: the GiB is derived, and must agree with the rows
                 if row and abs(gib * GIB - _int_or(data[count], 0) * row) > row:
                     raise ValueError(f"{knob}={gib} disagrees with {count}={data[count]} rows of {row} bytes; "
@@ -200,8 +206,8 @@ class Placement(_Model):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def host_arena_gib(self) -> float:
-        """Pinned RAM over NVMe packs, all ranks together (each rank holds rows of its own shard)."""
-        return self.host_arena_rows * self.expert_row_bytes * self.tp / GIB
+        """Pinned RAM over NVMe packs, per GPU rank (each rank's arena holds rows of its own TP shard)."""
+        return self.host_arena_rows * self.expert_row_bytes / GIB
 
     @classmethod
     def for_model(cls, model: ModelSpec, **fields: Any) -> "Placement":

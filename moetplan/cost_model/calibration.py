@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import yaml
@@ -40,18 +40,28 @@ class FamilyFactors(_Model):
     layer_overhead_us: float = Field(15.0, description="Per decoder-layer forward: launches / graph replay")
     step_overhead_ms: float = Field(1.5, description="Per decode step: scheduler, sampler, host round trip")
     draft_overhead_ms: float = Field(1.0, description="Per speculative (MTP) token: proposer bookkeeping")
+    drafter_overhead_ms: float = Field(1.0, description="Per token a separate drafter (Eagle3) proposes: its "
+                                                        "forward's launches, input assembly, sampling")
     allreduce_latency_us: float = Field(12.0, description="One small TP all-reduce over PCIe, per ring hop "
                                                           "(tp - 1 hops): the latency part")
     allreduce_bw_eff: float = Field(0.6, description="Share of the PCIe link reached by large all-reduces")
     prefill_chunk_overhead_ms: float = Field(20.0, description="Per prefill chunk: scheduling, metadata, sampler")
-    eager_layer_us: float = Field(500.0, description="Per layer of a step that misses and leaves the CUDA graph")
+    seq_overhead_us: float = Field(300.0, description="Per sequence per decode step: sampling, speculative "
+                                                      "verification, scheduler and attention metadata")
+    mla_attention_us: float = Field(30.0, description="Per decoder layer: dense MLA decode kernels (split-KV "
+                                                       "attention and its reduction), beyond their KV reads")
+    miss_replay_factor: float = Field(1.0, description="CUDA-graph replays of the step a step with an expert miss "
+                                                       "runs after fetching (1 = the step is replayed once)")
 
 
 class LinkFactors(_Model):
     """Per tier link: how fast expert misses and streamed experts arrive."""
 
     h2d_eff: float = Field(0.9, description="Share of the pinned host->device rate reached by batched fetches")
-    fetch_latency_us: float = Field(200.0, description="Per layer that misses: device sync, lookup, copy launch")
+    fetch_overhead_mib: float = Field(16.0, description="Per layer whose experts miss, in link time: the round "
+                                                         "trip (routing ids to the host, lookup, copy launches, "
+                                                         "wait) and the small scattered copies cost as much as "
+                                                         "moving this many MiB more at the pinned rate")
     pageable_eff: float = Field(0.35, description="Page-cache (pageable) copies as a share of the pinned rate")
     nvme_read_eff: float = Field(0.7, description="Share of the drive's expert-sized random read rate reached")
     nvme_latency_us: float = Field(300.0, description="Per layer that reads the NVMe pack: queue + NAND latency")
@@ -74,15 +84,18 @@ class RoutingFactors(_Model):
     default_coverage: CoverageDefault = Field(default_factory=CoverageDefault)
     coverage_prior_steepness: float = Field(20.0, description="Hot-part steepness used when points cannot pin it")
     coverage_prior_tail: float = Field(3.0, description="Tail steepness used when points cannot pin it")
-    kv_fill: float = Field(0.5, description="Decode is predicted at this share of the planned context filled")
+    decode_filled_tokens: int = Field(2048, description="Context each stream has filled when decode tok/s is "
+                                                        "predicted (the published benchmarks decode after short "
+                                                        "prompts); capped by the planned window")
     page_cache_share: float = Field(0.5, description="Share of host RAM the page cache lends an arena-less pack")
-    miss_policy: Literal["fetch", "replay"] = "fetch"
     sparse_index_share: float = Field(0.1, description="Sparse attention: indexer bytes per context token as a "
                                                        "share of a full KV entry")
     default_index_topk: int = 2048
     prefill_prompt_tokens: int = Field(8192, description="Prompt length prefill_tok_s and ttft_ms refer to")
-    gate_fire_share: float = Field(0.1, description="Share of steps the FP4 confidence gate recomputes (2-bit and "
-                                                    "FP4 disagree on ~11% of next-token picks, FACTS.md)")
+    gate_recompute_share: float = Field(0.3, description="Share of decode steps the FP4 confidence gate recomputes "
+                                                         "at tau = 1 (every step judged; a step whose experts are "
+                                                         "all FP4 already is not recomputed)")
+    gate_tau_exponent: float = Field(2.0, description="Recompute share at tau = gate_recompute_share x tau^this")
 
 
 class Calibration(_Model):
@@ -102,10 +115,15 @@ class Calibration(_Model):
         return self.families.get(key) or self.families.get(DEFAULT_FAMILY) or FamilyFactors()
 
     def value(self, param: str, hw: HardwareProfile | None) -> float:
-        """Current value of a registered parameter ('family.x' or 'link.x') for this hardware."""
+        """Current value of a registered parameter ('family.x', 'link.x' or 'routing.x') for this hardware."""
         scope, name = param.split(".", 1)
-        src: BaseModel = self.family(hw) if scope == "family" else self.links
+        src: BaseModel = self.family(hw) if scope == "family" else self.links if scope == "link" else self.routing
         return float(getattr(src, name))
+
+    def gate_share(self, tau: float) -> float:
+        """Share of decode steps the confidence gate recomputes at threshold tau."""
+        r = self.routing
+        return min(1.0, r.gate_recompute_share * max(tau, 0.0) ** r.gate_tau_exponent)
 
 
 def family_key(hw: HardwareProfile | None) -> str:
@@ -137,12 +155,16 @@ PARAMS: dict[str, Param] = {
         Param("family.layer_overhead_us", False, 1e-3),
         Param("family.step_overhead_ms", False, 1.0),
         Param("family.draft_overhead_ms", False, 1.0),
+        Param("family.drafter_overhead_ms", False, 1.0),
         Param("family.allreduce_latency_us", False, 1e-3),
         Param("family.allreduce_bw_eff", True, 1.0),
         Param("family.prefill_chunk_overhead_ms", False, 1.0),
-        Param("family.eager_layer_us", False, 1e-3),
+        Param("family.seq_overhead_us", False, 1e-3),
+        Param("family.mla_attention_us", False, 1e-3),
+        Param("family.miss_replay_factor", False, 1.0),
+        Param("routing.gate_recompute_share", False, 1.0),
         Param("link.h2d_eff", True, 1.0),
-        Param("link.fetch_latency_us", False, 1e-3),
+        Param("link.fetch_overhead_mib", False, 1.0),
         Param("link.pageable_eff", True, 1.0),
         Param("link.nvme_read_eff", True, 1.0),
         Param("link.nvme_latency_us", False, 1e-3),
@@ -269,6 +291,7 @@ class Prior:
     value: float
     sigma: float  # relative width: the fit pays (delta / (sigma x value))^2 to move away
     why: str
+    fit: bool = True  # False: the published rows cannot pin it; it stays at its physics value
 
 
 def load_priors() -> dict[str, Prior]:
@@ -279,7 +302,8 @@ def load_priors() -> dict[str, Prior]:
         if key not in PARAMS:
             raise ConfigError(f"{path}: unknown parameter '{key}' (known: {', '.join(PARAMS)})")
         try:
-            out[key] = Prior(float(entry["value"]), float(entry["sigma"]), str(entry.get("why", "")))
+            out[key] = Prior(float(entry["value"]), float(entry["sigma"]), str(entry.get("why", "")),
+                             bool(entry.get("fit", True)))
         except (KeyError, TypeError, ValueError):
             raise ConfigError(f"{path}: prior '{key}' needs numeric 'value' and 'sigma'") from None
     return out
@@ -384,8 +408,10 @@ def apply_values(calib: Calibration, values: dict[str, float], family: str) -> C
         scope, name = p.split(".", 1)
         if scope == "family":
             fam[name] = round(v, 5)
-        else:
+        elif scope == "link":
             data["links"][name] = round(v, 5)
+        else:
+            data["routing"][name] = round(v, 5)
     data["families"][family] = fam
     return Calibration.model_validate(data)
 

@@ -10,12 +10,12 @@ from pathlib import Path
 from moetplan.cost_model.calibration import calibration_dir
 from moetplan.contract.errors import ConfigError, UsageError
 from moetplan.contract.model import ModelSpec
+from moetplan.contract.sizing import rows_in
 from moetplan.contract import HardwareProfile, Placement, RunRecord
 
-REFERENCE_CSV = "vllm_moet_measurements.csv"
-# vLLM-Moet's decode medians come from its bench client with short prompts; `context` in the table is the window
-# (max_model_len), not what was filled. Assumed filled context while decoding (status: estimated).
-REFERENCE_FILLED_TOKENS = 2048
+REFERENCE_CSVS = ("vllm_moet_measurements.csv", "vllm_moet_measurements_more.csv")
+REFERENCE_CSV = REFERENCE_CSVS[0]
+ANNOTATIONS = "measurement_annotations.yaml"
 
 
 @dataclass
@@ -63,22 +63,40 @@ def _num(row: dict[str, str], key: str, default: float | None = None) -> float |
         raise ConfigError(f"{REFERENCE_CSV}: column '{key}' has '{v}', expected a number") from None
 
 
-def load_reference(path: str | Path | None = None) -> list[Measurement]:
-    """Rows of hwdb/calibration/vllm_moet_measurements.csv as model + hardware + placement + measured figures."""
-    from moetplan import hwdb
+def _annotations() -> dict:
+    import yaml
 
-    p = Path(path) if path else calibration_dir() / REFERENCE_CSV
+    path = calibration_dir() / ANNOTATIONS
+    return (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+
+
+def load_reference(paths: list[str | Path] | None = None) -> list[Measurement]:
+    """Every published row (hwdb/calibration/vllm_moet_measurements.csv as r01.., the _more file as m01..) as model +
+    hardware + placement + measured figures."""
+    files = [Path(p) for p in paths] if paths else [calibration_dir() / f for f in REFERENCE_CSVS]
+    out: list[Measurement] = []
+    for p in files:
+        prefix = "m" if p.name == REFERENCE_CSVS[1] else "r"
+        out.extend(_load_csv(p, prefix, _annotations().get(p.name) or {}))
+    return out
+
+
+def _load_csv(p: Path, prefix: str, notes: dict) -> list[Measurement]:
+    from moetplan import hwdb
+    from moetplan.contract import Gate
+
     try:
         text = p.read_text()
     except FileNotFoundError:
-        raise ConfigError(f"{p}: missing; restore it from shared/calibration/{REFERENCE_CSV}") from None
+        raise ConfigError(f"{p}: missing; restore it from shared/calibration/{p.name}") from None
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     out: list[Measurement] = []
     for i, row in enumerate(csv.DictReader(io.StringIO("\n".join(lines))), start=1):
+        rid = f"{prefix}{i:02d}"
         model = hwdb.model_spec(row["model"])
         hw = hwdb.box_profile(box_id_for(row["gpus"]))
         conc = int(_num(row, "concurrency", 1) or 1)
-        mtp = int(_num(row, "mtp", 0) or 0)
+        tau = _num(row, "gate_tau")
         placement = Placement.for_model(
             model,
             tp=int(_num(row, "tp", 1) or 1),
@@ -89,17 +107,27 @@ def load_reference(path: str | Path | None = None) -> list[Measurement]:
             host_arena_gib=_num(row, "host_arena_gib", 0.0) or 0.0,
             kv_dtype=row["kv_dtype"].strip(),
             context=int(_num(row, "context", 4096) or 4096),
-            mtp=mtp,
+            mtp=int(_num(row, "mtp", 0) or 0),
             mtp_acceptance=_num(row, "mtp_accept", 1.0) or 1.0,
             max_num_seqs=int(_num(row, "max_num_seqs", 1) or 1),
             concurrency=conc,
+            gate=Gate(enabled=tau is not None, tau=tau if tau is not None else 0.5),
         )
+        note = notes.get(rid) or {}
+        for knob in ("gpu_memory_utilization", "max_num_batched_tokens"):
+            if note.get(knob) is not None:
+                setattr(placement, knob, type(getattr(placement, knob))(note[knob]))
+        if note.get("fp4_format") == "split":
+            # A split-format row is 5/8 of a 4-bit one: the published GiB held 8/5 as many rows.
+            gib = placement.fp4_reserve_gib
+            placement.fp4_row_bytes = placement.fp4_row_bytes * 5 // 8
+            placement.fp4_reserve_slots = rows_in(gib, placement.fp4_row_bytes)
+        prefill = _num(row, "prefill_8k_tok_s")
         out.append(Measurement(
-            row_id=f"r{i:02d}", model=model, hw=hw, placement=placement, concurrency=conc,
-            decode_tok_s=_num(row, "decode_tok_s"), prefill_tok_s=_num(row, "prefill_8k_tok_s"),
-            prompt_tokens=8192 if _num(row, "prefill_8k_tok_s") else None,
+            row_id=rid, model=model, hw=hw, placement=placement, concurrency=conc,
+            decode_tok_s=_num(row, "decode_tok_s"), prefill_tok_s=prefill, prompt_tokens=8192 if prefill else None,
+            # `context` in the table is the window; decode ran after short prompts: routing.decode_filled_tokens.
             note=(row.get("note") or "").strip(), source=f"{p.name} row {i}",
-            kv_tokens=min(REFERENCE_FILLED_TOKENS, placement.context),
         ))
     return out
 
@@ -140,9 +168,9 @@ def from_run_record(run: RunRecord, path: str, hw: HardwareProfile | None = None
                 raise UsageError(f"{path}: its plan {plan_file} does not load ({e})") from None
     model = model or (plan.model if plan else None)
     if model is None and run.model_id:
-        from moetplan import hwdb
+        from moetplan.models.by_name import spec_for_name
 
-        model = hwdb.model_spec(run.model_id)
+        model = spec_for_name(run.model_id)
     if model is None:
         raise UsageError(f"{path}: no model known (no plan_path, no model_id); pass --model NAME")
     hw = hw or (plan.hardware if plan else None)

@@ -107,19 +107,50 @@ def summarize(results: list[RowResult]) -> dict[str, float | int | None]:
     }
 
 
-def free_params(measurements: list[Measurement], calib: Calibration) -> list[str]:
-    """Parameters the measurements actually touch (the rest stay at their prior)."""
+def free_params(measurements: list[Measurement], calib: Calibration, priors: dict[str, Prior] | None = None,
+                all_touched: bool = False) -> list[str]:
+    """Parameters the measurements actually touch (the rest stay at their prior); priors marked `fit: false`
+    stay too, unless all_touched (a machine's own records may pin what the published rows cannot)."""
     touched: set[str] = set()
     for r in fit_rows(measurements, calib):
         touched.update(p for p, c in r.coefs.items() if c > 0)
-    return [p for p in PARAMS if p in touched]
+    priors = priors if priors is not None else load_priors()
+    return [p for p in PARAMS if p in touched and (all_touched or p not in priors or priors[p].fit)]
+
+
+# How far other streams' routing follows one stream's hot set is not linear in the step time: scanned, with a weak
+# pull toward the middle so rows without batches leave it there.
+STREAM_OVERLAP_GRID = (0.3, 0.5, 0.7, 0.85, 1.0)
+STREAM_OVERLAP_PRIOR = (0.5, 0.5)  # centre, width
+
+
+def _fit_at(train: list[Measurement], calib: Calibration, priors: dict[str, Prior], fam: str,
+            all_touched: bool = False) -> Calibration:
+    for _ in range(FIT_ITERATIONS):
+        rows = fit_rows(train, calib)
+        values = fit_linear(rows, priors, free_params(train, calib, priors, all_touched), measurement_sigma())
+        calib = apply_values(calib, values, fam)
+    return calib
+
+
+def objective(train: list[Measurement], calib: Calibration, priors: dict[str, Prior]) -> float:
+    """What the fit minimises: squared relative errors of every row (at the measurement scatter) plus the priors."""
+    sig = measurement_sigma()
+    err = sum((r.error / sig) ** 2 for r in evaluate(train, calib))
+    for p, pr in priors.items():
+        v = calib.value(p, train[0].hw)
+        err += ((v - pr.value) / (pr.sigma * pr.value)) ** 2 if pr.value else 0.0
+    so = calib.routing.stream_overlap
+    return err + ((so - STREAM_OVERLAP_PRIOR[0]) / STREAM_OVERLAP_PRIOR[1]) ** 2
 
 
 def fit(measurements: list[Measurement], held_out: set[str] | None = None, base: Calibration | None = None,
-        priors: dict[str, Prior] | None = None, family: str | None = None, source: str = "") -> Calibration:
+        priors: dict[str, Prior] | None = None, family: str | None = None, source: str = "",
+        scan_stream_overlap: bool = True, all_touched: bool = False) -> Calibration:
     """Fit the factors of one GPU family (and the links) on the measurements not held out.
 
-    Starts from the priors (or `base` when refitting a machine), re-linearises FIT_ITERATIONS times.
+    Starts from the priors (or `base` when refitting a machine), re-linearises FIT_ITERATIONS times; with batched
+    rows among them, stream_overlap is scanned and the best objective kept.
     """
     held_out = held_out or set()
     priors = priors or load_priors()
@@ -130,19 +161,32 @@ def fit(measurements: list[Measurement], held_out: set[str] | None = None, base:
     calib = base.model_copy(deep=True) if base else priors_calibration(priors)
     if base is not None:
         # Refit around the current values: they become the prior centres, with the same widths.
-        priors = {p: Prior(calib.value(p, train[0].hw), pr.sigma, pr.why) for p, pr in priors.items()}
-    for _ in range(FIT_ITERATIONS):
-        rows = fit_rows(train, calib)
-        free = free_params(train, calib)
-        values = fit_linear(rows, priors, free, measurement_sigma())
-        calib = apply_values(calib, values, fam)
-    calib = calib.model_copy(update={
+        priors = {p: Prior(calib.value(p, train[0].hw), pr.sigma, pr.why, pr.fit) for p, pr in priors.items()}
+    grid = STREAM_OVERLAP_GRID if scan_stream_overlap and any(m.concurrency > 1 for m in train) \
+        else (calib.routing.stream_overlap,)
+    best: tuple[float, Calibration] | None = None
+    for so in grid:
+        start = calib.model_copy(update={"routing": calib.routing.model_copy(update={"stream_overlap": so})})
+        trial = _fit_at(train, start, priors, fam, all_touched)
+        obj = objective(train, trial, priors) if len(grid) > 1 else 0.0
+        if best is None or obj < best[0]:
+            best = (obj, trial)
+    assert best is not None
+    return best[1].model_copy(update={
         "fitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "fitted_on": sorted(m.row_id for m in train),
+        "fitted_on": sorted({m.row_id for m in train}),
         "held_out": sorted(held_out & {m.row_id for m in measurements}),
-        "source": source or calib.source,
+        "source": source or best[1].source,
     })
-    return calib
+
+
+def leave_one_out(measurements: list[Measurement], **kw: object) -> list[RowResult]:
+    """Every row predicted by a fit on all the others (a row's decode and prefill figures leave together)."""
+    out: list[RowResult] = []
+    for rid in dict.fromkeys(m.row_id for m in measurements):
+        calib = fit(measurements, held_out={rid}, **kw)  # type: ignore[arg-type]
+        out.extend(evaluate([m for m in measurements if m.row_id == rid], calib, {rid}))
+    return out
 
 
 def zero_miss_rows(measurements: list[Measurement], calib: Calibration) -> list[tuple[str, float, float]]:

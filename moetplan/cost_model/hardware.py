@@ -39,7 +39,7 @@ class Rates:
     mem_bw_gbps: float
     h2d_gbps: float
     h2d_source: str
-    pcie_gbps: float  # per-direction GPU<->GPU traffic for TP (through the host when P2P is off)
+    pcie_gbps: float  # GPU<->GPU rate for TP traffic: peer-to-peer, or staged through host memory
     nvme_gbps: float
     nvme_source: str
     tflops: float
@@ -86,18 +86,22 @@ def nvme_gbps(hw: HardwareProfile) -> tuple[float, str]:
     return float(_tables()["links.yaml"].get("default_nvme_gbps", 2.0)), "default (no storage measurement)"
 
 
+@lru_cache(maxsize=64)
+def _datasheet_sms(hwdb_id: str) -> int | None:
+    # Read once per process, like the tables above: every candidate the solver predicts asks for it.
+    try:
+        from moetplan import hwdb
+
+        return hwdb.gpu_value(hwdb_id, "sms")
+    except Exception:  # noqa: BLE001 - unknown id or loader missing: the caller falls back to memory BW
+        return None
+
+
 def bf16_tflops(gpu: GPUInfo) -> tuple[float, str]:
     table = _tables()["gpu_compute.yaml"]
     per_gpu = (table.get("gpus") or {}).get(gpu.hwdb_id or "", {})
     cc = gpu.compute_capability
-    sms = None
-    if gpu.hwdb_id:
-        try:
-            from moetplan import hwdb
-
-            sms = hwdb.gpu_entry(gpu.hwdb_id).get("sms")
-        except Exception:  # noqa: BLE001 - unknown id or loader missing: fall back below
-            sms = None
+    sms = _datasheet_sms(gpu.hwdb_id) if gpu.hwdb_id else None
     rate = per_gpu.get("flops_per_clk_per_sm") or (table.get("flops_per_clk_per_sm") or {}).get(cc)
     clock = per_gpu.get("boost_clock_ghz")
     if sms and rate and clock:
@@ -132,8 +136,10 @@ def rates(hw: HardwareProfile, placement: Placement) -> Rates:
     tfl = [bf16_tflops(g) for g in gpus]
     tflops, tfl_src = min(tfl, key=lambda t: t[0])
     nv, nv_src = nvme_gbps(hw)
-    # Without P2P, TP traffic goes GPU->host->GPU: bounded by the same pinned link rate.
-    pcie = h2d_rate
+    # TP traffic between GPUs: peer-to-peer over PCIe at the link rate; without P2P it is staged through host
+    # memory, a device->host copy then a host->device copy of every chunk.
+    links = _tables()["links.yaml"]
+    pcie = h2d_rate if hw.p2p else h2d_rate * float(links.get("gpu_gpu_via_host_share", 0.5))
     return Rates(
         mem_bw_gbps=slow_mem.mem_bw_gbps,
         h2d_gbps=h2d_rate,

@@ -12,10 +12,11 @@ from moetplan.cost_model.terms import (
     GATE,
     KV,
     LAYER_OVH,
+    MLA_ATTN,
     MISS_HOST,
     MISS_NVME,
     PIPELINE,
-    REPLAY,
+    SEQ_OVH,
     STEP_OVH,
     DecodeStep,
     decode_step,
@@ -97,10 +98,11 @@ def predict(model: ModelSpec, hw: HardwareProfile, placement: Placement,
 # Which resource each term spends: for the one-line summary under the term table.
 RESOURCE = {
     "memory bandwidth": (DENSE, EXPERTS, KV, DRAFT),
-    "host link / NVMe": (MISS_HOST, MISS_NVME, REPLAY),
+    "attention kernels": (MLA_ATTN,),
+    "host link / NVMe": (MISS_HOST, MISS_NVME),
     "recomputation": (GATE,),
     "GPU interconnect": (ALLREDUCE, PIPELINE),
-    "fixed overheads": (LAYER_OVH, STEP_OVH),
+    "fixed overheads": (LAYER_OVH, STEP_OVH, SEQ_OVH),
 }
 
 

@@ -1,4 +1,5 @@
-"""Refit this machine's cost-model factors from measured run records (`moetplan calibrate` calls `calibrate_runs`)."""
+"""Refit this machine's cost-model factors from measured run records (`moetplan calibrate` calls `calibrate_runs`):
+written only when the refit fits the records at least as well as the factors it started from."""
 from __future__ import annotations
 
 from datetime import datetime, timezone
@@ -7,6 +8,8 @@ from pathlib import Path
 import yaml
 
 from moetplan.cost_model.calibration import (
+    Prior,
+    load_priors,
     Calibration,
     _read_yaml,
     family_key,
@@ -45,9 +48,9 @@ def measurements_from_runs(paths: list[Path], hw: HardwareProfile | None = None,
                            model_name: str | None = None) -> list[Measurement]:
     model = None
     if model_name:
-        from moetplan.models import resolve_model
+        from moetplan.models.by_name import spec_for_name
 
-        model = resolve_model(model_name)
+        model = spec_for_name(model_name)
     out: list[Measurement] = []
     for p in paths:
         try:
@@ -70,12 +73,21 @@ def refit(measurements: list[Measurement], current: Calibration) -> tuple[Calibr
     base = current
     if rho is not None:
         base = current.model_copy(update={"routing": current.routing.model_copy(update={"miss_correlation": rho})})
-    # The gate's fire share is measured directly (runtime counters of gated runs): the median over the runs.
-    fires = sorted(m.extra["gate_fire_share"] for m in measurements if "gate_fire_share" in m.extra)
+    # The gate's recompute share is measured directly (runtime counters of gated runs): the median over the runs,
+    # taken back to tau = 1 through the sweep's tau dependence.
+    gamma = base.routing.gate_tau_exponent
+    fires = sorted(m.extra["gate_fire_share"] / max(m.placement.gate.tau, 1e-3) ** gamma
+                   for m in measurements if "gate_fire_share" in m.extra)
     if fires:
-        share = fires[len(fires) // 2] if len(fires) % 2 else 0.5 * (fires[len(fires) // 2 - 1] + fires[len(fires) // 2])
-        base = base.model_copy(update={"routing": base.routing.model_copy(update={"gate_fire_share": share})})
-    new = fit(measurements, base=base, source="moetplan calibrate")
+        mid = len(fires) // 2
+        share = min(1.0, fires[mid] if len(fires) % 2 else 0.5 * (fires[mid - 1] + fires[mid]))
+        base = base.model_copy(update={"routing": base.routing.model_copy(update={"gate_recompute_share": share})})
+    priors = load_priors()
+    fixed = {"routing.gate_recompute_share"} if fires else set()
+    priors = {k: Prior(p.value, p.sigma, p.why, fit=k not in fixed) for k, p in priors.items()}
+    # A machine's own records may pin what the published rows could not (every touched factor is free, around its
+    # current value), except what was measured directly; how batched streams share experts stays as checked in.
+    new = fit(measurements, base=base, priors=priors, source="moetplan calibrate", scan_stream_overlap=False)
     after = evaluate(measurements, new)
     return new, before, after
 
@@ -100,7 +112,7 @@ def write_user_calibration(new: Calibration, hw: HardwareProfile, path: Path, ru
     if routing_fitted:
         routing["miss_correlation"] = new.routing.miss_correlation
     if gate_measured:
-        routing["gate_fire_share"] = new.routing.gate_fire_share
+        routing["gate_recompute_share"] = new.routing.gate_recompute_share
     if routing:
         data["routing"] = routing
     header = ("# moetplan calibrate: this machine's cost-model factors (layered over hwdb/calibration/cost_model.yaml"
@@ -109,8 +121,10 @@ def write_user_calibration(new: Calibration, hw: HardwareProfile, path: Path, ru
 
 
 def calibrate_runs(runs: list[Path], *, box: str | None = None, hw_path: Path | None = None,
-                   model: str | None = None, out: Path | None = None, dry_run: bool = False) -> dict:
-    """Refit this machine's factors from run records; write them unless dry_run; -> the report (JSON-ready)."""
+                   model: str | None = None, out: Path | None = None, dry_run: bool = False,
+                   force: bool = False) -> dict:
+    """Refit from run records and write the result unless it fits them worse than the factors it started from
+    (then the old file stays, unless `force`). Returns the report (`written_to` is None when nothing was written)."""
     for p in runs:
         if not p.exists():
             raise UsageError(f"{p}: no such run record; run `moetplan bench --out {p}` first")
@@ -121,13 +135,17 @@ def calibrate_runs(runs: list[Path], *, box: str | None = None, hw_path: Path | 
     new, before, after = refit(meas, current)
     zm_before, zm_after = zero_miss_rows(meas, current), zero_miss_rows(meas, new)
     target = out or user_calibration_path()
-    if not dry_run:
+    worse = _worse(summarize(before), summarize(after))
+    written = not dry_run and (not worse or force)
+    if written:
         write_user_calibration(new, hw_used, target, [str(p) for p in runs], routing_fitted=bool(zm_after),
                                gate_measured=any("gate_fire_share" in m.extra for m in meas))
     family = family_key(hw_used)
     result = {
         "family": family,
-        "written_to": None if dry_run else str(target),
+        "written_to": str(target) if written else None,
+        "kept_previous": bool(worse and not force and not dry_run),
+        "worse_than_before": worse,
         "rows": [
             {"row": b.row_id, "metric": b.metric, "measured": b.measured, "predicted_before": b.predicted,
              "error_before": b.error, "predicted_after": a.predicted, "error_after": a.error}
@@ -141,11 +159,18 @@ def calibrate_runs(runs: list[Path], *, box: str | None = None, hw_path: Path | 
             "zero_miss_step_share": [{"row": r, "measured": m, "predicted_before": pb, "predicted_after": pa}
                                      for (r, m, pb), (_, _, pa) in zip(zm_before, zm_after)],
         },
-        "gate_fire_share": {
-            "before": current.routing.gate_fire_share, "after": new.routing.gate_fire_share,
-            "measured": [{"row": m.row_id, "share": m.extra["gate_fire_share"]}
+        "gate_recompute_share": {
+            "before": current.routing.gate_recompute_share, "after": new.routing.gate_recompute_share,
+            "measured": [{"row": m.row_id, "share": m.extra["gate_fire_share"], "tau": m.placement.gate.tau}
                          for m in meas if "gate_fire_share" in m.extra],
         },
     }
-    result["_target"] = str(target)
     return result
+
+
+def _worse(before: dict, after: dict) -> bool:
+    """The refit fits the records worse: a larger median |error| (ties broken by the largest error)."""
+    mb, ma = before["median_abs_error"], after["median_abs_error"]
+    if ma is None or mb is None:
+        return False
+    return ma > mb + 1e-9 or (abs(ma - mb) <= 1e-9 and (after["max_abs_error"] or 0) > (before["max_abs_error"] or 0))

@@ -34,10 +34,14 @@ ALLREDUCE = "TP all-reduce over PCIe"
 PIPELINE = "pipeline stage hand-off"
 LAYER_OVH = "per-layer launch overhead"
 STEP_OVH = "per-step overhead (scheduler, sampler)"
+SEQ_OVH = "per-sequence overhead (sampling, verification, metadata)"
+MLA_ATTN = "dense MLA decode kernels"
 MISS_HOST = "expert misses (host RAM -> GPU over PCIe)"
 MISS_NVME = "expert misses (NVMe pack -> RAM -> GPU)"
-REPLAY = "replayed steps after a miss"
 GATE = "confidence-gate recomputes"
+# Terms a CUDA-graph replay of the step repeats: the forward pass, not the host-side scheduling around it.
+GRAPH_TERMS = (DENSE, EXPERTS, KV, MLA_ATTN, "TP all-reduce over PCIe", "pipeline stage hand-off",
+               "per-layer launch overhead")
 
 
 @dataclass
@@ -139,13 +143,21 @@ def kv_read_tokens(model: ModelSpec, context_tokens: float, calib: Calibration) 
     return context_tokens
 
 
+def filled_tokens(placement: Placement, calib: Calibration, kv_tokens: float | None = None) -> float:
+    """Context each stream has filled when decode is predicted: a measurement's own figure when it states one, else
+    routing.decode_filled_tokens (short-prompt decode, as the published benchmarks ran it), capped by the window."""
+    if kv_tokens is not None:
+        return float(kv_tokens)
+    return float(min(placement.context, calib.routing.decode_filled_tokens))
+
+
 def kv_read_bytes(model: ModelSpec, placement: Placement, calib: Calibration, seqs: int,
-                  filled_tokens: float | None = None) -> float:
+                  filled: float | None = None) -> float:
     kv_dtype = placement.kv_dtype
     if kv_dtype not in model.kv_bytes_per_token:
         known = ", ".join(model.kv_bytes_per_token) or "none"
         raise UsageError(f"{model.id} has no KV layout '{kv_dtype}' (known: {known}); set kv_dtype to one of them")
-    filled = calib.routing.kv_fill * placement.context if filled_tokens is None else filled_tokens
+    filled = filled_tokens(placement, calib, filled)
     tokens = kv_read_tokens(model, filled, calib)
     return model.kv_bytes(kv_dtype, int(tokens), placement.tp, seqs=1) * seqs
 
@@ -162,7 +174,7 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
                 kv_tokens: float | None = None) -> DecodeStep:
     """Terms of one decode step on the slowest rank, with `concurrency` streams batched (default: 1).
 
-    kv_tokens: context tokens each stream has filled; default routing.kv_fill x the planned context.
+    kv_tokens: context tokens each stream has filled; default filled_tokens()'s rule.
     """
     rt = rates(hw, placement)
     if rt.mem_bw_gbps <= 0 or rt.h2d_gbps <= 0 or rt.nvme_gbps <= 0 or rt.tflops <= 0:
@@ -218,12 +230,18 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
              2.0 * tokens_layer * K * model.expert_params * L / tp)
     terms.append(t)
 
-    # KV cache at the planned context (kv_fill of it), one read per sequence per step.
+    # KV cache at the filled context (filled_tokens' rule), one read per sequence per step.
     kv_b = kv_read_bytes(model, placement, calib, c, kv_tokens)
-    filled = f"{kv_tokens:.0f} tokens" if kv_tokens is not None else f"{r.kv_fill:.0%} of {placement.context} tokens"
-    t = TermSpec(KV, note=f"{kv_b / GB:.3f} GB/rank at {filled} x {c} seq")
+    t = TermSpec(KV, note=f"{kv_b / GB:.3f} GB/rank at {filled_tokens(placement, calib, kv_tokens):.0f} filled "
+                 f"tokens x {c} seq")
     t.add("family.dense_bw_eff", _ms(kv_b, rt.mem_bw_gbps))
     terms.append(t)
+    if model.attention.kind == "mla":
+        # Dense MLA decodes through vLLM's Triton kernel (one pipeline stage on sm_120): a latency floor per layer
+        # that the KV bytes alone do not show.
+        t = TermSpec(MLA_ATTN, note=f"{NL} layers")
+        t.add("family.mla_attention_us", float(NL))
+        terms.append(t)
 
     # Speculative drafts: each drafted token is one sequential pass of the MTP layer (or drafter) plus the LM head.
     if k_spec > 0:
@@ -246,7 +264,10 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
             notes.append(f"{model.id} has no MTP head or drafter; draft passes costed as an LM-head read only")
         t.add("family.dense_bw_eff", k_spec * _ms(d_b, rt.mem_bw_gbps))
         t.add("family.layer_overhead_us", float(k_spec))
-        t.add("family.draft_overhead_ms", float(k_spec))
+        # A separate drafter is a second model the proposer runs (own forward, inputs from the target's hidden
+        # states, its own sampling); an MTP head is one more layer of the target.
+        separate = model.mtp_layers == 0 and model.drafter_gib > 0
+        t.add("family.drafter_overhead_ms" if separate else "family.draft_overhead_ms", float(k_spec))
         if tp > 1:
             t.add("family.allreduce_latency_us", 2.0 * k_spec * (tp - 1))
         terms.append(t)
@@ -256,7 +277,7 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
         n_ar = 2 * NL
         ring = 2.0 * (tp - 1) / tp * tokens_layer * model.hidden_size * 2
         t = TermSpec(ALLREDUCE, note=f"{n_ar} all-reduces of {tokens_layer * model.hidden_size * 2 / 1024:.0f} KiB"
-                     + ("" if hw.p2p else " through host memory (no P2P)"))
+                     + ("" if hw.p2p else f" through host memory (no P2P, {rt.pcie_gbps:.0f} GB/s)"))
         # Small all-reduces run NCCL's ring/LL path: 2(tp-1) latency-bound hops, so the latency grows with tp - 1.
         t.add("family.allreduce_latency_us", float(n_ar * (tp - 1)))
         t.add("family.allreduce_bw_eff", n_ar * _ms(ring, rt.pcie_gbps))
@@ -273,70 +294,64 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     t = TermSpec(STEP_OVH)
     t.add("family.step_overhead_ms", 1.0)
     terms.append(t)
+    t = TermSpec(SEQ_OVH, note=f"{c} sequence(s)")
+    t.add("family.seq_overhead_us", float(c))
+    terms.append(t)
 
+    # A replay re-runs the step's CUDA graph: the forward-pass terms at the factors in hand (the fit re-linearises).
+    graph = sum(tm.ms(calib, fam_hw) for tm in terms if tm.name in GRAPH_TERMS)
     miss: MissStats | None = None
     if placement.expert_tier != "resident":
         miss = miss_stats(curve, E, K, L, tokens_eff, x_cached, r.miss_correlation, c, so)
-        terms.extend(_miss_terms(model, hw, placement, calib, rt, curve, miss, x_cached, terms))
+        terms.append(_miss_term(model, placement, calib, rt, curve, miss, x_cached, graph))
 
     gate_share: float | None = None
-    if placement.gate.enabled and not placement.gate.degraded and x_r > 0:
-        # A step the gate does not trust is computed again with its experts promoted to FP4: the whole step again.
-        gate_share = r.gate_fire_share
-        t = TermSpec(GATE, note=f"{gate_share:.0%} of steps recomputed with FP4 experts (tau {placement.gate.tau})")
-        for b in list(terms):
-            for p, coef in b.parts.items():
-                t.add(p, coef * gate_share)
+    if placement.gate.enabled and x_r > 0:
+        # A step the gate does not trust is recomputed (one more graph replay) with its experts promoted to FP4; a
+        # degraded gate (reserve below its floor) caps promotions but still recomputes.
+        gate_share = calib.gate_share(placement.gate.tau)
+        t = TermSpec(GATE, note=f"{gate_share:.0%} of steps recomputed with FP4 experts (tau {placement.gate.tau}"
+                     + (", degraded: promotions capped" if placement.gate.degraded else "") + ")")
+        t.add("routing.gate_recompute_share", max(placement.gate.tau, 0.0) ** r.gate_tau_exponent * graph)
         terms.append(t)
 
     return DecodeStep(c, acc, tokens_layer, union, terms, miss, rt, notes, gate_share)
 
 
-def _miss_terms(model: ModelSpec, hw: HardwareProfile, placement: Placement, calib: Calibration, rt: Rates,
-                curve: CoverageCurve, miss: MissStats, x_cached: float, base: list[TermSpec]) -> list[TermSpec]:
+def _miss_term(model: ModelSpec, placement: Placement, calib: Calibration, rt: Rates, curve: CoverageCurve,
+               miss: MissStats, x_cached: float, graph_ms: float) -> TermSpec:
+    """A step that misses replays its CUDA graph after the fetch (vLLM-Moet's design), so decode follows the
+    zero-miss step share; every layer whose experts miss waits for its round trip; the bytes cross the host link
+    (and, for what the pinned arena lacks, come from the NVMe pack first)."""
     r = calib.routing
-    L, E = model.moe_layers, model.n_routed_experts
-    rank_bytes = miss.misses_per_step * model.expert_bytes("2bit", placement.tp)
-    full_bytes = miss.misses_per_step * model.expert_bytes("2bit", 1)
-    per_expert_full = L * E * model.expert_bytes("2bit", 1)
+    L, E, tp = model.moe_layers, model.n_routed_experts, placement.tp
+    rank_bytes = miss.misses_per_step * model.expert_bytes("2bit", tp)
     note = (f"{miss.misses_per_step:.1f} experts/step ({rank_bytes / 2**20:.0f} MiB/rank); "
-            f"{miss.p_step_miss:.0%} of steps miss (independent model: {miss.p_step_miss_independent:.0%}); "
-            f"token hit rate {miss.token_hit_rate:.2%}")
-    # A step that misses cannot stay inside the captured CUDA graph: it waits for the fetch and runs its layers
-    # eagerly (eager_layer_us per layer). This per-step penalty is why decode follows the zero-miss step share.
-    out: list[TermSpec] = []
+            f"{miss.p_step_miss:.0%} of steps miss and replay (independent model: {miss.p_step_miss_independent:.0%});"
+            f" token hit rate {miss.token_hit_rate:.2%}")
+    t = TermSpec(MISS_HOST if placement.expert_tier == "host" else MISS_NVME, note=note)
+    # Per-layer fetch costs scale with the link: vLLM-Moet's RTX 5090 box (26.6 GiB/s under load) pays 2x the misses
+    # of its PRO 6000 (51.6 GiB/s).
+    t.add("link.fetch_overhead_mib", miss.layers_with_miss * _ms(2**20, rt.h2d_gbps))
+    t.add("family.miss_replay_factor", miss.p_step_miss * graph_ms)
     if placement.expert_tier == "host":
-        t = TermSpec(MISS_HOST, note=note)
-        t.add("link.fetch_latency_us", miss.layers_with_miss)
         t.add("link.h2d_eff", _ms(rank_bytes, rt.h2d_gbps))
-        t.add("family.eager_layer_us", miss.p_step_miss * model.num_layers)
-        out.append(t)
+        return t
+    rank_experts = L * E * model.expert_bytes("2bit", tp)
+    if placement.host_arena_gib > 0:
+        # Each rank's arena holds its own TP shard of the rows.
+        x_a, pinned = placement.host_arena_gib * GIB / rank_experts, True
     else:
-        t = TermSpec(MISS_NVME, note=note)
-        if placement.host_arena_gib > 0:
-            x_a = placement.host_arena_gib * GIB / per_expert_full
-            pinned = True
-        else:
-            # No arena: the kernel page cache is the only RAM tier, and its pages are pageable.
-            x_a = r.page_cache_share * rt.host_ram_gib * GIB / per_expert_full
-            pinned = False
-        miss_mass = 1.0 - curve(x_cached)
-        beyond = (1.0 - curve(min(1.0, x_cached + x_a))) / miss_mass if miss_mass > 1e-12 else 0.0
-        t.add("link.fetch_latency_us", miss.layers_with_miss)
-        t.add("family.eager_layer_us", miss.p_step_miss * model.num_layers)
-        t.add("link.h2d_eff" if pinned else "link.pageable_eff", _ms(rank_bytes, rt.h2d_gbps))
-        if beyond > 0:
-            per_missing_layer = miss.misses_per_layer / max(miss.p_layer_miss, 1e-12)
-            nvme_layers = miss.layers_with_miss * (1.0 - (1.0 - beyond) ** max(1.0, per_missing_layer))
-            t.add("link.nvme_latency_us", nvme_layers)
-            t.add("link.nvme_read_eff", _ms(full_bytes * beyond, rt.nvme_gbps))
-            t.note += f"; {beyond:.0%} of misses read from NVMe ({rt.nvme_gbps:.1f} GB/s)"
-        out.append(t)
-    if r.miss_policy == "replay" and miss.p_step_miss > 0:
-        t = TermSpec(REPLAY, note=f"{miss.p_step_miss:.0%} of steps run twice")
-        for b in base:
-            for p, coef in b.parts.items():
-                t.add(p, coef * miss.p_step_miss)
-        out.append(t)
-    return out
-
+        # No arena: the kernel page cache is the only RAM tier, and its pages are pageable.
+        x_a, pinned = r.page_cache_share * rt.host_ram_gib * GIB / (L * E * model.expert_bytes("2bit", 1)), False
+    t.add("link.h2d_eff" if pinned else "link.pageable_eff", _ms(rank_bytes, rt.h2d_gbps))
+    miss_mass = 1.0 - curve(x_cached)
+    beyond = (1.0 - curve(min(1.0, x_cached + x_a))) / miss_mass if miss_mass > 1e-12 else 0.0
+    if beyond > 0:
+        per_missing_layer = miss.misses_per_layer / max(miss.p_layer_miss, 1e-12)
+        nvme_layers = miss.layers_with_miss * (1.0 - (1.0 - beyond) ** max(1.0, per_missing_layer))
+        t.add("link.nvme_latency_us", nvme_layers)
+        # The pack holds every TP shard of a row together: a miss reads the whole row.
+        t.add("link.nvme_read_eff", _ms(miss.misses_per_step * model.expert_bytes("2bit", 1) * beyond, rt.nvme_gbps))
+        t.note += f"; {beyond:.0%} of misses read from NVMe ({rt.nvme_gbps:.1f} GB/s)"
+    return t

@@ -137,6 +137,16 @@ def _p2p_links(pynvml: Any, handles: list[Any], gpus: list[GPUInfo]) -> bool:
     return all_ok
 
 
+def has_nvidia_gpu() -> bool:
+    """Whether the NVIDIA driver reports a GPU; cheap (no device queries), for deciding what to probe. Without the
+    driver's device files there is nothing to ask NVML."""
+    import os
+
+    if os.name != "nt" and not (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidia0")):
+        return False
+    return local_gpu_count() > 0
+
+
 def query_gpus() -> GpuReport:
     """Every NVIDIA GPU the driver sees; an empty report (with the reason) when there is no driver."""
     report = GpuReport()

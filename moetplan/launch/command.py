@@ -70,14 +70,17 @@ def served_name(plan: Plan) -> str:
 
 
 def speculative_config(plan: Plan) -> dict[str, Any] | None:
+    """vLLM's --speculative-config for the plan: the model's own MTP layer, or its separate Eagle3 drafter."""
     k = int(plan.placement.mtp)
     if k <= 0:
         return None
     if plan.model.mtp_layers > 0:
         return {"method": "mtp", "num_speculative_tokens": k}
+    if plan.model.drafter_gib > 0 and plan.model.drafter_hf_repo:
+        return {"method": "eagle3", "model": plan.model.drafter_hf_repo, "num_speculative_tokens": k}
     raise UsageError(
-        f"plan asks for {k} speculative tokens but {plan.model.id} has no MTP layers (a separate drafter needs "
-        "its checkpoint path); pin mtp=0"
+        f"plan asks for {k} speculative tokens but {plan.model.id} has no MTP layers and no drafter checkpoint "
+        "(drafter_hf_repo in its hwdb entry); pin mtp=0"
     )
 
 

@@ -1,7 +1,17 @@
 """The memory ledger: where every byte of a placement lives (per GPU rank, host RAM, disk) and the guards.
 
 Pure arithmetic over ModelSpec + HardwareProfile + Placement; the solver calls it for every candidate, so it
-stays cheap. Guard constants are facts in hwdb/guards.yaml.
+stays cheap. Every constant is a fact or a policy in hwdb/guards.yaml; the geometry it reproduces is
+../shared/calibration/vllm_moet_memory.md (tests/test_ledger_published.py checks every configuration there).
+
+A GPU rank, as vLLM and vLLM-Moet lay it out:
+
+- inside vLLM's budget (gpu_memory_utilization x VRAM): dense weights, the routed experts (resident planes or the
+  GPU expert cache), the FP4 reserve where the headroom above the budget cannot hold it, CUDA graphs and
+  workspaces, the activation peak of max_num_batched_tokens, communicator buffers, and the KV pool, which takes
+  whatever is left (vLLM sizes it after profiling);
+- above it: the CUDA context, transients vLLM's profiling run does not see, and the FP4 reserve as far as it fits
+  above a fixed headroom (vLLM-Moet's automatic pool is "free after KV - 3 GiB").
 """
 from __future__ import annotations
 
@@ -10,15 +20,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from moetplan.contract.model import GIB, ModelSpec
+from moetplan.contract import GPURankMemory, HardwareProfile, LedgerItem, MemoryLedger, Placement
+from moetplan.contract.model import DENSE_BYTES_PER_PARAM, GIB, ModelSpec
 from moetplan.contract.sizing import gate_floor_slots, step_working_set
-from moetplan.contract import (
-    GPURankMemory,
-    HardwareProfile,
-    LedgerItem,
-    MemoryLedger,
-    Placement,
-)
+
+
+# The solver rounds sizes down to this step; comparisons allow it, so a rounded pool is never refused for being
+# a rounding step below its own need.
+ROUND_GIB = 1e-3
 
 
 @lru_cache(maxsize=1)
@@ -35,14 +44,16 @@ def spec_tokens(model: ModelSpec, p: Placement) -> int:
 def step_working_set_slots(model: ModelSpec, p: Placement) -> int:
     """One decode step's routed (layer, expert) pairs: MoE layers x top_k x (1 + spec) x min(seqs, cap)."""
     g = guards()["expert_cache"]
-    seqs = min(max(p.max_num_seqs, p.concurrency, 1), g["seqs_cap"])
+    # The streams the plan decodes together: vLLM-Moet's published cache-11 recipe booted at max_num_seqs 2, below
+    # a floor counted over max_num_seqs.
+    seqs = min(max(p.concurrency, 1), max(p.max_num_seqs, 1), g["seqs_cap"])
     return step_working_set(model.moe_layers, model.top_k, spec_tokens(model, p), seqs)
 
 
 def cache_floor_slots(model: ModelSpec, p: Placement, comfortable: bool = False) -> int:
     g = guards()["expert_cache"]
     f = g["comfortable_factor"] if comfortable else g["floor_factor"]
-    # A layer never needs more slots than it has experts; PP ranks hold only their layers.
+    # PP ranks hold only their layers.
     return math.ceil(f * step_working_set_slots(model, p) / p.pp)
 
 
@@ -51,39 +62,143 @@ def fp4_gate_floor_slots(model: ModelSpec, p: Placement) -> int:
 
 
 def gpu_memory_utilization_default(vram_gib: float) -> float:
+    return float(guards()["gpu"]["gpu_memory_utilization"])
+
+
+def gpu_memory_utilization_for(model: ModelSpec, p: Placement, vram: float) -> float:
+    """The default utilization, lowered (in 0.01 steps) until what stays above vLLM's budget holds the CUDA context
+    and the transients its profiling does not see."""
+    need = guards()["gpu"]["cuda_context_gib"] + unprofiled_gib(model, p)
+    util = gpu_memory_utilization_default(vram)
+    return min(util, math.floor((1.0 - need / vram) * 100) / 100)
+
+
+# --------------------------------------------------------------------------- what one rank holds
+
+
+def replicated_gib(model: ModelSpec) -> float:
+    """Non-routed weights every TP rank holds whole: vLLM keeps the MoE router gates, MLA's down-projections
+    (q_a, kv_a) and the DSA indexer's projections replicated, plus what the model entry names (a vision tower)."""
+    att = model.attention
+    extra = att.model_extra or {}
+    h = model.hidden_size
+    params = model.moe_layers * model.n_routed_experts * h
+    if att.kind in ("mla", "mla_sparse"):
+        q_lora = int(extra.get("q_lora_rank") or 0)
+        params += model.num_layers * h * (q_lora + (att.kv_lora_rank or 0) + (att.qk_rope_head_dim or 0))
+    if att.kind == "mla_sparse":
+        heads, dim = int(extra.get("index_n_heads") or 0), int(extra.get("index_head_dim") or 0)
+        layers = int(extra.get("indexer_layers") or model.num_layers)
+        params += layers * (int(extra.get("q_lora_rank") or 0) * heads * dim + h * dim + h * heads)
+    return model.dense_replicated_gib + params * DENSE_BYTES_PER_PARAM.get(model.dense_precision, 2.0) / GIB
+
+
+def mtp_layer_gib(model: ModelSpec) -> float:
+    """The MTP layer as the runtime holds it (routed experts at 2-bit), one rank of TP1, whether or not the
+    published dense figure already includes it."""
+    if model.mtp_layers <= 0:
+        return 0.0
+    return model.model_copy(update={"dense_includes_mtp": False}).mtp_bytes_per_rank(1) / GIB
+
+
+def dense_gib(model: ModelSpec, p: Placement) -> float:
+    """Non-routed weights on one rank: the sharded part over TP, the replicated part whole, split over PP stages.
+    A published stack that includes the MTP layer loses it when speculation is off (vLLM does not load it)."""
+    total = model.dense_bytes() / GIB
+    if model.dense_includes_mtp and p.mtp <= 0:
+        total = max(total - mtp_layer_gib(model), 0.0)
+    rep = min(replicated_gib(model), total)
+    return ((total - rep) / p.tp + rep) / p.pp
+
+
+def activation_gib(model: ModelSpec, p: Placement) -> float:
+    """Activation peak of a forward over max_num_batched_tokens that vLLM's profiling run measures: the permuted
+    MoE inputs and the expert FFN intermediates, plus the hidden-state buffers."""
+    h, i = model.hidden_size, model.moe_intermediate_size / p.tp
+    per_token = model.top_k * (2 * h + 6 * i) + guards()["gpu"]["activation_hidden_bytes_per_unit"] * h
+    return p.max_num_batched_tokens * per_token / GIB
+
+
+def unprofiled_gib(model: ModelSpec, p: Placement) -> float:
+    """Transients above vLLM's budget: the FP32 unpermute scatter of the fused-MoE output (1.83 GiB at 9,984
+    batched tokens, top-8, H 6144 in vLLM-Moet) and dense MLA's chunked-context up-projection workspace."""
+    out = p.max_num_batched_tokens * model.top_k * model.hidden_size * 4 / GIB
+    att = model.attention
+    if att.kind == "mla":
+        extra = att.model_extra or {}
+        width = int(extra.get("qk_nope_head_dim") or 0) + int(extra.get("v_head_dim") or 0)
+        heads = max(att.num_heads // p.tp, 1)
+        tokens = min(guards()["gpu"]["mla_chunked_context_tokens"], 8 * p.context)
+        out += tokens * heads * width * 2 / GIB
+    return out
+
+
+def fp4_outside_gib(p: Placement, vram: float, reserve_gib: float | None = None) -> float:
+    """The share of the FP4 reserve (the plan's, or `reserve_gib`) that fits above vLLM's budget, keeping
+    vLLM-Moet's headroom."""
     g = guards()["gpu"]
-    return g["gpu_memory_utilization_small_card"] if vram_gib < g["small_card_gib"] else g["gpu_memory_utilization"]
+    # vLLM-Moet's "free after KV" is measured with the CUDA context already resident above the budget.
+    room = (1.0 - p.gpu_memory_utilization) * vram - g["cuda_context_gib"] - g["fp4_outside_headroom_gib"]
+    return min(p.fp4_reserve_gib if reserve_gib is None else reserve_gib, max(room, 0.0))
+
+
+def drafter_gib(model: ModelSpec, p: Placement) -> float:
+    return model.drafter_gib / p.tp if p.mtp > 0 and model.mtp_layers == 0 and model.drafter_gib > 0 else 0.0
+
+
+def experts_resident_gib(model: ModelSpec, p: Placement) -> float:
+    return model.routed_gib("2bit", p.tp) / p.pp
 
 
 def fixed_gpu_items(model: ModelSpec, p: Placement) -> list[LedgerItem]:
     """Everything on a GPU rank except experts, FP4 reserve and KV."""
     g = guards()["gpu"]
-    shards = p.tp * p.pp
-    items = [LedgerItem(name="dense", gib=model.dense_bytes() / shards / GIB,
-                        note=f"non-routed stack at {model.dense_precision}, split over TP{p.tp} x PP{p.pp}")]
-    if p.mtp > 0 and model.mtp_layers == 0 and model.drafter_gib > 0:
-        items.append(LedgerItem(name="drafter", gib=model.drafter_gib / p.tp, note="separate drafter"))
+    items = [LedgerItem(name="dense", gib=dense_gib(model, p),
+                        note=f"non-routed stack at {model.dense_precision}, TP{p.tp} x PP{p.pp}"
+                        + (f" (MLA down-projections{' and vision tower' if model.dense_replicated_gib else ''}"
+                           " replicated)" if replicated_gib(model) else ""))]
+    if p.mtp > 0 and model.mtp_layers > 0 and not model.dense_includes_mtp:
+        items.append(LedgerItem(name="mtp_layer", gib=model.mtp_bytes_per_rank(p.tp) / GIB,
+                                note="MTP layer, routed experts at 2-bit"))
+    if drafter_gib(model, p):
+        items.append(LedgerItem(name="drafter", gib=drafter_gib(model, p), note="separate drafter (Eagle3)"))
     items.append(LedgerItem(name="cuda_graphs_workspace", gib=g["cuda_graphs_workspace_gib"],
                             note="CUDA graphs + workspaces"))
-    if p.mtp > 0:
-        # vLLM-Moet's speculation allowance (1.7 GiB) covers the MTP layer with its routed experts at 2-bit for
-        # DS4-sized models; a larger MTP layer (DeepSeek-V3: ~5 GiB) is counted at its real size.
-        mtp = model.mtp_bytes_per_rank(p.tp) / GIB
-        items.append(LedgerItem(name="speculation", gib=max(g["speculative_extra_gib"], mtp),
-                                note=f"MTP layer ({mtp:.1f} GiB, experts at 2-bit) + drafting workspace"))
-    items.append(LedgerItem(name="activations", gib=g["activation_bytes_per_context_token"] * p.context / GIB,
-                            note="16 KiB x max_model_len"))
+    items.append(LedgerItem(name="activations", gib=activation_gib(model, p),
+                            note=f"peak of {p.max_num_batched_tokens} batched tokens"))
+    if p.tp * p.pp > 1:
+        items.append(LedgerItem(name="comm_buffers", gib=g["comm_buffers_gib"], note="NCCL communicators"))
     return items
 
 
 def kv_needed_gib(model: ModelSpec, p: Placement) -> float:
-    """KV per rank for `concurrency` sequences at full context (the plan's promise)."""
-    seqs = max(p.concurrency, 1)
-    return model.kv_bytes(p.kv_dtype, p.context * seqs, tp=p.tp, seqs=seqs) / p.pp / GIB
+    """KV per rank vLLM needs to admit one sequence at the full window (it shares one pool across sequences),
+    plus the per-sequence fixed part of every scheduled sequence."""
+    seqs = max(p.max_num_seqs, 1)
+    return model.kv_bytes(p.kv_dtype, p.context, tp=p.tp, seqs=seqs) / p.pp / GIB
 
 
-def experts_resident_gib(model: ModelSpec, p: Placement) -> float:
-    return model.routed_gib("2bit", p.tp) / p.pp
+def kv_floor_gib(model: ModelSpec, p: Placement) -> float:
+    """The smallest KV pool that boots: the window's need, and with speculation vLLM-Moet's observed floor."""
+    floor = guards()["gpu"]["speculative_kv_floor_gib"] if p.mtp > 0 else 0.0
+    return max(kv_needed_gib(model, p), floor)
+
+
+def kv_tokens(model: ModelSpec, p: Placement, kv_gib: float | None = None) -> int:
+    """Tokens a KV pool of kv_gib per rank holds (vLLM's "GPU KV cache size: N tokens")."""
+    per_token = model.kv_bytes(p.kv_dtype, 1, tp=p.tp, seqs=0) / p.pp
+    gib = p.kv_cache_gib if kv_gib is None else kv_gib
+    return max(int(gib * GIB // per_token), 0) if per_token > 0 else 0
+
+
+def resident_guard(model: ModelSpec, p: Placement, vram: float) -> tuple[float, float]:
+    """vLLM-Moet's boot guard for resident planes: planes <= free - (2 GiB + 1.7 GiB when speculating + 16 KiB x
+    max_model_len), free being the budget after the dense stack and the FP4 pool. Returns (planes, allowed)."""
+    g = guards()["gpu"]
+    free = p.gpu_memory_utilization * vram - dense_gib(model, p) - p.fp4_reserve_gib - drafter_gib(model, p)
+    margin = (g["resident_guard_margin_gib"] + (g["resident_guard_speculative_gib"] if p.mtp > 0 else 0.0)
+              + g["resident_guard_kv_bytes_per_token"] * p.context / GIB)
+    return experts_resident_gib(model, p), free - margin
 
 
 def host_reserve_gib(hw: HardwareProfile) -> float:
@@ -93,6 +208,14 @@ def host_reserve_gib(hw: HardwareProfile) -> float:
 
 def host_usable_gib(hw: HardwareProfile) -> float:
     return hw.host.ram_gib * guards()["host"]["usable_fraction"]
+
+
+def arena_budget_gib(hw: HardwareProfile, ranks: int) -> float:
+    """Pinned arena per rank the host can give: usable RAM after the OS and workers, leaving the page cache its
+    share (it serves the pack reads the arena misses)."""
+    g = guards()["host"]
+    total = host_usable_gib(hw) - host_reserve_gib(hw) - g["page_cache_share"] * hw.host.ram_gib
+    return max(total, 0.0) / max(ranks, 1)
 
 
 def pack_disk_gib(model: ModelSpec, p: Placement) -> tuple[float, float]:
@@ -107,21 +230,32 @@ class LedgerCheck:
     ledger: MemoryLedger
     ok: bool
     problems: list[str] = field(default_factory=list)
+    short: list[str] = field(default_factory=list)  # the ledger item each problem is about, in order
 
 
 def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement) -> LedgerCheck:
     """Account every byte of placement `p`; `ok` is False with named problems when something does not fit."""
+    from moetplan.plan import ledger_host
+
     problems: list[str] = []
+    short: list[str] = []
     guards_out: list[str] = []
+
+    def fail(item: str, text: str) -> None:
+        problems.append(f"{item}: {text}")
+        short.append(item)
+
     ranks = p.tp * p.pp
     if ranks > hw.num_gpus:
-        problems.append(f"TP{p.tp} x PP{p.pp} needs {ranks} GPUs, this machine has {hw.num_gpus}")
-        return LedgerCheck(MemoryLedger(), False, problems)
-
+        fail("gpus", f"TP{p.tp} x PP{p.pp} needs {ranks} GPUs, this machine has {hw.num_gpus}")
+        return LedgerCheck(MemoryLedger(), False, problems, short)
+    g = guards()["gpu"]
     fixed = fixed_gpu_items(model, p)
+    kv_floor = kv_floor_gib(model, p)
     gpus: list[GPURankMemory] = []
     for r in range(ranks):
         gpu = hw.gpus[r]
+        vram = gpu.vram_gib
         items = list(fixed)
         if p.expert_tier == "resident":
             items.append(LedgerItem(name="experts_2bit", gib=experts_resident_gib(model, p),
@@ -129,31 +263,60 @@ def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement) -> LedgerC
         else:
             items.append(LedgerItem(name="expert_cache", gib=p.gpu_expert_cache_gib,
                                     note=f"{p.gpu_expert_cache_slots} slots of 2-bit rows"))
+        outside = fp4_outside_gib(p, vram)
         if p.fp4_reserve_gib > 0:
             items.append(LedgerItem(name="fp4_reserve", gib=p.fp4_reserve_gib,
-                                    note=f"{p.fp4_reserve_slots} hot experts at FP4"))
-        items.append(LedgerItem(name="kv_cache", gib=p.kv_cache_gib, note=f"{p.kv_dtype} KV"))
+                                    note=f"{p.fp4_reserve_slots} hot experts at FP4"
+                                    + (f"; {outside:.2f} GiB of it above the util budget" if outside > 0 else "")))
+        items.append(LedgerItem(name="kv_cache", gib=p.kv_cache_gib,
+                                note=f"{p.kv_dtype} KV, {kv_tokens(model, p):,} tokens"))
         used = sum(i.gib for i in items)
-        budget = gpu.vram_gib * p.gpu_memory_utilization
-        gpus.append(GPURankMemory(rank=r, gpu=gpu.hwdb_id or gpu.name, total_gib=gpu.vram_gib, budget_gib=budget,
+        if p.kv_cache_clamped:
+            # vLLM takes the KV size it is given; the rank is bounded by the card itself.
+            outside = 0.0
+            budget = vram - g["cuda_context_gib"] - unprofiled_gib(model, p)
+        else:
+            budget = vram * p.gpu_memory_utilization + outside
+        gpus.append(GPURankMemory(rank=r, gpu=gpu.hwdb_id or gpu.name, total_gib=vram, budget_gib=budget,
                                   used_gib=used, items=items))
+        name = f"GPU {r} ({gpu.name})"
         if used > budget + 0.005:
-            problems.append(f"GPU {r} ({gpu.name}): needs {used:.1f} GiB, budget {budget:.1f} GiB "
-                            f"({p.gpu_memory_utilization:.2f} x {gpu.vram_gib:.1f}); short {used - budget:.1f} GiB")
+            fail("vram", f"{name}: needs {used:.1f} GiB, budget {budget:.1f} GiB ({p.gpu_memory_utilization:.2f} x "
+                 f"{vram:.2f}{f' + {outside:.1f} reserve above it' if outside else ''}); short {used - budget:.1f} "
+                 f"GiB (largest pool: {_largest_pool(items)})")
+        above = (1.0 - p.gpu_memory_utilization) * vram - outside
+        need_above = g["cuda_context_gib"] + unprofiled_gib(model, p)
+        if p.kv_cache_clamped:
+            above = need_above
+        if r == 0:
+            guards_out.append(f"headroom above the util budget: {above:.2f} GiB >= CUDA context "
+                              f"{g['cuda_context_gib']:.1f} + unprofiled transients {unprofiled_gib(model, p):.2f}: "
+                              f"{'ok' if above + 1e-9 >= need_above else 'FAIL'}")
+        if above + 1e-9 < need_above:
+            fail("gpu_memory_utilization",
+                 f"{name}: gpu_memory_utilization {p.gpu_memory_utilization:.2f} leaves {above:.2f} GiB above vLLM's "
+                 f"budget{' after the FP4 reserve' if outside else ''}; the CUDA context and the transients its "
+                 f"profiling does not see ({p.max_num_batched_tokens} batched tokens) need {need_above:.2f}: lower "
+                 "gpu_memory_utilization or max_num_batched_tokens")
 
-    # Guards (FACTS.md "Where the bytes go").
-    kv_need = kv_needed_gib(model, p)
-    if p.kv_cache_gib + 1e-6 < kv_need:
-        problems.append(f"KV pool {p.kv_cache_gib:.2f} GiB/rank is below {kv_need:.2f} GiB needed for "
-                        f"{p.concurrency} x {p.context} tokens at {p.kv_dtype}")
+    if p.kv_cache_gib + ROUND_GIB < kv_floor:
+        spec_floor = g["speculative_kv_floor_gib"] if p.mtp > 0 else 0.0
+        why = (f"the {spec_floor:.1f} GiB speculative decoding needs (MTP floor)" if spec_floor >= kv_floor - 1e-9
+               else f"one {p.context}-token sequence at {p.kv_dtype}")
+        fail("kv_cache", f"KV pool {p.kv_cache_gib:.2f} GiB/rank is below {kv_floor:.2f} GiB, {why}; "
+             f"short {kv_floor - p.kv_cache_gib:.2f} GiB")
+    guards_out.append(f"KV pool {p.kv_cache_gib:.2f} GiB = {kv_tokens(model, p):,} tokens >= "
+                      f"{kv_floor:.2f} GiB: {'ok' if p.kv_cache_gib + ROUND_GIB >= kv_floor else 'FAIL'}")
     if p.expert_tier == "resident":
-        g = guards()["gpu"]
-        free = gpus[0].budget_gib - sum(i.gib for i in fixed if i.name in ("dense", "drafter"))
-        margin = g["cuda_graphs_workspace_gib"] + (g["speculative_extra_gib"] if p.mtp else 0) + \
-            g["activation_bytes_per_context_token"] * p.context / GIB
-        exp = experts_resident_gib(model, p)
-        guards_out.append(f"resident fit: experts {exp:.1f} <= free {free:.1f} - margin {margin:.1f} GiB: "
-                          f"{'ok' if exp <= free - margin else 'FAIL'}")
+        planes, allowed = resident_guard(model, p, hw.gpus[0].vram_gib)
+        ok = planes <= allowed + 1e-6
+        guards_out.append(f"resident fit (vLLM-Moet guard): experts {planes:.1f} <= free - margin {allowed:.1f} GiB: "
+                          f"{'ok' if ok else 'FAIL'}")
+        if not ok:
+            fail("experts_2bit", f"resident 2-bit experts ({planes:.1f} GiB/rank) exceed what vLLM-Moet's resident "
+                 f"guard allows ({allowed:.1f} GiB: budget less dense, FP4 reserve, 2 GiB workspace"
+                 f"{', 1.7 GiB speculation' if p.mtp else ''} and 16 KiB x {p.context} tokens); short "
+                 f"{planes - allowed:.2f} GiB")
     else:
         floor = cache_floor_slots(model, p)
         comfy = cache_floor_slots(model, p, comfortable=True)
@@ -162,46 +325,24 @@ def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement) -> LedgerC
                           f"{'ok' if ok else 'FAIL'}" + ("" if p.gpu_expert_cache_slots >= comfy or not ok
                                                          else f" (below comfortable {comfy})"))
         if not ok:
-            problems.append(f"GPU expert cache of {p.gpu_expert_cache_slots} slots is below one step's working set "
-                            f"x 1.15 = {floor} slots ({floor * model.expert_bytes('2bit', p.tp) / GIB:.1f} GiB/rank)")
+            fail("expert_cache", f"GPU expert cache of {p.gpu_expert_cache_slots} slots is below the floor of one "
+                 f"step's working set x 1.15 = {floor} slots ({floor * model.expert_bytes('2bit', p.tp) / GIB:.1f} "
+                 "GiB/rank)")
     if p.gate.enabled:
         gfloor = fp4_gate_floor_slots(model, p)
         gok = p.fp4_reserve_slots >= gfloor
         guards_out.append(f"fp4 gate floor: {p.fp4_reserve_slots} slots >= 1.7 x working set = {gfloor}: "
                           f"{'ok' if gok else 'degraded (promotions capped)'}")
 
-    # Host RAM.
-    host_items: list[LedgerItem] = [LedgerItem(name="os_and_processes", gib=host_reserve_gib(hw),
-                                               note="OS, API server, one worker per GPU")]
-    if p.expert_tier == "host":
-        host_items.append(LedgerItem(name="pinned_expert_store", gib=model.routed_gib("2bit", 1),
-                                     note="all 2-bit experts, pinned (every TP shard)"))
-    elif p.expert_tier == "nvme":
-        host_items.append(LedgerItem(name="pinned_arena", gib=p.host_arena_gib, note="pinned RAM arena over packs"))
-    host_used = sum(i.gib for i in host_items)
-    usable = host_usable_gib(hw)
-    if host_used > usable + 0.05:
-        problems.append(f"host RAM: needs {host_used:.1f} GiB, {usable:.1f} GiB usable of {hw.host.ram_gib:.0f} GiB; "
-                        f"short {host_used - usable:.1f} GiB")
-    pinned = sum(i.gib for i in host_items if i.name in ("pinned_expert_store", "pinned_arena"))
-    if pinned > 0 and hw.host.memlock_bytes is not None and hw.host.memlock_bytes < pinned * GIB:
-        problems.append(f"memlock limit {hw.host.memlock_bytes / 2**20:.0f} MiB cannot pin {pinned:.1f} GiB; "
-                        "raise it (`ulimit -l unlimited`, or LimitMEMLOCK=infinity for a service)")
+    host = ledger_host.host_and_disk(model, hw, p)
+    for item, text in host.problems:
+        fail(item, text)
+    ledger = MemoryLedger(gpus=gpus, host_gib=host.host_gib, host_total_gib=hw.host.ram_gib,
+                          host_items=host.host_items, disk_gib=host.disk_gib, disk_free_gib=hw.storage.free_gib,
+                          disk_items=host.disk_items, guards=guards_out)
+    return LedgerCheck(ledger, not problems, problems, short)
 
-    # Disk: packs are the quantization cache for every tier, and the expert store itself for tier nvme.
-    base, fp4 = pack_disk_gib(model, p)
-    disk_items = [LedgerItem(name="packs_2bit", gib=base, note="2-bit packs (quantization cache" +
-                             (", expert store)" if p.expert_tier == "nvme" else ")"))]
-    if fp4:
-        disk_items.append(LedgerItem(name="packs_fp4", gib=fp4, note="FP4 reserve source rows"))
-    disk_used = sum(i.gib for i in disk_items)
-    disk_free = hw.storage.free_gib
-    if p.expert_tier == "nvme":
-        if disk_free is None:
-            problems.append("tier nvme needs a pack directory; give --pack-dir-free-gib / probe a --pack-dir")
-        elif disk_used > disk_free:
-            problems.append(f"pack dir: needs {disk_used:.0f} GiB, {disk_free:.0f} GiB free; "
-                            f"short {disk_used - disk_free:.0f} GiB")
-    ledger = MemoryLedger(gpus=gpus, host_gib=host_used, host_total_gib=hw.host.ram_gib, host_items=host_items,
-                          disk_gib=disk_used, disk_free_gib=disk_free, disk_items=disk_items, guards=guards_out)
-    return LedgerCheck(ledger, not problems, problems)
+
+def _largest_pool(items: list[LedgerItem]) -> str:
+    pools = [i for i in items if i.name in ("experts_2bit", "expert_cache", "fp4_reserve")]
+    return max(pools, key=lambda i: i.gib).name if pools else "dense"

@@ -1,25 +1,22 @@
 """The solver: enumerate the discrete choices, size the continuous ones, keep what fits, rank by the cost model.
 
-Discrete: TP x PP, expert tier, KV dtype, MTP depth, context (a grid, or the pinned value).
+Discrete: TP x PP, expert tier, KV dtype, MTP depth (or drafter tokens), context (a grid, or the pinned value).
 Continuous (sized, not searched): GPU expert cache = what is left of the VRAM budget after everything else;
-KV pool = the context promise (resident tier: plus all leftover, as vLLM does); host arena = usable RAM.
-Every pinned knob (`--set name=value`) collapses its dimension; with all pinned, this evaluates one placement.
+KV pool = the window's need (resident tier: plus all leftover, as vLLM does); host arena = usable RAM less the
+page cache's share; max_num_batched_tokens = vLLM's default for the card, smaller when its activation peak does
+not fit. Every pinned knob (`--set name=value`) collapses its dimension; with all pinned, this evaluates one
+placement.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from functools import lru_cache
+from typing import Any, Iterable, Iterator
 
 from moetplan import __version__
-from moetplan.contract.errors import InfeasibleError, UsageError
-from moetplan.contract.model import GIB, ModelSpec
-from moetplan.contract.sizing import reserve_slots, rows_in
-from moetplan.plan import ledger as L
 from moetplan.contract import (
     PINNABLE_KNOBS,
-    parse_tokens,
-    Alternative,
     Gate,
     Goals,
     HardwareProfile,
@@ -27,11 +24,18 @@ from moetplan.contract import (
     Placement,
     Plan,
     Prediction,
-    Reason,
+    parse_tokens,
 )
+from moetplan.contract.errors import InfeasibleError, UsageError
+from moetplan.contract.model import GIB, ModelSpec
+from moetplan.contract.sizing import reserve_slots, rows_in
+from moetplan.plan import ledger as L
+from moetplan.plan import support
 
 TIERS = ("resident", "host", "nvme")
-EXTRA_KNOBS = ("gate_tau", "max_num_batched_tokens")
+# Knobs --set accepts beyond the Placement's pinnable ones: kv_cache_gib clamps the KV pool (vLLM's
+# --kv-cache-memory-bytes), the others are engine settings.
+EXTRA_KNOBS = ("gate_tau", "max_num_batched_tokens", "kv_cache_gib")
 SWEEP_TOP = 4  # discrete choices whose context range is swept in full
 
 
@@ -50,7 +54,7 @@ def parse_set(items: Iterable[str]) -> dict[str, Any]:
     pins: dict[str, Any] = {}
     int_knobs = {"tp", "pp", "context", "mtp", "max_num_seqs", "concurrency", "max_num_batched_tokens"}
     float_knobs = {"gpu_expert_cache_gib", "fp4_reserve_gib", "host_arena_gib", "mtp_acceptance",
-                   "gpu_memory_utilization", "gate_tau"}
+                   "gpu_memory_utilization", "gate_tau", "kv_cache_gib"}
     for item in items:
         if "=" not in item:
             raise UsageError(f"--set '{item}': expected name=value (e.g. --set tp=2)")
@@ -76,8 +80,21 @@ def parse_set(items: Iterable[str]) -> dict[str, Any]:
             raise UsageError(f"--set gpu_memory_utilization={value}: must be between 0.1 and 0.99")
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
             raise UsageError(f"--set {name}={value}: must not be negative")
+        if name in ("tp", "pp", "context", "max_num_seqs", "concurrency", "max_num_batched_tokens") and v < 1:
+            raise UsageError(f"--set {name}={value}: must be at least 1")
         pins[name] = v
     return pins
+
+
+def check_goals(model: ModelSpec, goals: Goals) -> None:
+    """Usage errors for goals no hardware could meet, before any search."""
+    if goals.concurrency < 1:
+        raise UsageError(f"--concurrency {goals.concurrency}: must be at least 1 (streams decoded at once)")
+    top = model.max_position_embeddings
+    for where, ctx in (("--context", goals.context), ("--set context", goals.pinned.get("context"))):
+        if ctx is not None and ctx > top:
+            raise UsageError(f"{where} {ctx}: {model.name} supports at most {top} tokens "
+                             f"(max_position_embeddings); ask for {top} or less")
 
 
 # --------------------------------------------------------------------------- enumeration
@@ -89,7 +106,7 @@ def _tp_pp_options(model: ModelSpec, n_gpus: int, pins: dict[str, Any]) -> list[
     for tp in (1, 2, 4, 8):
         if tp > min(n_gpus, max_tp) or not model.splits_over(tp):
             continue
-        for pp in (1, 2, 4, 8):
+        for pp in range(1, 9):
             if tp * pp > n_gpus or pp > model.num_layers:
                 continue
             # PP only to use all GPUs when TP cannot (a stage boundary costs a hop per step).
@@ -118,8 +135,11 @@ def _kv_options(model: ModelSpec, hw: HardwareProfile, pins: dict[str, Any]) -> 
             raise UsageError(f"--set kv_dtype={pins['kv_dtype']}: {model.id} has KV layouts "
                              f"{', '.join(model.kv_bytes_per_token)}")
         return [pins["kv_dtype"]]
+    engine = support.kv_dtypes_on(model, hw)
     out = []
     for kv in model.kv_bytes_per_token:
+        if engine is not None and kv not in engine:
+            continue
         if kv == "nvfp4" and not all(g.fp4 for g in hw.gpus):
             continue  # the packed FP4 KV layout needs FP4-capable GPUs (SM120 in vLLM-Moet)
         if kv == "fp8" and not all(g.fp8 or float(g.compute_capability) >= 8.0 for g in hw.gpus):
@@ -128,14 +148,17 @@ def _kv_options(model: ModelSpec, hw: HardwareProfile, pins: dict[str, Any]) -> 
     return out or list(model.kv_bytes_per_token)[:1]
 
 
-def _mtp_options(model: ModelSpec, pins: dict[str, Any]) -> list[int]:
+def _mtp_options(model: ModelSpec, pins: dict[str, Any], tier: str) -> list[int]:
     if "mtp" in pins:
         if pins["mtp"] > 0 and not model.has_speculation:
             raise UsageError(f"--set mtp={pins['mtp']}: {model.id} has no MTP head or drafter")
         return [pins["mtp"]]
-    if model.mtp_layers > 0:
-        return [d for d in L.guards()["planner"]["mtp_depths"]]
-    return [0]  # separate drafters are opt-in (an extra download): --set mtp=3
+    if not model.has_speculation:
+        return [0]
+    depths = list(L.guards()["planner"]["mtp_depths"])
+    if tier != "resident":
+        depths = [d for d in depths if d <= L.guards()["planner"]["mtp_depth_max_tiered"]]
+    return depths
 
 
 def _context_options(model: ModelSpec, goals: Goals, pins: dict[str, Any]) -> list[int]:
@@ -146,6 +169,14 @@ def _context_options(model: ModelSpec, goals: Goals, pins: dict[str, Any]) -> li
     return sorted(set([lo] + grid))
 
 
+def _context_allowed(kv: str, ctx: int, goals: Goals, pins: dict[str, Any]) -> bool:
+    """A KV layout is planned only up to the window it was validated to, unless that window was asked for."""
+    limit = support.validated_context(kv)
+    asked = max(goals.context or 0, pins.get("context") or 0)
+    return limit is None or ctx <= max(limit, asked)
+
+
+@lru_cache(maxsize=1)
 def _default_pack_dir() -> str:
     """Packs are the quantization cache for every tier; without a probed/given pack dir, the user cache dir."""
     from moetplan.contract import default_pack_dir
@@ -159,121 +190,219 @@ def goal_context(goals: Goals, model: ModelSpec) -> int:
     return min(L.guards()["planner"]["default_context"][goals.objective], model.max_position_embeddings)
 
 
+def _batched_tokens_options(vram: float, pins: dict[str, Any]) -> list[int]:
+    if "max_num_batched_tokens" in pins:
+        return [pins["max_num_batched_tokens"]]
+    g = L.guards()["planner"]
+    top = g["batched_tokens_default_large"] if vram >= g["batched_tokens_large_card_gib"] \
+        else g["batched_tokens_default_small"]
+    return [t for t in g["batched_tokens_grid"] if t <= top]
+
+
 # --------------------------------------------------------------------------- sizing one candidate
 
 
 def size_placement(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, Any], tp: int, pp: int,
                    tier: str, kv: str, mtp: int, context: int) -> tuple[Placement | None, list[str]]:
-    """Size the continuous knobs for one discrete choice. Returns (placement, []) or (None, problems)."""
+    """Size the continuous knobs for one discrete choice. Returns (placement, []) or (None, problems).
+
+    max_num_batched_tokens starts at vLLM's default for the card and halves while its activation peak is what
+    does not fit."""
     vram = min(g.vram_gib for g in hw.gpus[: tp * pp])
-    util = pins.get("gpu_memory_utilization", L.gpu_memory_utilization_default(vram))
+    why: list[str] = []
+    pack_dir = goals.pack_dir or hw.storage.path or _default_pack_dir()
+    for mnbt in _batched_tokens_options(vram, pins):
+        p, why = _size(model, hw, goals, pins, tp, pp, tier, kv, mtp, context, mnbt, vram, pack_dir)
+        if p is not None:
+            return p, []
+        if not any(w.split(":", 1)[0] in _BATCH_SENSITIVE for w in why):
+            break  # fewer batched tokens would not change what is short
+    return None, why
+
+
+_ALL_FIT = "expert_cache: every expert fits in the cache"
+# Ledger items a smaller activation peak can make room for.
+_BATCH_SENSITIVE = {"kv_cache", "vram", "gpu_memory_utilization", "expert_cache"}
+
+
+def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, Any], tp: int, pp: int, tier: str,
+          kv: str, mtp: int, context: int, mnbt: int, vram: float,
+          pack_dir: str) -> tuple[Placement | None, list[str]]:
     conc = pins.get("concurrency", goals.concurrency)
     seqs = pins.get("max_num_seqs", max(conc, 1))
     gate_tau = pins.get("gate_tau")
-    p = Placement(
-        tp=tp, pp=pp, expert_tier=tier, kv_dtype=kv, context=context, mtp=mtp,
+    p = Placement.for_model(
+        model, tp=tp, pp=pp, expert_tier=tier, kv_dtype=kv, context=context, mtp=mtp,
         mtp_acceptance=pins.get("mtp_acceptance", model.mtp_accept(mtp)),
-        max_num_seqs=seqs, concurrency=conc, gpu_memory_utilization=util,
-        max_num_batched_tokens=pins.get("max_num_batched_tokens", max(8192, min(context, 16384))),
-        pack_dir=goals.pack_dir or hw.storage.path or _default_pack_dir(),
+        max_num_seqs=seqs, concurrency=conc, max_num_batched_tokens=mnbt,
+        pack_dir=pack_dir,
         gate=Gate(enabled=bool(gate_tau), tau=gate_tau or 0.5),
-        expert_row_bytes=int(model.expert_bytes("2bit", tp)), fp4_row_bytes=int(model.expert_bytes("fp4", tp)),
     )
-    budget = vram * util
+    p.gpu_memory_utilization = pins.get("gpu_memory_utilization", L.gpu_memory_utilization_for(model, p, vram))
+    budget = vram * p.gpu_memory_utilization
     fixed = sum(i.gib for i in L.fixed_gpu_items(model, p))
-    kv_need = L.kv_needed_gib(model, p)
+    kv_floor = L.kv_floor_gib(model, p)
     row2, row4 = p.expert_row_bytes, p.fp4_row_bytes
     max_slots = math.ceil(model.moe_layers / pp) * model.n_routed_experts
-    left = budget - fixed - kv_need
-    problems: list[str] = []
+    layers_here = math.ceil(model.moe_layers / pp)
+    clamp = pins.get("kv_cache_gib")
+    left = budget - fixed
+    rule_min = float(support.serving_rules(model).get("fp4_reserve_min_gib", 0.0))
+
+    def inside(reserve: float) -> float:
+        return reserve - L.fp4_outside_gib(p, vram, reserve)
+
+    def set_reserve(gib: float) -> None:
+        rows = rows_in(gib, row4)
+        if "fp4_reserve_gib" not in pins and rows * row4 < rule_min * GIB <= gib * GIB:
+            rows = math.ceil(rule_min * GIB / row4)  # the architecture's minimum is a floor: whole rows above it
+        p.fp4_reserve_slots = reserve_slots(rows, layers_here, model.n_routed_experts)
 
     if tier == "resident":
         left -= L.experts_resident_gib(model, p)
         if left < 0:
-            return None, [f"resident: short {-left:.1f} GiB VRAM per GPU"]
-        reserve = pins.get("fp4_reserve_gib", _default_reserve(model, p, left, row4))
-        if p.gate.enabled and "fp4_reserve_gib" not in pins:
-            reserve = min(left, L.fp4_gate_floor_slots(model, p) * row4 / GIB)
-        if reserve > left + 1e-9:
-            return None, [f"resident: FP4 reserve {reserve:.1f} GiB does not fit ({left:.1f} GiB left)"]
-        p.fp4_reserve_slots = reserve_slots(rows_in(reserve, row4), math.ceil(model.moe_layers / pp),
-                                            model.n_routed_experts)
-        p.kv_cache_gib = kv_need + (left - reserve)  # vLLM hands the rest of the budget to the KV pool
+            # Weights and workspaces alone exceed the budget: name what they are, the largest optional one first.
+            items = L.fixed_gpu_items(model, p)
+            parts = ", ".join(f"{i.name} {i.gib:.1f}" for i in items)
+            optional = [i for i in items if i.name in ("drafter", "mtp_layer") and i.gib >= -left]
+            item = optional[0].name if optional else "vram"
+            return None, [f"{item}: {parts} and resident experts {L.experts_resident_gib(model, p):.1f} GiB/rank "
+                          f"exceed the {budget:.1f} GiB budget before any KV pool; short {-left + kv_floor:.1f} GiB"]
+        if left < kv_floor:
+            return None, [f"kv_cache: resident experts leave {left:.1f} GiB/rank for the KV pool, which needs "
+                          f"{kv_floor:.1f} GiB; short {kv_floor - left:.1f} GiB"]
+        reserve = pins.get("fp4_reserve_gib")
+        if reserve is None:
+            reserve = _default_reserve(model, p, left - kv_floor, row4, rule_min)
+            if p.gate.enabled:
+                reserve = max(reserve, min(left - kv_floor, L.fp4_gate_floor_slots(model, p) * row4 / GIB))
+        set_reserve(reserve)
+        p.kv_cache_gib = clamp if clamp is not None else left - inside(p.fp4_reserve_gib)  # vLLM hands out the rest
     else:
-        reserve = pins.get("fp4_reserve_gib", 0.0)
-        if p.gate.enabled and "fp4_reserve_gib" not in pins:
-            reserve = L.fp4_gate_floor_slots(model, p) * row4 / GIB
-        cache = pins.get("gpu_expert_cache_gib", left - reserve)
+        reserve = pins.get("fp4_reserve_gib")
+        if reserve is None:
+            reserve = rule_min
+            if p.gate.enabled:
+                reserve = L.fp4_gate_floor_slots(model, p) * row4 / GIB
+        kv_target = clamp if clamp is not None else kv_floor
+        set_reserve(reserve)  # whole rows first: the cache gets what they leave
+        cache = pins.get("gpu_expert_cache_gib", left - inside(p.fp4_reserve_gib) - kv_target)
         slots = min(rows_in(cache, row2), max_slots)
         if slots >= max_slots and "expert_tier" not in pins:
-            return None, [f"{tier}: every expert fits in the cache; resident is the same placement"]
-        if cache + reserve > left + 1e-9:
-            return None, [f"{tier}: cache {cache:.1f} + reserve {reserve:.1f} GiB exceed {left:.1f} GiB left"]
+            return None, [f"{_ALL_FIT}; resident is the same placement"]
         p.gpu_expert_cache_slots = slots
-        p.fp4_reserve_slots = reserve_slots(rows_in(reserve, row4), math.ceil(model.moe_layers / pp),
-                                            model.n_routed_experts)
-        p.kv_cache_gib = kv_need + max(0.0, left - reserve - p.gpu_expert_cache_gib)
+        p.kv_cache_gib = clamp if clamp is not None else left - inside(p.fp4_reserve_gib) - p.gpu_expert_cache_gib
         floor = L.cache_floor_slots(model, p)
         if slots < floor:
-            return None, [f"{tier}: GPU expert cache {slots} slots < floor {floor}"]
+            return None, [f"expert_cache: GPU expert cache of {slots} slots is below the floor of one step's "
+                          f"working set x 1.15 = {floor} slots ({floor * row2 / GIB:.1f} GiB/rank)"]
         if tier == "nvme":
-            usable = L.host_usable_gib(hw) - L.host_reserve_gib(hw)
-            arena = pins.get("host_arena_gib", max(0.0, min(usable, model.routed_gib("2bit", 1))))
+            arena = pins.get("host_arena_gib", min(L.arena_budget_gib(hw, tp * pp), model.routed_gib("2bit", tp)))
             if arena < L.guards()["host"]["arena_min_gib"] and "host_arena_gib" not in pins:
                 arena = 0.0  # page cache as the only RAM tier
-            p.host_arena_rows = rows_in(math.floor(arena * 10) / 10, row2 * tp)
+            p.host_arena_rows = rows_in(math.floor(arena * 10) / 10, row2)
     if p.fp4_reserve_slots > 0:
         if p.gate.enabled and p.fp4_reserve_slots < L.fp4_gate_floor_slots(model, p):
             p.gate.degraded = True
             p.gate.max_promotions_per_step = p.fp4_reserve_slots // max(1, math.ceil(model.moe_layers / pp))
-    p.kv_cache_gib = math.floor(p.kv_cache_gib * 1000) / 1000  # round down: never past the budget
+    if "kv_cache_gib" not in pins:  # the other sizes are whole rows already
+        p.kv_cache_gib = round(math.floor(p.kv_cache_gib / L.ROUND_GIB) * L.ROUND_GIB, 6)  # never past the budget
+    p.kv_cache_clamped = clamp is not None
+    p.kv_tokens = L.kv_tokens(model, p)
+    p.activation_peak_gib = round(L.activation_gib(model, p), 3)
     check = L.build_ledger(model, hw, p)
     if not check.ok:
         return None, check.problems
-    return p, problems
+    return p, []
 
 
-def _default_reserve(model: ModelSpec, p: Placement, left_gib: float, row4: float) -> float:
+def _default_reserve(model: ModelSpec, p: Placement, slack_gib: float, row4: float, rule_min: float) -> float:
     """Resident tier: spend up to a quarter of the slack on FP4 rows for the hottest experts (quality, not speed),
-    capped at one step's working set; never below one layer's top-k (useless) — else 0."""
+    capped at one step's working set; never below one layer's top-k (useless) — else the architecture's rule."""
     ws = L.step_working_set_slots(model, p) // max(1, p.mtp + 1)
-    want = min(left_gib * 0.25, ws * row4 / GIB)
-    return round(want, 1) if want * GIB >= model.top_k * model.moe_layers / p.pp * row4 else 0.0
+    want = min(slack_gib * 0.25, ws * row4 / GIB)
+    if want * GIB < model.top_k * model.moe_layers / p.pp * row4:
+        want = 0.0
+    return round(max(want, rule_min if slack_gib >= rule_min else 0.0), 1)
 
 
 # --------------------------------------------------------------------------- solve
 
 
-def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = None) -> list[Candidate]:
-    """Every feasible candidate, predicted; InfeasibleError (with what is short and what fits) if none."""
-    from moetplan.cost_model import predict
+def _choices(model: ModelSpec, hw: HardwareProfile, goals: Goals,
+             pins: dict[str, Any]) -> Iterator[tuple[int, int, str, str, int]]:
+    tiers = [pins["expert_tier"]] if "expert_tier" in pins else list(TIERS)
+    for tp, pp in _tp_pp_options(model, hw.num_gpus, pins):
+        for tier in tiers:
+            for kv in _kv_options(model, hw, pins):
+                for mtp in _mtp_options(model, pins, tier):
+                    yield tp, pp, tier, kv, mtp
 
-    pins = dict(goals.pinned)
+
+def _precheck(model: ModelSpec, hw: HardwareProfile, goals: Goals) -> None:
+    check_goals(model, goals)
     if not hw.gpus:
         raise InfeasibleError("no GPU in the hardware profile to plan for",
                               ["0 GPUs"], ["plan for a reference box: --box rtx-5090x1", "or --gpus 1xrtx-5090"])
-    tiers = [pins["expert_tier"]] if "expert_tier" in pins else list(TIERS)
+    support.check(model, hw)
+
+
+def feasible(model: ModelSpec, hw: HardwareProfile, goals: Goals) -> bool:
+    """Whether search() would find a placement: the same enumeration and sizing, stopped at the first fit."""
+    try:
+        _precheck(model, hw, goals)
+    except (InfeasibleError, UsageError):
+        return False
+    pins = dict(goals.pinned)
+    ctx = _context_options(model, goals, pins)[0]
+    pack_dir = goals.pack_dir or hw.storage.path or _default_pack_dir()
+    for choice in _choices(model, hw, goals, pins):
+        if not _context_allowed(choice[3], ctx, goals, pins):
+            continue
+        # Fewer batched tokens only shrink the activation peak: a choice short of memory at the fewest is short at
+        # all, which rules most choices out in one sizing (not so "every expert fits", which more room causes);
+        # the rest take search()'s own path, so the answers agree.
+        vram = min(g.vram_gib for g in hw.gpus[: choice[0] * choice[1]])
+        fewest = _batched_tokens_options(vram, pins)[-1]
+        p, why = _size(model, hw, goals, pins, *choice, ctx, fewest, vram, pack_dir)
+        if p is None and not any(w.startswith(_ALL_FIT) for w in why):
+            continue
+        if size_placement(model, hw, goals, pins, *choice, ctx)[0]:
+            return True
+    return False
+
+
+def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = None) -> list[Candidate]:
+    """Every feasible candidate, predicted; InfeasibleError (with what is short and what fits) if none."""
+    _precheck(model, hw, goals)
+    pins = dict(goals.pinned)
     problems: dict[str, list[str]] = {}
     ctx_opts = _context_options(model, goals, pins)
+    loaded = [calib]
 
     def evaluate(choice: tuple, ctx: int) -> Candidate | None:
+        if not _context_allowed(choice[3], ctx, goals, pins):
+            return None
         p, why = size_placement(model, hw, goals, pins, *choice, ctx)
         if p is None:
             problems.setdefault(choice[2], []).extend(why)
             return None
-        return Candidate(p, L.build_ledger(model, hw, p).ledger, predict(model, hw, p, calib))
+        from moetplan.cost_model import load_calibration, predict  # numpy: only once something fits
+
+        if loaded[0] is None:
+            loaded[0] = load_calibration(hw)  # once per search, not per candidate
+        return Candidate(p, L.build_ledger(model, hw, p).ledger, predict(model, hw, p, loaded[0]))
 
     # Phase 1: every discrete choice at the smallest context the goals accept.
     first: list[tuple[tuple, Candidate]] = []
-    for tp, pp in _tp_pp_options(model, hw.num_gpus, pins):
-        for tier in tiers:
-            for kv in _kv_options(model, hw, pins):
-                for mtp in _mtp_options(model, pins):
-                    c = evaluate((tp, pp, tier, kv, mtp), ctx_opts[0])
-                    if c is not None:
-                        first.append(((tp, pp, tier, kv, mtp), c))
+    for choice in _choices(model, hw, goals, pins):
+        c = evaluate(choice, ctx_opts[0])
+        if c is not None:
+            first.append((choice, c))
     if not first:
-        raise _diagnose(model, hw, goals, pins, problems)
+        from moetplan.plan.diagnose import diagnose
+
+        raise diagnose(model, hw, goals, pins, problems)
     # Phase 2: longer contexts only for the most promising choices (a context sweep never reorders them by much:
     # more KV only takes expert cache away), plus the best choice of each KV dtype, which decides context reach.
     first.sort(key=lambda fc: -fc[1].prediction.decode_tok_s)
@@ -296,22 +425,19 @@ def solve(model: ModelSpec, hw: HardwareProfile, goals: Goals | None = None, cal
     """Search (or, with every knob pinned, evaluate) and return the chosen Plan; InfeasibleError if nothing fits.
 
     The plan's `launch` section is left empty: the launch is built from the plan (`launch.command.build_launch`)."""
+    from moetplan.plan.reasons import alternatives, reasons, warnings
+
     goals = goals or Goals()
     cands = search(model, hw, goals, calib)
-
     chosen = _choose(cands, goals, model)
     plan = Plan(
         moetplan_version=__version__, model=model, hardware=hw, goals=goals, placement=chosen.placement,
         memory=chosen.ledger, prediction=chosen.prediction,
-        reasons=_reasons(model, hw, goals, chosen, cands),
-        alternatives=_alternatives(cands, chosen),
-        warnings=_warnings(model, hw, chosen),
+        reasons=reasons(model, hw, goals, chosen, cands),
+        alternatives=alternatives(cands, chosen),
+        warnings=warnings(model, hw, goals, chosen),
     )
     return plan
-
-
-def _key(c: Candidate) -> tuple:
-    return (c.placement.context, c.prediction.decode_tok_s)
 
 
 def _choose(cands: list[Candidate], goals: Goals, model: ModelSpec) -> Candidate:
@@ -341,203 +467,3 @@ def pareto(cands: list[Candidate]) -> list[Candidate]:
             out.append(c)
             top = c.prediction.decode_tok_s
     return sorted(out, key=lambda c: c.placement.context)
-
-
-def _summary(p: Placement) -> dict[str, Any]:
-    return {k: getattr(p, k) for k in ("tp", "pp", "expert_tier", "gpu_expert_cache_gib", "fp4_reserve_gib",
-                                       "host_arena_gib", "kv_dtype", "context", "mtp", "max_num_seqs")}
-
-
-def _label(p: Placement) -> str:
-    s = f"TP{p.tp}" + (f"xPP{p.pp}" if p.pp > 1 else "") + f" {p.expert_tier}"
-    if p.expert_tier != "resident":
-        s += f" cache {p.gpu_expert_cache_gib:.1f}G"
-    return s + f" kv={p.kv_dtype} mtp={p.mtp} ctx={p.context // 1024}K"
-
-
-def _alternatives(cands: list[Candidate], chosen: Candidate, n: int = 6) -> list[Alternative]:
-    """The whole Pareto front (context vs decode tok/s) and the best of up to `n` other (tier, TP, PP) families."""
-    front = pareto(cands)
-    front_ids = {id(c) for c in front}
-    # Best of each (tier, tp) family too, so the user sees why the others lost.
-    fams: dict[tuple, Candidate] = {}
-    for c in cands:
-        k = (c.placement.expert_tier, c.placement.tp, c.placement.pp)
-        if k not in fams or c.prediction.decode_tok_s > fams[k].prediction.decode_tok_s:
-            fams[k] = c
-    picked: list[Candidate] = [c for c in front if c is not chosen]
-    others = 0
-    for c in sorted(fams.values(), key=lambda c: -c.prediction.decode_tok_s):
-        if others < n and c is not chosen and all(c is not q for q in picked):
-            picked.append(c)
-            others += 1
-    return [Alternative(label=_label(c.placement), placement=_summary(c.placement), context=c.placement.context,
-                        decode_tok_s=round(c.prediction.decode_tok_s, 2),
-                        aggregate_tok_s=round(c.prediction.aggregate_tok_s, 2),
-                        bottleneck=c.prediction.bottleneck, pareto=id(c) in front_ids) for c in picked]
-
-
-def _reasons(model: ModelSpec, hw: HardwareProfile, goals: Goals, ch: Candidate,
-             cands: list[Candidate]) -> list[Reason]:
-    p, pins = ch.placement, goals.pinned
-    gpu = hw.gpus[0]
-    r: list[Reason] = []
-
-    def add(knob: str, text: str) -> None:
-        r.append(Reason(knob=knob, text=("pinned (--set). " if knob in pins else "") + text))
-
-    exp_rank = L.experts_resident_gib(model, p)
-    ranks = p.tp * p.pp
-    add("tp", (f"one GPU of {hw.num_gpus}: " if ranks == 1 else
-               f"TP{p.tp}" + (f" x PP{p.pp}" if p.pp > 1 else "") + f" over {ranks} of {hw.num_gpus} GPUs: ")
-        + f"dense {model.dense_bytes() / GIB:.1f} GiB and 2-bit experts {model.routed_gib():.1f} GiB"
-        + ("" if ranks == 1 else f" are split {ranks} ways")
-        + (" (PCIe all-reduce per layer; no NVLink)" if p.tp > 1 and not hw.p2p else ""))
-    if p.expert_tier == "resident":
-        add("expert_tier", f"resident: the 2-bit experts ({exp_rank:.1f} GiB/rank) fit in VRAM "
-            f"({gpu.vram_gib:.0f} GiB x {p.gpu_memory_utilization:.2f}) beside dense and KV; no expert misses")
-    else:
-        short = exp_rank - (ch.ledger.gpus[0].budget_gib - sum(
-            i.gib for i in ch.ledger.gpus[0].items if i.name not in ("expert_cache", "kv_cache", "fp4_reserve")))
-        where = ("pinned host RAM" if p.expert_tier == "host" else
-                 f"NVMe packs with a {p.host_arena_gib:.0f} GiB pinned RAM arena")
-        add("expert_tier", f"{p.expert_tier}: 2-bit experts ({exp_rank:.1f} GiB/rank) exceed VRAM by "
-            f"{max(short, 0):.1f} GiB; the base lives in {where}, the GPU holds an expert cache")
-        floor = L.cache_floor_slots(model, p)
-        cov = p.gpu_expert_cache_slots / (math.ceil(model.moe_layers / p.pp) * model.n_routed_experts)
-        add("gpu_expert_cache_gib", f"{p.gpu_expert_cache_gib:.1f} GiB = {p.gpu_expert_cache_slots} slots "
-            f"({cov:.0%} of experts, {p.gpu_expert_cache_slots / floor * 1.15:.2f}x one step's working set; "
-            f"floor 1.15x): all VRAM left after dense, KV for {p.context} tokens and workspaces; predicted "
-            f"zero-miss steps {(ch.prediction.zero_miss_step_share or 0):.0%}")
-        if p.expert_tier == "nvme":
-            add("host_arena_gib", f"{p.host_arena_gib:.0f} GiB pinned arena: usable RAM after OS and workers "
-                f"({L.host_usable_gib(hw):.0f} GiB usable of {hw.host.ram_gib:.0f}); host RAM cannot pin all "
-                f"{model.routed_gib():.1f} GiB")
-    if p.fp4_reserve_gib > 0:
-        add("fp4_reserve_gib", f"{p.fp4_reserve_gib:.1f} GiB = {p.fp4_reserve_slots} hottest experts at FP4 "
-            "(quality where routing concentrates)" + (" — gate degraded: below 1.7x working set, promotions "
-                                                      "capped" if p.gate.degraded else ""))
-    else:
-        add("fp4_reserve_gib", "0: no VRAM to spare for FP4 rows" if p.expert_tier != "resident"
-            else "0: slack too small for a useful FP4 reserve")
-    alts_kv = sorted({c.placement.kv_dtype for c in cands})
-    add("kv_dtype", f"{p.kv_dtype}: {model.kv_bytes_per_token[p.kv_dtype] / 1024:.1f} KiB/token "
-        f"(options here: {', '.join(alts_kv)})")
-    lo = goal_context(goals, model)
-    add("context", f"{p.context} tokens: objective '{goals.objective}' (minimum {lo}); KV pool "
-        f"{p.kv_cache_gib:.1f} GiB/rank")
-    if p.mtp:
-        add("mtp", f"MTP depth {p.mtp}: {p.mtp_acceptance:.2f} tokens per step expected")
-    else:
-        add("mtp", "no speculation" + ("" if model.has_speculation else " (the model has no MTP head)"))
-    add("max_num_seqs", f"{p.max_num_seqs} (concurrency {p.concurrency}); the expert-cache floor scales "
-        "with min(seqs, 4)")
-    add("gpu_memory_utilization", f"{p.gpu_memory_utilization:.2f}: leaves room for the CUDA context on a "
-        f"{gpu.vram_gib:.0f} GiB card")
-    return r
-
-
-def _warnings(model: ModelSpec, hw: HardwareProfile, ch: Candidate) -> list[str]:
-    w = list(hw.warnings)
-    p = ch.placement
-    if p.expert_tier in ("host", "nvme") and hw.host.memlock_bytes is not None:
-        w.append(f"memlock limit is {hw.host.memlock_bytes / 2**20:.0f} MiB: pinned host buffers may fail; "
-                 "run `ulimit -l unlimited`")
-    if p.expert_tier == "nvme" and hw.storage.warnings:
-        w.extend(hw.storage.warnings)
-    if p.expert_tier == "nvme" and p.host_arena_gib == 0:
-        w.append("no pinned arena: the page cache is the only RAM tier (vLLM-Moet measured ~22% slower decode)")
-    if model.mtp_layers == 0 and model.drafter_gib > 0 and p.mtp == 0:
-        w.append(f"{model.id} has a separate drafter ({model.drafter_gib:.0f} GiB); enable with --set mtp=3")
-    return w
-
-
-# --------------------------------------------------------------------------- infeasible: what is short, what fits
-
-
-def _diagnose(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, Any],
-              problems: dict[str, list[str]]) -> InfeasibleError:
-    gpu = hw.gpus[0]
-    n = hw.num_gpus
-    min_ctx = 4096
-    shortfalls: list[str] = []
-    # VRAM: what the smallest configuration needs per GPU, at the widest TP available.
-    tp = max(t for t in (1, 2, 4, 8) if t <= n and model.splits_over(t))
-    probe = Placement(tp=tp, pp=1, context=min_ctx, kv_dtype=_kv_options(model, hw, {})[0], max_num_seqs=1)
-    fixed = sum(i.gib for i in L.fixed_gpu_items(model, probe)) + L.kv_needed_gib(model, probe)
-    floor_gib = L.cache_floor_slots(model, probe) * model.expert_bytes("2bit", tp) / GIB
-    budget = gpu.vram_gib * L.gpu_memory_utilization_default(gpu.vram_gib)
-    need_gpu = fixed + floor_gib
-    if need_gpu > budget:
-        shortfalls.append(f"VRAM: even with the base off the GPU, each of {n}x {gpu.name} needs {need_gpu:.1f} GiB "
-                          f"(dense {model.dense_bytes() / tp / GIB:.1f} + minimal expert cache {floor_gib:.1f} + "
-                          f"KV/workspace {fixed - model.dense_bytes() / tp / GIB:.1f}) of a {budget:.1f} GiB budget; "
-                          f"short {need_gpu - budget:.1f} GiB")
-    host_need = model.routed_gib() + L.host_reserve_gib(hw)
-    host_usable = L.host_usable_gib(hw)
-    if host_need > host_usable:
-        shortfalls.append(f"host RAM: a pinned 2-bit store needs {host_need:.0f} GiB usable, "
-                          f"{host_usable:.0f} GiB usable of {hw.host.ram_gib:.0f}; short {host_need - host_usable:.0f}")
-    disk_need = model.routed_gib()
-    free = hw.storage.free_gib
-    if free is None:
-        shortfalls.append(f"NVMe: no pack directory given; the nvme tier needs {disk_need:.0f} GiB of packs")
-    elif free < disk_need:
-        shortfalls.append(f"NVMe: pack dir has {free:.0f} GiB free, packs need {disk_need:.0f} GiB")
-    if not shortfalls or pins:
-        # With knobs pinned the generic picture is not the point: say what the pinned placement ran into.
-        seen: set[str] = set()
-        for tier, why in problems.items():
-            for w in why:
-                if w not in seen and len(seen) < 4:
-                    seen.add(w)
-                    shortfalls.insert(len(seen) - 1, w if w.startswith(tier) else f"{tier}: {w}")
-
-    suggestions: list[str] = []
-    name = gpu.hwdb_id or gpu.name
-    ram = math.ceil(host_need / L.guards()["host"]["usable_fraction"] / 16) * 16
-    disk = math.ceil(disk_need * 1.05)
-    # What fits, cheapest change first: the same machine with more GPUs of this kind; then with a pinned-RAM base
-    # or an NVMe pack dir, on this many GPUs or the fewest more that make it fit.
-    with_ram = hw.model_copy(update={"host": hw.host.model_copy(update={"ram_gib": float(ram)})})
-    with_disk = hw.model_copy(update={"storage": hw.storage.model_copy(update={
-        "free_gib": float(disk), "seq_read_gbps": hw.storage.seq_read_gbps or 3.5,
-        "rand_read_gbps": hw.storage.rand_read_gbps or 3.0})})
-    options = [(hw, "(with this host RAM and disk)")]
-    if ram > hw.host.ram_gib:
-        options.append((with_ram, f"+ host RAM >= {ram} GiB (2-bit base pinned in RAM, tier host)"))
-    if free is None or free < disk_need:
-        options.append((with_disk, f"+ an NVMe pack dir with >= {disk} GiB free (tier nvme; say so with "
-                                   "--pack-dir-free-gib / --nvme-gbps, or probe --pack-dir)"))
-    plain_k = None  # GPUs that suffice with nothing else changed: options needing as many are not worth listing
-    for base, what in options:
-        for k in (n, 2, 4, 8):
-            if k < n or (k == n and base is hw) or (plain_k is not None and k >= plain_k):
-                continue
-            if _fits(model, _with_gpus(base, k), goals, pins):
-                suggestions.append((f"{k}x {name} " if k > n else "") + (what[2:] if k == n else what))
-                if base is hw:
-                    plain_k = k
-                break
-    if "context" in pins and pins["context"] > min_ctx:
-        suggestions.append(f"a shorter context (--set context={min_ctx})")
-    msg = f"{model.name} does not fit on {n}x {gpu.name} with {hw.host.ram_gib:.0f} GiB RAM"
-    if "context" in pins:
-        msg += f" at context {pins['context']}"
-    return InfeasibleError(msg, shortfalls, suggestions or [f"GPUs with more VRAM than {n}x {name}"])
-
-
-def _with_gpus(hw: HardwareProfile, k: int) -> HardwareProfile:
-    g0 = hw.gpus[0]
-    return hw.model_copy(update={"gpus": [g0.model_copy(update={"index": i}) for i in range(k)]})
-
-
-def _fits(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, Any]) -> bool:
-    pins = {k: v for k, v in pins.items() if k not in ("tp", "pp")}
-    for tp, pp in _tp_pp_options(model, hw.num_gpus, {}):
-        for tier in TIERS:
-            for kv in _kv_options(model, hw, {}):
-                p, _ = size_placement(model, hw, goals, pins, tp, pp, tier, kv, 0, goal_context(goals, model))
-                if p is not None:
-                    return True
-    return False

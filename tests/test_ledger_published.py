@@ -1,0 +1,137 @@
+"""The memory ledger against vLLM-Moet's published geometry (../shared/calibration/vllm_moet_memory.md): every
+configuration that booted plans when pinned, every recorded out-of-memory is refused naming what is short, and
+the KV pools match the published sizes."""
+from __future__ import annotations
+
+import pytest
+
+from moetplan import hwdb
+from moetplan.contract import Goals, Placement
+from moetplan.contract.model import GIB
+from moetplan.plan import ledger as L
+from moetplan.plan import published
+from moetplan.plan.solver import parse_set, solve
+
+CONFIGS = published.load()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.id for c in CONFIGS])
+def test_published_configuration_is_planned_as_it_ran(cfg):
+    out = published.evaluate(cfg)
+    if cfg.booted:
+        assert out.feasible, f"{cfg.id} booted in vLLM-Moet but is refused: {out.problems}"
+    else:
+        assert not out.feasible, f"{cfg.id} ran out of memory in vLLM-Moet but plans"
+        assert set(out.short) & set(cfg.short), f"{cfg.id}: refused for {out.problems}, expected {cfg.short} short"
+
+
+def test_the_table_covers_both_outcomes_and_every_target_model():
+    assert sum(c.booted for c in CONFIGS) >= 25 and sum(not c.booted for c in CONFIGS) >= 9
+    assert {c.model.id for c in CONFIGS} == {"deepseek-v4-flash", "glm-5.2", "kimi-k2.7-code"}
+
+
+@pytest.mark.parametrize("cid", [c.id for c in CONFIGS if c.kv_tokens])
+def test_kv_pool_within_ten_percent_of_the_published_size(cid):
+    cfg = next(c for c in CONFIGS if c.id == cid)
+    out = published.evaluate(cfg)
+    assert out.kv_tokens == pytest.approx(cfg.kv_tokens, rel=0.10), (cid, out.kv_tokens, cfg.kv_tokens)
+
+
+def _plan(model: str, box: str, *pins: str):
+    return solve(hwdb.model_spec(model), hwdb.box_profile(box), Goals(pinned=parse_set(list(pins))))
+
+
+def test_kv_tokens_is_the_pool_over_bytes_per_token_and_shown_in_the_ledger():
+    plan = _plan("glm-5.2", "rtx-pro-6000x4", "tp=4", "expert_tier=resident", "kv_dtype=fp8", "context=131072",
+                 "mtp=2", "fp4_reserve_gib=0")
+    p = plan.placement
+    assert p.kv_tokens == int(p.kv_cache_gib * GIB // plan.model.kv_bytes_per_token["fp8"])
+    kv_item = next(i for i in plan.memory.gpus[0].items if i.name == "kv_cache")
+    assert f"{p.kv_tokens:,} tokens" in kv_item.note
+
+
+def test_the_window_is_not_booked_twice():
+    """vLLM-Moet's 16 KiB x max_model_len is its guard's estimate of the KV itself: a longer window costs KV only."""
+    spec = hwdb.model_spec("deepseek-v4-flash")
+    short, long = (Placement(context=c, max_num_batched_tokens=1024) for c in (32768, 524288))
+    assert {i.name: i.gib for i in L.fixed_gpu_items(spec, short)} == \
+        {i.name: i.gib for i in L.fixed_gpu_items(spec, long)}
+    assert L.kv_needed_gib(spec, long) - L.kv_needed_gib(spec, short) == pytest.approx(
+        (524288 - 32768) * spec.kv_bytes_per_token["fp8"] / GIB)
+
+
+def test_activation_peak_follows_max_num_batched_tokens():
+    glm = hwdb.model_spec("glm-5.2")
+    p = Placement(tp=1, max_num_batched_tokens=9984)
+    # vLLM-Moet: the FP32 unpermute scatter took ~1.83 GiB at 9,984 batched tokens (top-8, H 6144).
+    assert L.unprofiled_gib(glm, p) == pytest.approx(1.83, rel=0.01)
+    small = p.model_copy(update={"max_num_batched_tokens": 1024})
+    assert L.activation_gib(glm, p) == pytest.approx(L.activation_gib(glm, small) * 9984 / 1024)
+    plan = _plan("deepseek-v4-flash", "rtx-pro-6000x1", "tp=1", "expert_tier=resident", "context=32768",
+                 "max_num_batched_tokens=2048")
+    assert plan.placement.activation_peak_gib == pytest.approx(L.activation_gib(plan.model, plan.placement), abs=1e-3)
+    act = next(i for i in plan.memory.gpus[0].items if i.name == "activations")
+    assert "2048 batched tokens" in act.note
+
+
+def test_ds4_dense_drops_its_mtp_layer_without_speculation():
+    ds4 = hwdb.model_spec("deepseek-v4-flash")
+    with_mtp, without = Placement(mtp=2), Placement(mtp=0)
+    assert L.dense_gib(ds4, with_mtp) - L.dense_gib(ds4, without) == pytest.approx(L.mtp_layer_gib(ds4))
+    assert 1.5 < L.mtp_layer_gib(ds4) < 2.2  # 6.44B routed params at 2.25 bit + the layer's FP8 rest
+
+
+def test_a_pool_one_rounding_step_below_its_need_is_not_refused():
+    ds4, hw = hwdb.model_spec("deepseek-v4-flash"), hwdb.box_profile("rtx-pro-6000x1")
+    p = Placement(tp=1, expert_tier="resident", context=32768, mtp=0, max_num_batched_tokens=1024,
+                  gpu_memory_utilization=0.95)
+    p.kv_cache_gib = L.kv_floor_gib(ds4, p) - L.ROUND_GIB / 2
+    assert not [x for x in L.build_ledger(ds4, hw, p).problems if "KV pool" in x]
+    p.kv_cache_gib = L.kv_floor_gib(ds4, p) - 3 * L.ROUND_GIB
+    assert any("KV pool" in x for x in L.build_ledger(ds4, hw, p).problems)
+
+
+def test_the_fp4_reserve_uses_the_room_above_the_budget_first():
+    """vLLM-Moet's automatic pool is 'free after KV - 3 GiB': a reserve that fits there costs the KV nothing."""
+    kimi, hw = hwdb.model_spec("kimi-k2.7-code"), hwdb.box_profile("rtx-pro-6000x4")
+    base = ["tp=4", "expert_tier=resident", "context=262144", "mtp=0", "gpu_memory_utilization=0.94",
+            "max_num_batched_tokens=2048", "max_num_seqs=8"]
+    none = solve(kimi, hw, Goals(pinned=parse_set(base + ["fp4_reserve_gib=0"]))).placement
+    small = solve(kimi, hw, Goals(pinned=parse_set(base + ["fp4_reserve_gib=1.5"]))).placement
+    big = solve(kimi, hw, Goals(pinned=parse_set(base + ["fp4_reserve_gib=4"]))).placement
+    room = L.fp4_outside_gib(small, hw.gpus[0].vram_gib, 100.0)
+    assert 1.5 < room < 4
+    assert small.kv_cache_gib == pytest.approx(none.kv_cache_gib, abs=2e-3)
+    assert none.kv_cache_gib - big.kv_cache_gib == pytest.approx(big.fp4_reserve_gib - room, abs=2e-3)
+
+
+def test_host_ram_counts_an_arena_per_rank():
+    glm = hwdb.model_spec("glm-5.2")
+    cfg = next(c for c in CONFIGS if c.id == "glm-pro2-nvme-46")
+    out = published.evaluate(cfg)
+    arena = next(i for i in L.build_ledger(glm, cfg.hw, out.placement).ledger.host_items if i.name == "pinned_arena")
+    assert arena.gib == pytest.approx(2 * 57, rel=1e-3)  # whole rows of 57 GiB  # 57 GiB per rank, ~140 GiB of host RAM in all
+
+
+def test_no_published_measurement_is_refused():
+    """Every row the cost model is fitted on ran in vLLM-Moet, so the ledger plans each with its knobs pinned."""
+    from moetplan.cost_model.dataset import load_reference
+    from moetplan.plan.solver import size_placement
+
+    refused = []
+    for m in load_reference():
+        p = m.placement
+        pins = {k: getattr(p, k) for k in ("tp", "pp", "expert_tier", "kv_dtype", "context", "mtp", "fp4_reserve_gib",
+                                           "max_num_seqs", "concurrency", "gpu_memory_utilization",
+                                           "max_num_batched_tokens")}
+        if p.expert_tier != "resident":
+            pins["gpu_expert_cache_gib"] = p.gpu_expert_cache_gib
+        if p.expert_tier == "nvme":
+            pins["host_arena_gib"] = p.host_arena_gib
+        if p.gate.enabled:
+            pins["gate_tau"] = p.gate.tau
+        got, why = size_placement(m.model, m.hw, Goals(pinned=pins, concurrency=p.concurrency), pins, p.tp, p.pp,
+                                  p.expert_tier, p.kv_dtype, p.mtp, p.context)
+        if got is None:
+            refused.append((m.row_id, why[:1]))
+    assert refused == []
