@@ -42,7 +42,7 @@ MIB = 1024**2
 
 def model_shapes() -> list[dict[str, Any]]:
     """Expert geometry per model: from hwdb when its loader exists, else this table (copied from
-    ../shared/facts/models.yaml: hidden_size, moe_intermediate_size, num_experts_per_tok, n_routed_experts,
+    hwdb/sources/models.yaml: hidden_size, moe_intermediate_size, num_experts_per_tok, n_routed_experts,
     moe_layers)."""
     names = {"deepseek-v4-flash": "DeepSeek-V4-Flash", "glm-5.2": "GLM-5.2", "kimi-k2.7-code": "Kimi-K2.7-Code"}
     try:  # pragma: no cover - depends on the hwdb loader landing
@@ -55,7 +55,7 @@ def model_shapes() -> list[dict[str, Any]]:
                             E=s.n_routed_experts, L=s.moe_layers, source="hwdb"))
         return out
     except Exception:
-        table = [  # source: ../shared/facts/models.yaml (fallback table, used when the hwdb loader is absent)
+        table = [  # source: hwdb/sources/models.yaml (fallback table, used when the hwdb loader is absent)
             dict(name="DeepSeek-V4-Flash", H=4096, I=2048, k=6, E=256, L=43),
             dict(name="GLM-5.2", H=6144, I=2048, k=8, E=256, L=75),
             dict(name="Kimi-K2.7-Code", H=7168, I=2048, k=8, E=384, L=60),

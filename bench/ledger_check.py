@@ -1,5 +1,5 @@
 """The memory ledger against vLLM-Moet's published geometry (hwdb/calibration/vllm_moet_memory.yaml, transcribed
-from ../shared/calibration/vllm_moet_memory.md): each configuration pinned with --set, planned or refused.
+from hwdb/sources/vllm_moet_memory.md): each configuration pinned with --set, planned or refused.
 
     python bench/ledger_check.py [--out bench/results/ledger_check.json]
 

@@ -1,4 +1,4 @@
-"""The memory ledger against vLLM-Moet's published geometry (../shared/calibration/vllm_moet_memory.md): every
+"""The memory ledger against vLLM-Moet's published geometry (hwdb/sources/vllm_moet_memory.md): every
 configuration that booted plans when pinned, every recorded out-of-memory is refused naming what is short, and
 the KV pools match the published sizes."""
 from __future__ import annotations

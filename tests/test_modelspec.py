@@ -18,7 +18,7 @@ from moetplan.models.from_config import read_safetensors_header, spec_from_confi
 from moetplan.contract.model import GIB, ModelSpec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
-# Fixture configs that mirror an hwdb entry (same public config values, from ../shared/facts).
+# Fixture configs that mirror an hwdb entry (same public config values, from hwdb/sources).
 MIRRORED = ["glm-5.2", "deepseek-v3", "kimi-k2.7-code", "glm-4.7", "qwen3-30b-a3b", "qwen3-235b-a22b",
             "mixtral-8x7b", "gpt-oss-120b", "deepseek-v2-lite", "glm-5.1", "deepseek-v3.2", "kimi-k2.5"]
 

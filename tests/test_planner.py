@@ -12,7 +12,7 @@ from moetplan.plan import ledger as L
 from moetplan.contract import Goals, HardwareProfile, Plan
 from moetplan.plan.solver import parse_set, solve
 
-# vLLM-Moet's published (box, model) combinations (shared/calibration + FACTS.md "published results").
+# vLLM-Moet's published (box, model) combinations (hwdb/calibration + hwdb/sources/FACTS.md "published results").
 PUBLISHED = [
     ("deepseek-v4-flash", "rtx-pro-6000x1"),
     ("deepseek-v4-flash", "rtx-pro-6000x2"),

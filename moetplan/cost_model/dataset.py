@@ -88,7 +88,7 @@ def _load_csv(p: Path, prefix: str, notes: dict) -> list[Measurement]:
     try:
         text = p.read_text()
     except FileNotFoundError:
-        raise ConfigError(f"{p}: missing; restore it from shared/calibration/{p.name}") from None
+        raise ConfigError(f"{p}: missing; restore it with `git checkout -- {p}`") from None
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     out: list[Measurement] = []
     for i, row in enumerate(csv.DictReader(io.StringIO("\n".join(lines))), start=1):

@@ -2,7 +2,7 @@
 
 With safetensors shards present, parameter counts, checkpoint precisions and the dense stack's exact bytes come
 from the shard headers (8-byte length + JSON; tensors are never loaded). Without shards they come from the
-config formulas of ../shared/facts/hwdb_facts.md §7 and the config's quantization_config.
+config formulas of hwdb/sources/hwdb_facts.md §7 and the config's quantization_config.
 """
 from __future__ import annotations
 

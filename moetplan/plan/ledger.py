@@ -2,7 +2,7 @@
 
 Pure arithmetic over ModelSpec + HardwareProfile + Placement; the solver calls it for every candidate, so it
 stays cheap. Every constant is a fact or a policy in hwdb/guards.yaml; the geometry it reproduces is
-../shared/calibration/vllm_moet_memory.md (tests/test_ledger_published.py checks every configuration there).
+hwdb/sources/vllm_moet_memory.md (tests/test_ledger_published.py checks every configuration there).
 
 A GPU rank, as vLLM and vLLM-Moet lay it out:
 
