@@ -14,7 +14,8 @@ from safetensors.numpy import save_file
 from moetplan import hwdb
 from moetplan.contract.errors import ConfigError, UnknownNameError
 from moetplan.models import resolve_model
-from moetplan.models.from_config import read_safetensors_header, spec_from_config
+from moetplan.models.from_config import spec_from_config
+from moetplan.models.safetensors_headers import read_safetensors_header
 from moetplan.contract.model import GIB, ModelSpec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
