@@ -23,11 +23,9 @@ class FamilySupport:
 
 
 def _data() -> dict[str, Any]:
-    import os
+    from moetplan.contract import envs
 
-    from moetplan import hwdb
-
-    return _data_at(os.environ.get(hwdb.HWDB_ENV, ""))
+    return _data_at(envs.get(envs.HWDB) or "")
 
 
 @lru_cache(maxsize=4)
