@@ -17,3 +17,13 @@ def parse_tokens(text: str) -> int:
     if value <= 0:
         raise ValueError(f"{text!r} is not a positive token count")
     return value
+
+
+def format_bytes(n: float) -> str:
+    """A byte count as a person reads it: '1.50 GiB', '12.0 MiB', '640 KiB', '17 B'."""
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:.2f} {unit}" if unit == "GiB" else f"{value:.1f} {unit}" if value < 100 \
+                else f"{value:.0f} {unit}"
+    return f"{int(n)} B"

@@ -170,7 +170,9 @@ def check_free_space(pack_dir: str | Path, needed: int, margin: float = 0.02) ->
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if needed * (1 + margin) > free:
-        raise UsageError(f"{pack_dir} has {free / 2**30:.2f} GiB free; the packs need {needed / 2**30:.2f} GiB "
+        from moetplan.contract.units import format_bytes
+
+        raise UsageError(f"{pack_dir} has {format_bytes(free)} free; the packs need {format_bytes(needed)} "
                          f"(+{margin:.0%}). Free space there or choose another --pack-dir")
 
 
