@@ -58,6 +58,8 @@ _PROGRESS: list[tuple[re.Pattern[str], str]] = [
 ]
 
 _DIAGNOSES: list[tuple[re.Pattern[str], str]] = [
+    # a pack row that failed its checksum: the runtime's own line names the pack, the layers, the rows and the fix
+    (re.compile(r"(?:moetplan: |PackCorruptError: )(Pack \S+: \d+ row\(s\) fail their xxh3 checksum.*)"), "{0}"),
     # memlock first: its errors mention memory too (PinnedMemoryError)
     (re.compile(r"memlock|RLIMIT_MEMLOCK|cudaHostRegister|PinnedMemoryError|mlock", re.I),
      "pinned memory refused (memlock limit): raise it (`ulimit -l unlimited`, or LimitMEMLOCK in the service) "
@@ -123,8 +125,9 @@ def diagnose(lines: list[str]) -> str | None:
     """One-line diagnosis of a failed start from its last log lines, where one is known."""
     text = "\n".join(lines)
     for pat, msg in _DIAGNOSES:
-        if pat.search(text):
-            return msg
+        m = pat.search(text)
+        if m:
+            return msg.format(*m.groups())
     return None
 
 
