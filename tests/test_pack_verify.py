@@ -206,3 +206,21 @@ def test_a_hub_model_without_a_local_copy_cannot_repair(fresh, tmp_path):
     pk = packs.valid_pack(lay, EXPERTS)
     with pytest.raises(P.PackCorruptError, match=r"no local checkpoint.*MoE layer 1: expert 1"):
         _all_rows(pk)
+
+
+def test_a_wrong_recorded_checksum_is_corrected_from_the_requantized_row(ckpt, fresh, tmp_path):
+    """The bytes are intact but the sidecar's checksum is not: the row fails, the checkpoint's row (the same bytes)
+    is rewritten and its checksum recorded atomically in the sidecar."""
+    d = tmp_path / "packs"
+    shutil.copytree(fresh.parent, d)
+    path = d / fresh.name
+    side = path.with_name(path.name + ".json")
+    doc = json.loads(side.read_text())
+    want = doc["checksums"][9]
+    doc["checksums"][9] = "0" * 16
+    side.write_text(json.dumps(doc))
+    with P.Pack.open(path) as pk:
+        pk.repair = CheckpointRepair(ckpt, tp_rank=0)
+        _all_rows(pk)
+    assert json.loads(side.read_text())["checksums"][9] == want
+    assert path.read_bytes() == fresh.read_bytes()
