@@ -103,5 +103,4 @@ def test_rows_that_cannot_be_rewritten_are_refused_with_the_named_error(setup):
     assert f"Pack {pack}: 2 row(s) fail their xxh3 checksum" in err, err
     assert "MoE layer 0 (checkpoint layer 0): experts 1, 5" in err and "another process is writing" in err
     assert "moetplan quantize --model" in err and "Traceback" not in err
-    assert proc.returncode == 1
     assert pack.read_bytes() != setup["good"].read_bytes()  # nothing written while another writer held the lock

@@ -7,13 +7,14 @@ import json
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from moetplan.launch.supervisor import diagnose
+from moetplan.launch.supervisor import Server, ServerDiedError
 from moetplan.runtime import packs as P
 from moetplan.runtime.backing import PackArenaStore
 from moetplan.runtime.format import RowLayout
@@ -142,9 +143,26 @@ def test_without_a_checkpoint_the_error_is_logged_first_and_raised(fresh, tmp_pa
     first = next(r for r in caplog.records if r.name == "vllm.moetplan")
     assert first.levelno == logging.ERROR and first.getMessage().startswith(f"moetplan: Pack {path}: 3 row(s)")
     assert "Traceback" not in first.getMessage()
-    # moetplan run's diagnosis of the dead server is that line
-    line = f"(EngineCore pid=1) ERROR 12-02 03:00:00 [pack_repair.py:80] {first.getMessage()}"
-    assert diagnose(["INFO starting", line, "Traceback (most recent call last):"]) == first.getMessage()[10:]
+
+
+
+def test_moetplan_run_names_the_workers_error_line_however_long_the_traceback(tmp_path):
+    """A worker's "ERROR ... moetplan: <message>" line is what `moetplan run` says when the server dies loading,
+    even with hundreds of traceback lines after it."""
+    msg = "Pack /p/x.pack: 2 row(s) fail their xxh3 checksum: MoE layer 0: experts 1, 5. Fix: re-run quantize"
+    script = tmp_path / "dies.py"
+    script.write_text("import sys\n"
+                      "print('INFO Starting to load model /tmp/x', flush=True)\n"
+                      f"print('(Worker pid=7) ERROR 12-02 03:00:00 [pack_repair.py:88] moetplan: {msg}', flush=True)\n"
+                      "for i in range(400): print(f'ERROR [multiproc_executor.py:953]   File \"x.py\", line {i}')\n"
+                      "print('RuntimeError: Engine core initialization failed. See root cause above.', flush=True)\n"
+                      "sys.exit(1)\n")
+    srv = Server([sys.executable, str(script)], {}, tmp_path / "dies.log", port=1)
+    srv.start()
+    with pytest.raises(ServerDiedError) as ei:
+        srv.wait_ready(timeout=60, poll_s=0.05)
+    srv.stop(timeout=5)
+    assert str(ei.value).endswith(f"while loading: {msg}") and ei.value.returncode == 1
 
 
 def test_another_checkpoint_or_an_unwritable_pack_is_refused(ckpt, fresh, tmp_path, monkeypatch):

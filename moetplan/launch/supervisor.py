@@ -85,6 +85,10 @@ _DIAGNOSES: list[tuple[re.Pattern[str], str]] = [
 ]
 
 
+# The runtime's own error line in a worker ("ERROR ... [file.py:N] moetplan: <message>"), logged before vLLM's
+# traceback: it names the problem and the fix, so it is the diagnosis wherever it appears in the log.
+_RUNTIME_ERROR = re.compile(r"\bERROR\b.*?\] moetplan: (.+)")
+
 # A process that dies of these leaves one of these lines, whatever exit code its parent then reports.
 _CRASH = re.compile(r"Fatal Python error: (\w[\w ]*)|EngineCore.*(?:died|failed)|Engine core .*(?:died|failed)|"
                     r"Segmentation fault|core dumped|RuntimeError: Engine|EngineDeadError", re.I)
@@ -181,6 +185,7 @@ class Server:
         # psutil handles remember each process's start time, so a recycled PID is never mistaken for ours.
         self._seen: dict[int, psutil.Process] = {}
         self._last_stage, self._last_stage_t = "starting", time.monotonic()
+        self.runtime_error: str | None = None  # the first moetplan error line a worker logged
 
     @property
     def url(self) -> str:
@@ -269,7 +274,7 @@ class Server:
                 tail = list(self.log.tail)[-40:]
                 rc = self.proc.returncode if self.proc else None
                 what, _ = describe_exit(rc, tail)
-                diag = diagnose(tail)
+                diag = self.runtime_error or diagnose(tail)
                 msg = f"{what} while loading"
                 raise ServerDiedError(f"{msg}: {diag}" if diag else f"{msg} (log: {self.log_path})", tail, rc)
             now = time.monotonic()
@@ -290,6 +295,8 @@ class Server:
 
     def _pump(self, on_line: Callable[[str], None] | None, on_progress: Callable[[str], None] | None) -> None:
         for ln in self.log.new_lines():
+            if self.runtime_error is None and (m := _RUNTIME_ERROR.search(ln)):
+                self.runtime_error = m.group(1).strip()
             if on_line:
                 on_line(ln)
             if on_progress:
