@@ -58,6 +58,8 @@ _PROGRESS: list[tuple[re.Pattern[str], str]] = [
 ]
 
 _DIAGNOSES: list[tuple[re.Pattern[str], str]] = [
+    # a pack row that failed its checksum: the runtime's own line names the pack, the layers, the rows and the fix
+    (re.compile(r"(?:moetplan: |PackCorruptError: )(Pack \S+: \d+ row\(s\) fail their xxh3 checksum.*)"), "{0}"),
     # memlock first: its errors mention memory too (PinnedMemoryError)
     (re.compile(r"memlock|RLIMIT_MEMLOCK|cudaHostRegister|PinnedMemoryError|mlock", re.I),
      "pinned memory refused (memlock limit): raise it (`ulimit -l unlimited`, or LimitMEMLOCK in the service) "
@@ -82,6 +84,10 @@ _DIAGNOSES: list[tuple[re.Pattern[str], str]] = [
      "checkpoint not found locally (offline): download it first or point the plan at a local folder"),
 ]
 
+
+# The runtime's own error line in a worker ("ERROR ... [file.py:N] moetplan: <message>"), logged before vLLM's
+# traceback: it names the problem and the fix, so it is the diagnosis wherever it appears in the log.
+_RUNTIME_ERROR = re.compile(r"\bERROR\b.*?\] moetplan: (.+)")
 
 # A process that dies of these leaves one of these lines, whatever exit code its parent then reports.
 _CRASH = re.compile(r"Fatal Python error: (\w[\w ]*)|EngineCore.*(?:died|failed)|Engine core .*(?:died|failed)|"
@@ -123,8 +129,9 @@ def diagnose(lines: list[str]) -> str | None:
     """One-line diagnosis of a failed start from its last log lines, where one is known."""
     text = "\n".join(lines)
     for pat, msg in _DIAGNOSES:
-        if pat.search(text):
-            return msg
+        m = pat.search(text)
+        if m:
+            return msg.format(*m.groups())
     return None
 
 
@@ -178,6 +185,7 @@ class Server:
         # psutil handles remember each process's start time, so a recycled PID is never mistaken for ours.
         self._seen: dict[int, psutil.Process] = {}
         self._last_stage, self._last_stage_t = "starting", time.monotonic()
+        self.runtime_error: str | None = None  # the first moetplan error line a worker logged
 
     @property
     def url(self) -> str:
@@ -266,7 +274,7 @@ class Server:
                 tail = list(self.log.tail)[-40:]
                 rc = self.proc.returncode if self.proc else None
                 what, _ = describe_exit(rc, tail)
-                diag = diagnose(tail)
+                diag = self.runtime_error or diagnose(tail)
                 msg = f"{what} while loading"
                 raise ServerDiedError(f"{msg}: {diag}" if diag else f"{msg} (log: {self.log_path})", tail, rc)
             now = time.monotonic()
@@ -287,6 +295,8 @@ class Server:
 
     def _pump(self, on_line: Callable[[str], None] | None, on_progress: Callable[[str], None] | None) -> None:
         for ln in self.log.new_lines():
+            if self.runtime_error is None and (m := _RUNTIME_ERROR.search(ln)):
+                self.runtime_error = m.group(1).strip()
             if on_line:
                 on_line(ln)
             if on_progress:

@@ -1,5 +1,7 @@
 """Which pack files a worker reads and writes: the checkpoint's identity, the valid pack of this TP rank and layout in
-the plan's pack_dir, and writing one when it is missing or stale (packs are the persistent quantization cache)."""
+the plan's pack_dir, and writing one when it is missing or stale (packs are the persistent quantization cache).
+Every pack handed out checks each row against its checksum at the row's first read; a bad row is re-quantized from
+the checkpoint and rewritten (runtime/pack_repair.py), or the load fails naming the pack, the layers and the rows."""
 from __future__ import annotations
 
 import logging
@@ -48,25 +50,43 @@ class PackResolver:
     def tp_rank(self) -> int:
         return self._rank()
 
+    def checkpoint_dir(self) -> str | None:
+        """The local folder of the checkpoint being served (None: no local copy)."""
+        model = self.remember_model_dir() or "model"
+        return model if os.path.isdir(model) else _hub_snapshot(model)
+
     def identity(self) -> tuple[str, str]:
         """(model key, identity) of the checkpoint being served, for pack file names and staleness checks."""
         from moetplan.runtime.packs import checkpoint_identity, model_key_for
 
         model = self.remember_model_dir() or "model"
-        folder = model if os.path.isdir(model) else _hub_snapshot(model)
+        folder = self.checkpoint_dir()
         if folder:
             return model_key_for(folder if os.path.isdir(model) else model), checkpoint_identity(folder)
         return model_key_for(model), f"hub:{model}"
+
+    def guard(self, pack: Any) -> Any:
+        """Have `pack` re-quantize rows that fail their checksum from the served checkpoint (rewriting them), and
+        log once every row has passed."""
+        from moetplan.runtime.pack_repair import CheckpointRepair
+
+        pack.repair = CheckpointRepair(self.checkpoint_dir(), self.tp_rank)
+        pack.on_all_verified = lambda p: log.info("moetplan: pack %s: all %d rows match their xxh3 checksums",
+                                                  p.path.name, p.rows_verified)
+        return pack
 
     def valid_pack(self, layout: RowLayout, num_experts: int) -> Any:
         """The finished pack of this checkpoint / TP rank / layout, looked up once per format, or None."""
         if layout.fmt not in self._opened:
             pack = self._open_valid(layout, num_experts)
             self._opened[layout.fmt] = pack
+            # (valid = its sidecar matches this checkpoint and quantizer; each row's bytes are checked as read)
             if pack is not None and layout.fmt == "fp4":
-                log.info("moetplan: FP4 pack %s valid, the reserve reads its rows", pack.path)
+                log.info("moetplan: FP4 pack %s matches the checkpoint, the reserve reads its rows (each checked "
+                         "against its checksum at its first read)", pack.path)
             elif pack is not None:
-                log.info("moetplan: pack %s valid, reading rows instead of quantizing", pack.path)
+                log.info("moetplan: pack %s matches the checkpoint, reading rows instead of quantizing (each checked "
+                         "against its checksum)", pack.path)
         return self._opened[layout.fmt]
 
     def _open_valid(self, layout: RowLayout, num_experts: int) -> Any:
@@ -93,7 +113,7 @@ class PackResolver:
             log.info("moetplan: pack %s has %d experts per layer, model has %d; quantizing at load",
                      pack.path, pack.num_experts, num_experts)
             return None
-        return pack
+        return self.guard(pack)
 
     def write_and_open(self, data: Any, num_layers: int, num_experts: int, layout: RowLayout) -> Any:
         """Make sure a finished pack of these rows exists (written here when missing or stale) and open it."""
@@ -101,11 +121,14 @@ class PackResolver:
 
         if not self.pack_dir:
             raise ConfigError("expert_tier 'nvme' needs placement.pack_dir in the plan; plan with --pack-dir DIR")
+        found = self._opened.get(layout.fmt)
+        if found is not None and (found.num_layers, found.num_experts) == (num_layers, num_experts):
+            return found  # the pack the rows were read from: rows checked at load are not hashed again
         key, ident = self.identity()
         opened = dict(model_key=key, tp=layout.tp, tp_rank=self.tp_rank, fmt=layout.fmt, expect_identity=ident,
                       expect_layout=layout)
         try:
-            return Pack.open(self.pack_dir, **opened)
+            return self.guard(Pack.open(self.pack_dir, **opened))
         except StalePackError as e:
             log.info("moetplan: pack (re)build: %s", e)
         with PackWriter(self.pack_dir, key, self.tp_rank, layout.tp, layout, num_layers, num_experts, ident,
@@ -115,7 +138,7 @@ class PackResolver:
                     w.write_row(layer, e, data[layer * num_experts + e])
             w.commit()
         log.info("moetplan: pack written %s (%d layers x %d experts)", w.path, num_layers, num_experts)
-        return Pack.open(self.pack_dir, **opened)
+        return self.guard(Pack.open(self.pack_dir, **opened))
 
 
 __all__ = ["PackResolver"]

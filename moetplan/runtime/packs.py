@@ -5,6 +5,8 @@ next to a JSON sidecar holding the format/quantizer versions, shapes, TP layout,
 identity and one xxh3_64 checksum per row. Crash safety: rows are written, fsynced, and only then marked done in
 the sidecar (temp file + rename), so an interrupted run redoes at most the rows it had not committed.
 A pack whose sidecar does not match the checkpoint or this quantizer is stale: never read, rebuilt by the writer.
+A reader checks every row against its checksum the first time it reads it and never hands out a row that fails:
+it raises PackCorruptError naming the pack, the layers and the rows, or has the `repair` hook rewrite them first.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 import xxhash
@@ -39,7 +41,11 @@ class StalePackError(MoetplanError):
 
 
 class PackCorruptError(MoetplanError):
-    """A row's bytes do not match its checksum."""
+    """Rows whose bytes do not match the checksum recorded when they were written (`rows`: their indices)."""
+
+    def __init__(self, message: str, path: Path | None = None, rows: Sequence[int] = ()):
+        super().__init__(message)
+        self.path, self.rows = path, list(rows)
 
 
 def _now() -> str:
@@ -326,7 +332,7 @@ def find_pack(pack_dir: Path, model_key: str | None, tp: int | None, rank: int, 
 class Pack:
     """A finished, validated pack file opened for batched reads."""
 
-    def __init__(self, path: Path, sidecar: PackSidecar):
+    def __init__(self, path: Path, sidecar: PackSidecar, verify: bool = True):
         self.path, self.sidecar_path, self.sidecar = path, path.with_name(path.name + ".json"), sidecar
         self.layout = RowLayout.from_dict(sidecar.layout)
         self.stride = self.layout.stride
@@ -336,12 +342,22 @@ class Pack:
         self.o_direct_supported: bool | None = None
         self._bounce: mmap.mmap | None = None
         self._lock = threading.Lock()  # guards the lazily opened O_DIRECT fd and the shared bounce buffer
+        # Each row is checked once, at its first read through this object (docs/FORMAT.md, "Verification").
+        self.verify_reads = verify
+        self._verified = np.zeros(len(sidecar.checksums), dtype=bool)
+        self.rows_verified = 0
+        self._repair_lock, self._mark_lock = threading.Lock(), threading.Lock()
+        # (pack, rows) -> None: rewrites those rows with good bytes, or raises PackCorruptError saying why not
+        self.repair: Callable[["Pack", list[int]], None] | None = None
+        self.on_all_verified: Callable[["Pack"], None] | None = None
 
     @classmethod
     def open(cls, path_or_dir: str | os.PathLike[str], model_key: str | None = None, tp: int | None = None,
              tp_rank: int = 0, fmt: str = "2bit", expect_identity: str | None = None,
-             expect_layout: RowLayout | None = None, require_complete: bool = True) -> "Pack":
-        """Open and validate; raises StalePackError naming what mismatched and how to rebuild."""
+             expect_layout: RowLayout | None = None, require_complete: bool = True, verify: bool = True) -> "Pack":
+        """Open and validate; raises StalePackError naming what mismatched and how to rebuild.
+
+        `verify`: check each row against its checksum at its first read (off only for raw-read benches)."""
         p = Path(path_or_dir)
         if p.is_dir():
             p = find_pack(p, model_key, tp, tp_rank, fmt)
@@ -361,7 +377,7 @@ class Pack:
         if require_complete and not sc.complete:
             missing = sum(c is None for c in sc.checksums)
             raise StalePackError(f"Pack {p} is unfinished ({missing} of {len(sc.checksums)} rows missing){fix}")
-        return cls(p, sc)
+        return cls(p, sc, verify=verify)
 
     @property
     def identity(self) -> str:
@@ -373,23 +389,17 @@ class Pack:
     def row_index(self, layer: int, expert: int) -> int:
         return self.sidecar.row_index(layer, expert)
 
-    @property
-    def bytes_to_write(self) -> int:
-        """Bytes of the rows not yet written (the file is sparse until then)."""
-        return sum(c is None for c in self.sidecar.checksums) * self.layout.stride
-
-    def remove_files(self) -> None:
-        """Delete this pack, its sidecar and its lock file (after close())."""
-        for p in (self.path, self.sidecar_path, self.path.with_name(self.path.name + ".lock")):
-            p.unlink(missing_ok=True)
-
-    def done(self, row: int) -> bool:
-        return self.sidecar.done(row)
-
     def read_rows(self, rows: Sequence[int], out, o_direct: bool = False) -> None:
         """Read rows into out[i] (uint8 [len(rows), stride], numpy or CPU/pinned torch), one preadv per run of
         adjacent rows. With o_direct the page cache is bypassed (falls back to buffered where unsupported); give
-        page-aligned buffers (pinned memory, aligned_rows()) or the bytes go through a bounce buffer."""
+        page-aligned buffers (pinned memory, aligned_rows()) or the bytes go through a bounce buffer. A row read
+        for the first time is checked against its checksum; one that fails is rewritten by the `repair` hook and
+        read again, or PackCorruptError is raised (out then holds no row to use)."""
+        buf = self._read_raw(rows, out, o_direct)
+        if self.verify_reads and len(rows):
+            self._check(rows, buf, o_direct)
+
+    def _read_raw(self, rows: Sequence[int], out, o_direct: bool = False) -> np.ndarray:
         buf = out.numpy() if hasattr(out, "numpy") else out
         if buf.dtype != np.uint8 or buf.ndim != 2 or buf.shape[1] != self.stride or buf.shape[0] < len(rows):
             raise UsageError(f"Output buffer must be uint8 [{len(rows)}, {self.stride}], got {buf.dtype} {buf.shape}")
@@ -415,6 +425,67 @@ class Pack:
             run.append(i)
         if run:
             self._read_run(fd, rows, run, buf, use_bounce)
+        return buf
+
+    # ------------------------------------------------------------------ verification
+
+    def _check(self, rows: Sequence[int], buf: np.ndarray, o_direct: bool) -> None:
+        cs, bad = self.sidecar.checksums, []
+        for i, r in enumerate(rows):
+            if not self._verified[r]:
+                if row_checksum(buf[i]) == cs[r]:
+                    self._mark(r)
+                else:
+                    bad.append(i)
+        if not bad:
+            return
+        bad_rows = sorted({int(rows[i]) for i in bad})
+        if self.repair is None:
+            raise self.corrupt_error(bad_rows)
+        with self._repair_lock:  # concurrent readers may meet the same bad row: one repairs it
+            todo = [r for r in bad_rows if not self._verified[r]]
+            if todo:
+                self.repair(self, todo)
+        again = np.empty((len(bad), self.stride), dtype=np.uint8)
+        self._read_raw([rows[i] for i in bad], again, o_direct)
+        still = sorted({int(rows[i]) for j, i in enumerate(bad) if row_checksum(again[j]) != cs[rows[i]]})
+        if still:
+            raise self.corrupt_error(still, " (still after the repair rewrote them)")
+        for j, i in enumerate(bad):
+            buf[i] = again[j]
+            self._mark(int(rows[i]))
+
+    def _mark(self, r: int) -> None:
+        with self._mark_lock:  # reader threads mark rows at once
+            if self._verified[r]:
+                return
+            self._verified[r] = True
+            self.rows_verified += 1  # rows checked against their checksums so far (each once)
+            done = self.rows_verified == len(self._verified)
+        if done and self.on_all_verified is not None:
+            self.on_all_verified(self)
+
+    def describe_rows(self, rows: Sequence[int], limit: int = 12) -> str:
+        """Rows as "MoE layer 1 (checkpoint layer 3): experts 0, 5; ..." (at most `limit` layers named)."""
+        by_layer: dict[int, list[int]] = {}
+        for r in sorted({int(r) for r in rows}):
+            by_layer.setdefault(r // self.num_experts, []).append(r % self.num_experts)
+        parts = []
+        for li, ex in list(by_layer.items())[:limit]:
+            ck = self.sidecar.layers.get(str(li), {}).get("checkpoint_layer")
+            shown = ", ".join(map(str, ex[:16])) + (f", ... ({len(ex)} in all)" if len(ex) > 16 else "")
+            parts.append(f"MoE layer {li}{f' (checkpoint layer {ck})' if ck is not None else ''}: "
+                         f"expert{'s' if len(ex) > 1 else ''} {shown}")
+        return "; ".join(parts) + (f"; ... ({len(by_layer)} layers in all)" if len(by_layer) > limit else "")
+
+    def corrupt_error(self, rows: Sequence[int], why: str = "") -> PackCorruptError:
+        """The error for rows that fail their checksum: the pack, the layers and rows, and the fix."""
+        model = self.sidecar.source.get("path") or "<checkpoint>"
+        return PackCorruptError(
+            f"Pack {self.path}: {len(rows)} row(s) fail their xxh3 checksum{why}: {self.describe_rows(rows)}. "
+            f"Those rows were not served. Fix: re-run `moetplan quantize --model {model} --pack-dir "
+            f"{self.path.parent}` (it re-quantizes just the bad rows), or start `moetplan run` with the checkpoint "
+            "present so they are re-quantized at load", self.path, rows)
 
     def _read_run(self, fd: int, rows: Sequence[int], run: list[int], buf: np.ndarray, bounce: bool) -> None:
         off = rows[run[0]] * self.stride
@@ -474,12 +545,32 @@ class Pack:
         return out[0]
 
     def verify(self, row: int) -> bool:
-        """True when the row's bytes match the checksum recorded when it was written."""
+        """True when the row's bytes (read again now) match the checksum recorded when it was written."""
         cs = self.sidecar.checksums[row]
-        return cs is not None and row_checksum(self.read_row(row)) == cs
+        if cs is None:
+            return False
+        buf = np.empty((1, self.stride), dtype=np.uint8)
+        self._read_raw([row], buf)
+        ok = row_checksum(buf[0]) == cs
+        if ok:
+            self._mark(row)
+        return ok
 
-    def verify_all(self) -> list[int]:
-        return [r for r in range(len(self.sidecar.checksums)) if not self.verify(r)]
+    def verify_all(self, batch_bytes: int = 64 << 20, o_direct: bool = False) -> list[int]:
+        """Read the whole pack in batches and check every row; returns the rows that fail (none are repaired)."""
+        n = len(self.sidecar.checksums)
+        per = max(1, batch_bytes // self.stride)
+        buf = aligned_rows(min(per, n), self.stride)
+        bad = []
+        for r0 in range(0, n, per):
+            rows = list(range(r0, min(n, r0 + per)))
+            self._read_raw(rows, buf, o_direct)
+            for i, r in enumerate(rows):
+                if self.sidecar.checksums[r] is not None and row_checksum(buf[i]) == self.sidecar.checksums[r]:
+                    self._mark(r)
+                else:
+                    bad.append(r)
+        return bad
 
     def close(self) -> None:
         for fd in (self.fd, self._dfd):

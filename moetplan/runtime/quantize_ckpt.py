@@ -161,6 +161,28 @@ def _nvfp4_rows(src: dict, sc16: dict, layout, ranks: list[int], zero_mode: str,
                             (src["gate"].name, src["down"].name), zero_mode, stats)
 
 
+def requantize_rows(model_dir: str | Path, layout: Any, zero_mode: str, tp_rank: int,
+                    keys: list[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+    """The rows of (MoE layer, expert) keys for one TP rank, quantized from the checkpoint exactly as
+    quantize_checkpoint writes them (pack repair: only the rows asked for are loaded and quantized)."""
+    from moetplan.runtime.checkpoint import CheckpointExperts
+
+    ck = CheckpointExperts.discover(model_dir)
+    try:
+        if (ck.hidden, ck.inter) != (layout.hidden, layout.inter_per_rank * layout.tp):
+            raise UsageError(f"{model_dir}: experts are [{ck.hidden}, {ck.inter}], the pack's rows were made for "
+                             f"[{layout.hidden}, {layout.inter_per_rank * layout.tp}]")
+        out = {}
+        for li, e in keys:
+            if not (0 <= li < len(ck.layers) and 0 <= e < ck.num_experts):
+                raise UsageError(f"{model_dir} has no expert ({li}, {e}) ({len(ck.layers)} MoE layers x "
+                                 f"{ck.num_experts} experts)")
+            out[(li, e)] = dict(_expert_rows(ck.load_expert(li, e), layout, [tp_rank], zero_mode, None))[tp_rank]
+        return out
+    finally:
+        ck.close()
+
+
 def check_free_space(pack_dir: str | Path, needed: int, margin: float = 0.02) -> None:
     """Refuse before writing when the pack dir's filesystem cannot hold what this run will write."""
     import shutil
