@@ -228,6 +228,7 @@ def _run_until_layers(args: list[str], sidecar: Path, layers: int, sig: int) -> 
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline, "quantize made no progress"
         time.sleep(0.05)
+    assert proc.poll() is None, "quantize finished before it could be interrupted; raise --layer-delay"
     proc.send_signal(sig)
     proc.wait(timeout=60)
     return proc
@@ -237,7 +238,7 @@ def _run_until_layers(args: list[str], sidecar: Path, layers: int, sig: int) -> 
 def test_interrupted_run_resumes_without_redoing_layers(bf16_ckpt, tmp_path, sig):
     packs = tmp_path / "packs"
     _, sidecar = P.pack_paths(packs, "tiny-qwen3moe", 1, 0, "2bit")
-    proc = _run_until_layers(_cli("--model", str(bf16_ckpt), "--pack-dir", str(packs), "--layer-delay", "2"),
+    proc = _run_until_layers(_cli("--model", str(bf16_ckpt), "--pack-dir", str(packs), "--layer-delay", "10"),
                              sidecar, 1, sig)
     if sig == signal.SIGINT:
         assert proc.returncode == 130
