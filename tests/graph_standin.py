@@ -198,8 +198,9 @@ def _gemv(layout, w13, pool, slot32, ids, k, b, act_hl, partial, lim, flag):  # 
     for p in range(ids.numel()):
         e = int(ids[p])
         slot = int(slot32[e]) if 0 <= e < slot32.numel() else -1
-        if slot < 0:
+        if slot < 0:  # the kernels leave zeros for a pair without a row and say so in the flag
             flag.fill_(e + 1 if 0 <= e < slot32.numel() else -1)
+            (act_hl[p] if w13 else partial[p]).zero_()
             continue
         g, d = expert_weights(pool[slot], layout)
         if w13:

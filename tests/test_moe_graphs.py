@@ -59,11 +59,11 @@ def _resident_worker(expert_rows, in_graphs: bool = True) -> WorkerRuntime:
     return w
 
 
-def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(seed: int, tokens: int = T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
-    wt = torch.rand(T, K, generator=g)
+    x = torch.randn(tokens, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)]).to(torch.int32)
+    wt = torch.rand(tokens, K, generator=g)
     return x, wt / wt.sum(1, keepdim=True), ids
 
 
@@ -196,6 +196,63 @@ def test_counter_keys_beyond_capacity_share_the_last_row():
     assert s["steps"] == 5 and s["kernel_paths"]["path0"] == 1 and s["kernel_paths"]["path1"] == 1
     assert sum(s["kernel_paths"].values()) == 2  # the "other" row names no path
     assert int(c.values[:, 0].sum()) == 5
+
+
+# --------------------------------------------------------------------------- tiered: misses found on the device
+
+
+def test_a_tiered_step_in_a_graph_replays_after_one_batch_fetch(expert_rows, device, monkeypatch):
+    from moetplan.contract.runtime import KernelPolicy
+    from moetplan.runtime.backing import ArrayRowSource, PinnedHostStore
+    from moetplan.runtime.miss_replay import ReplayDriver, StepMisses, store_fetch
+    from moetplan.runtime.store import ExpertStore
+
+    source = ArrayRowSource(torch.cat(expert_rows).numpy(), 2, E)
+    store = ExpertStore(PinnedHostStore(source, pin=False), 10, device="cpu", prefill_tokens=2)
+    misses, policy = StepMisses(2, E), KernelPolicy(check_residency=False)
+    x, wt, ids = _inputs(20, tokens=2)  # at most 4 experts per layer: a step's 8 fit the 10 slots
+    outs: list[torch.Tensor] = []
+
+    def step() -> None:  # what the graph holds: every tiered layer computes from the cache as it is
+        outs.clear()
+        for layer in range(2):
+            slot_of = store.residency[layer]
+            misses.record(layer, slot_of, ids)
+            outs.append(ops.moe_forward(x, ids, wt, store.data, slot_of, LAYOUT, policy=policy))
+
+    with NoHostSync(), device.capture(monkeypatch):
+        step()
+    captured = list(outs)
+    misses.take()  # the capture's own run (an empty cache)
+    driver = ReplayDriver(misses, store_fetch(store))
+    routings = [_inputs(s, tokens=2) for s in (21, 22, 21, 23, 23)]
+    for nx, nwt, nids in routings:
+        x.copy_(nx), wt.copy_(nwt), ids.copy_(nids)
+        replayed = driver.counts.replayed
+        counting = NoHostSync(raise_on_sync=False)
+        with counting:
+            driver.step(device.replay)
+        if driver.counts.replayed == replayed:  # a zero-miss step: one read of the miss record, nothing else
+            assert sum(counting.seen.values()) == 1, counting.seen
+        for layer in range(2):
+            assert torch.allclose(captured[layer], _ref(expert_rows[layer], nx, nwt, nids), atol=1e-4)
+    c = driver.counts.as_dict()
+    assert c["steps"] == 5 and c["fetch_batches"] == c["replayed_steps"]
+    assert 1 <= c["replayed_steps"] <= 3  # the first step misses; a routing seen just before does not
+    assert c["fetched_rows"] >= len(set(routings[0][2].reshape(-1).tolist()))
+
+
+def test_a_replay_that_misses_again_says_the_cache_is_too_small():
+    from moetplan.runtime.miss_replay import ReplayDriver, ReplayError, StepMisses
+
+    misses = StepMisses(1, E)
+    slot_of = torch.full((E,), -1, dtype=torch.int32)
+    ids = torch.tensor([[1, 2]], dtype=torch.int32)
+    driver = ReplayDriver(misses, lambda need: 0)  # a fetch that brings nothing in
+    with pytest.raises(ReplayError, match="gpu_expert_cache_slots"):
+        driver.step(lambda: misses.record(0, slot_of, ids))
+    slot_of[:] = 0
+    assert driver.step(lambda: misses.record(0, slot_of, ids)) is None and driver.counts.replayed == 1
 
 
 # --------------------------------------------------------------------------- the split decision
