@@ -97,8 +97,10 @@ def test_resident_op_replays_from_a_capture_with_no_host_sync_and_counts_on_the_
     for li in range(2):
         assert torch.allclose(eager[li], _ref(expert_rows[li], x, wt, ids), atol=1e-4)
 
+    version = w.record_version()  # the record writer's cue: it must see device-counted steps
     with NoHostSync(), device.capture(monkeypatch):
         outs = [_op(w, li, x, wt, ids) for li in range(2)]
+    assert w.record_version() != version
     kernels_recorded = [n[1].__name__ for n in device.nodes if n[0] == "kernel"]
     assert kernels_recorded == ["_xprep", "_gemv", "_gemv", "_combine"] * 2
 
@@ -263,6 +265,7 @@ def test_a_replay_that_misses_again_says_the_cache_is_too_small():
     ({"expert_tier": "host", "gpu_expert_cache_slots": 4}, True),
     ({"expert_tier": "nvme", "gpu_expert_cache_slots": 4}, True),
     ({"fp4_reserve_slots": 4}, True),
+    ({"gate": {"enabled": True}}, True),
 ])
 def test_the_plan_decides_the_split_in_one_place(placement, split):
     assert (_plan(**placement).runtime.moe_split_reason is not None) == split

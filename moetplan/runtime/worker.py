@@ -133,6 +133,10 @@ class WorkerRuntime:
             captured = vllm_compat.moe_in_cuda_graphs()
         except ImportError:  # no vLLM: nothing captures
             return False
+        except Exception as e:  # a vLLM whose config reads differently: count in Python, say so
+            log.warning("moetplan: could not tell whether vLLM records the MoE layers in CUDA graphs (%r); counting "
+                        "on the host (the run record's MoE counts are wrong if it does)", e)
+            return False
         why = self.section.moe_split_reason
         if captured and why is not None:
             ops = ",".join(f'"{op}"' for op in vllm_compat.MOE_FORWARD_OPS)
@@ -224,8 +228,13 @@ class WorkerRuntime:
         out["expert_tier"] = ",".join(sorted(tiers)) if tiers else None
         out["expert_format"] = next((st.fmt for st in layers), None)
         out["expert_sources"] = sorted({st.source for st in layers})
-        out.update(self.paths.as_dict() if self.graph is None else
-                   {k: v for k, v in self.graph_summary().items() if k.startswith("kernel_")})
+        if self.graph is None:
+            out.update(self.paths.as_dict())
+        else:
+            try:
+                out.update({k: v for k, v in self.graph_summary().items() if k.startswith("kernel_")})
+            except Exception as e:
+                out["graph_counters_error"] = repr(e)
         if self.tiered is not None and self.tiered.pack_path:
             out["pack"] = self.tiered.pack_path
         if layers and all(st.store is None for st in layers):
@@ -248,7 +257,10 @@ class WorkerRuntime:
     def make_record(self) -> Any:
         extra: dict[str, Any] = {"tp_rank": self.rank, "worker_pid": os.getpid()}
         if self.graph is not None:
-            extra.update({k: v for k, v in self.graph_summary().items() if not k.startswith("kernel_")})
+            try:
+                extra.update({k: v for k, v in self.graph_summary().items() if not k.startswith("kernel_")})
+            except Exception as e:  # a failed device read (at exit, a lost context) must not take the worker down
+                extra["graph_counters_error"] = repr(e)
         return records.build_run_record(self.plan, self.plan_path, self.stats,
                                         store_kpis={**self.store_kpis(), **self.fp4.kpis()}, extra_runtime=extra)
 
@@ -256,7 +268,12 @@ class WorkerRuntime:
         """Changes whenever the record would: MoE calls, and gate steps / reserve promotions (the gate judges a
         step after its MoE calls, and the background promoter works between steps)."""
         st = self.stats
-        graph = self.graph.version() if self.graph is not None else 0
+        graph: Any = 0
+        if self.graph is not None:
+            try:
+                graph = self.graph.version()
+            except Exception as e:  # the flusher thread must outlive a failed read
+                graph = repr(e)
         return (st.moe_calls, st.warmup_calls, st.recompute_calls, st.layers, graph, *self.fp4.version())
 
     def record_path(self) -> str | None:
