@@ -16,13 +16,14 @@ measurable here; bench/gpu_session.sh-style runs must add it. Per step the numbe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -130,19 +131,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=400)
     ap.add_argument("--out", default=None, help="JSON file (default: print only)")
     args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     spec = hwdb.model_spec(args.model)
+    try:
+        with _host_only():
+            results = _measure(spec, args.tokens, args.iters)
+    finally:
+        torch.set_num_threads(threads)
+    doc = {"bench": "graph_overhead", "model": spec.id, "kernel_us_per_layer_h200": list(KERNEL_US_H200),
+           "load_average": [round(v, 2) for v in os.getloadavg()],  # host time: a busy machine reads high
+           "results": results, "machine": machine_info(with_torch=True)}
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        atomic_write_text(args.out, text + "\n")
+    print(text)
+    return 0
+
+
+@contextlib.contextmanager
+def _host_only() -> Iterator[None]:
+    """The op's CUDA path on NullKernels (x counts as on the GPU), every call traffic; restored after."""
     mod = NullKernels()
+    saved = [(kernels, "get_module"), (ops, "PATHS"), (worker_mod, "is_warmup"),
+             (torch.cuda, "is_current_stream_capturing")]
+    old = [getattr(o, n) for o, n in saved]
     kernels.get_module = lambda: mod  # type: ignore[assignment]
-    ops.PATHS = (ops.KernelPath("cuda", lambda s: None, ops._run_cuda),)  # x counts as on the GPU
+    ops.PATHS = (ops.KernelPath("cuda", lambda s: None, ops._run_cuda),)
     worker_mod.is_warmup = lambda: False  # type: ignore[assignment]
     if not torch.cuda.is_available():  # a CPU torch cannot answer; nothing is being captured
         torch.cuda.is_current_stream_capturing = lambda: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for (o, n), v in zip(saved, old):
+            setattr(o, n, v)
+
+
+def _measure(spec: Any, tokens: list[int], iters: int) -> list[dict[str, Any]]:
     results = []
-    for T in args.tokens:
-        graph = resident_host_us(spec, T, True, args.iters)
-        split = resident_host_us(spec, T, False, args.iters)
-        tier = tiered_lookup_us(spec, T, args.iters)
+    for T in tokens:
+        graph = resident_host_us(spec, T, True, iters)
+        split = resident_host_us(spec, T, False, iters)
+        tier = tiered_lookup_us(spec, T, iters)
         L = int(spec.moe_layers)
         per_layer_split = split["other_layer"]["median_us"] + tier["median_us"]
         results.append({
@@ -155,14 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 "kernels_h200": [round(L * us / 1e3, 3) for us in KERNEL_US_H200],
             },
         })
-    doc = {"bench": "graph_overhead", "model": spec.id, "kernel_us_per_layer_h200": list(KERNEL_US_H200),
-           "load_average": [round(v, 2) for v in os.getloadavg()],  # host time: a busy machine reads high
-           "results": results, "machine": machine_info(with_torch=True)}
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        atomic_write_text(args.out, text + "\n")
-    print(text)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

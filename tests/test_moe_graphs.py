@@ -354,3 +354,16 @@ def test_vllm_resolves_the_tiered_launch_to_moe_outside_graphs(gpu_plan):
     cc = CompilationConfig(**comp, mode=3)
     cc.set_splitting_ops_for_v1("naive")
     assert not vllm_compat.moe_in_cuda_graphs(SimpleNamespace(compilation_config=cc), cuda=True)
+
+
+def test_the_overhead_bench_writes_host_times_and_restores_the_op(load_bench, tmp_path, capsys):
+    bench = load_bench("graph_overhead")
+    paths, get_module = ops.PATHS, kernels.get_module
+    out = tmp_path / "go.json"
+    assert bench.main(["--model", "qwen3-30b-a3b", "--tokens", "1", "--iters", "5", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    r = doc["results"][0]
+    assert doc["model"] == "qwen3-30b-a3b" and doc["machine"]["cpu"] and len(doc["load_average"]) == 3
+    assert r["resident_host_us_split_mode"]["other_layer"]["median_us"] > 0 and r["tiered_lookup_us"]["min_us"] > 0
+    assert r["per_step_ms"]["moe_layers"] == 48
+    assert ops.PATHS is paths and kernels.get_module is get_module  # nothing left patched for other tests
