@@ -266,6 +266,7 @@ def test_a_replay_that_misses_again_says_the_cache_is_too_small():
     ({"expert_tier": "nvme", "gpu_expert_cache_slots": 4}, True),
     ({"fp4_reserve_slots": 4}, True),
     ({"gate": {"enabled": True}}, True),
+    ({"expert_format": "unquantized"}, True),
 ])
 def test_the_plan_decides_the_split_in_one_place(placement, split):
     assert (_plan(**placement).runtime.moe_split_reason is not None) == split
@@ -367,3 +368,16 @@ def test_the_overhead_bench_writes_host_times_and_restores_the_op(load_bench, tm
     assert r["resident_host_us_split_mode"]["other_layer"]["median_us"] > 0 and r["tiered_lookup_us"]["min_us"] > 0
     assert r["per_step_ms"]["moe_layers"] == 48
     assert ops.PATHS is paths and kernels.get_module is get_module  # nothing left patched for other tests
+
+
+def test_a_capture_the_kernels_refuse_is_a_clear_error_not_a_reference_run(expert_rows, monkeypatch):
+    class OnGpu(torch.Tensor):  # only its is_cuda answer differs: the kernels are asked and refuse
+        @property
+        def is_cuda(self) -> bool:  # type: ignore[override]
+            return True
+
+    monkeypatch.setattr(kernels, "get_module", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x, wt, ids = _inputs(4)
+    with pytest.raises(ops.UsageError, match="enforce-eager"):
+        ops.moe_forward(x.as_subclass(OnGpu), ids, wt, expert_rows[0], torch.arange(E, dtype=torch.int32), LAYOUT)

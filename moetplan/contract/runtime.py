@@ -137,6 +137,8 @@ class RuntimeSection(_Frozen):
 
         The one place this is decided (docs/KERNELS.md, "CUDA graphs"): each reason is host work the op does per
         call, which a graph replay would skip."""
+        if self.expert_format == "unquantized":
+            return "unquantized experts run on the torch reference, which groups each call's pairs on the host"
         if self.tier != "resident":
             return (f"expert_tier {self.tier}: the expert store learns each step's routed experts on the host and "
                     "fetches the missing rows before the layer computes")
