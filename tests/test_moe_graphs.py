@@ -88,14 +88,18 @@ def _ref(rows, x, wt, ids) -> torch.Tensor:
     return moe_forward_reference(x, ids, wt, rows, torch.arange(E, dtype=torch.int32), LAYOUT)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: one x plane, as served
 def test_resident_op_replays_from_a_capture_with_no_host_sync_and_counts_on_the_device(expert_rows, device,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch, dtype):
     w = _resident_worker(expert_rows)
     x, wt, ids = _inputs(1)
+    x = x.to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     with NoHostSync():  # an eager (uncaptured) call: no sync either (Model Runner V2 assumes none in a step)
         eager = [_op(w, li, x, wt, ids) for li in range(2)]
     for li in range(2):
-        assert torch.allclose(eager[li], _ref(expert_rows[li], x, wt, ids), atol=1e-4)
+        assert eager[li].dtype == dtype
+        assert torch.allclose(eager[li].float(), _ref(expert_rows[li], x, wt, ids).float(), atol=tol)
 
     version = w.record_version()  # the record writer's cue: it must see device-counted steps
     with NoHostSync(), device.capture(monkeypatch):
@@ -110,7 +114,8 @@ def test_resident_op_replays_from_a_capture_with_no_host_sync_and_counts_on_the_
         x.copy_(nx), wt.copy_(nwt), ids.copy_(nids)
         device.replay()
         for li in range(2):
-            assert torch.allclose(outs[li], _ref(expert_rows[li], nx, nwt, nids), atol=1e-4)
+            ref = _ref(expert_rows[li], nx.to(dtype), nwt, nids)
+            assert torch.allclose(outs[li].float(), ref.float(), atol=tol)
 
     steps = 1 + 1 + replays  # the eager call, the capture (which runs once here), the replays
     got = w.graph_summary()
