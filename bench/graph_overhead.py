@@ -35,7 +35,7 @@ from moetplan import contract as schema  # noqa: E402
 from moetplan.contract import atomic_write_text  # noqa: E402
 from moetplan.contract.layout import RowLayout  # noqa: E402
 from moetplan.contract.machine import machine_info  # noqa: E402
-from moetplan.runtime import kernels, moe_op, ops, worker as worker_mod  # noqa: E402
+from moetplan.runtime import cuda_paths, kernels, moe_op, ops, worker as worker_mod  # noqa: E402
 from moetplan.runtime.backing import ArrayRowSource, PinnedHostStore  # noqa: E402
 from moetplan.runtime.store import ExpertStore  # noqa: E402
 from moetplan.runtime.worker import WorkerRuntime  # noqa: E402
@@ -154,8 +154,9 @@ def _host_only() -> Iterator[None]:
     """The op's CUDA path on NullKernels (x counts as on the GPU), every call traffic; restored after."""
     mod = NullKernels()
     saved = [(kernels, "get_module"), (ops, "PATHS"), (worker_mod, "is_warmup"),
-             (torch.cuda, "is_current_stream_capturing")]
+             (torch.cuda, "is_current_stream_capturing"), (cuda_paths, "_FLAGS")]
     old = [getattr(o, n) for o, n in saved]
+    cuda_paths._FLAGS = {}  # a residency flag of its own: the null kernels never set it
     kernels.get_module = lambda: mod  # type: ignore[assignment]
     ops.PATHS = (ops.KernelPath("cuda", lambda s: None, ops._run_cuda),)
     worker_mod.is_warmup = lambda: False  # type: ignore[assignment]

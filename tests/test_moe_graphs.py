@@ -15,7 +15,7 @@ from moetplan import vllm_compat
 from moetplan.contract.errors import ConfigError
 from moetplan.contract.model import Attention, ModelSpec
 from moetplan.contract.layout import RowLayout
-from moetplan.runtime import kernels, moe_op, ops
+from moetplan.runtime import cuda_paths, kernels, moe_op, ops
 from moetplan.runtime import worker as worker_mod
 from moetplan.runtime.format import pack_expert_row
 from moetplan.runtime.graph_counters import CallPaths, GraphCounters
@@ -77,6 +77,7 @@ def device(monkeypatch):
     monkeypatch.setattr(ops, "PATHS", (ops.KernelPath("cuda", lambda s: None, ops._run_cuda),))
     monkeypatch.setattr(worker_mod, "is_warmup", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: graph.capturing)
+    monkeypatch.setattr(cuda_paths, "_FLAGS", {})  # the kernels' sticky residency flag: this test's own
     return graph
 
 
@@ -191,6 +192,15 @@ def test_counters_accumulate_on_the_device_and_are_read_at_step_end():
     c.step(2, 2, fell)
     s = c.summary(moe_layers=4)
     assert s["kernel_fallbacks"] == 4 and s["kernel_fallback_reasons"] == {"cuda: shape": 4}
+    assert "residency_flag" not in s
+
+
+def test_the_kernels_residency_flag_is_read_with_the_counters_not_per_call():
+    flag = torch.zeros(1, dtype=torch.int32)
+    c = GraphCounters("cpu", decode_batch_tokens=1, flag=flag)
+    assert "residency_flag" not in c.summary(moe_layers=1)
+    flag.fill_(-1)  # what the kernels write for an expert id outside [0, E)
+    assert c.summary(moe_layers=1)["residency_flag"] == -1
 
 
 def test_counter_keys_beyond_capacity_share_the_last_row():

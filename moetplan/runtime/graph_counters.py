@@ -48,8 +48,10 @@ def capturing() -> bool:
 class GraphCounters:
     """Device-side step counts: row i of `values` = (steps, tokens) of the i-th (phase, paths) key."""
 
-    def __init__(self, device: Any, decode_batch_tokens: int, capacity: int = CAPACITY):
+    def __init__(self, device: Any, decode_batch_tokens: int, capacity: int = CAPACITY,
+                 flag: torch.Tensor | None = None):
         self.device = torch.device(device)
+        self.flag = flag  # the kernels' sticky residency flag (expert + 1, -1 an id out of range), read here
         self.decode_batch_tokens = int(decode_batch_tokens)
         self.values = torch.zeros(capacity, 2, dtype=torch.int64, device=self.device)
         self.keys: dict[tuple[str, tuple[str, ...]], int] = {}
@@ -94,6 +96,16 @@ class GraphCounters:
         self._stream.synchronize()
         return self._host.clone()
 
+    def residency_flag(self) -> int:
+        """The kernels' residency flag as of now (0: every routed expert had a row)."""
+        if self.flag is None:
+            return 0
+        if self.flag.device.type != "cuda":
+            return int(self.flag.reshape(-1)[0])
+        with torch.cuda.stream(self._stream or torch.cuda.Stream(self.flag.device)):
+            value = self.flag.to("cpu", non_blocking=False)
+        return int(value.reshape(-1)[0])
+
     def version(self) -> int:
         """Changes whenever a step was counted (the record writer's cue)."""
         return int(self.read()[:, 0].sum())
@@ -118,6 +130,9 @@ class GraphCounters:
             for why in reasons.get((phase, names), ()):
                 fallbacks += steps * moe_layers
                 fallback_reasons[why] = fallback_reasons.get(why, 0) + steps * moe_layers
+        flag = self.residency_flag()
+        if flag:  # resident pools hold every expert: only an id outside the experts sets it
+            out["residency_flag"] = flag
         steps = sum(v[0] for v in per.values())
         tokens = sum(v[1] for v in per.values())
         out.update(steps=steps, tokens=tokens, moe_calls=steps * moe_layers,

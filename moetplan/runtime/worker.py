@@ -18,6 +18,7 @@ from moetplan.contract import envs
 from moetplan.contract.errors import ConfigError
 from moetplan import vllm_compat
 from moetplan.runtime import records
+from moetplan.runtime.cuda_paths import error_flag
 from moetplan.runtime.graph_counters import CallPaths, GraphCounters, capturing
 from moetplan.runtime.layer import LayerState
 from moetplan.runtime.ops import PathLog
@@ -167,7 +168,9 @@ class WorkerRuntime:
     def layer_loaded(self, st: LayerState, device: Any, load_s: float) -> None:
         self.layers[st.key] = st
         if self.in_graphs and self.graph is None:  # allocated before any capture: graphs keep its address
-            self.graph = GraphCounters(device, self.section.decode_batch_tokens)
+            dev = torch.device(device)
+            flag = error_flag(dev) if dev.type == "cuda" else None  # read with the counters, not per call
+            self.graph = GraphCounters(dev, self.section.decode_batch_tokens, flag=flag)
         s = self.section
         if st.fmt == "unquantized" and s.reserve_wanted and st.key == 0:
             log.info("moetplan: the plan's FP4 reserve (and gate) do not apply to unquantized experts: "
