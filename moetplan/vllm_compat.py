@@ -195,8 +195,35 @@ ATTENTION_SPLIT_FALLBACK = (
     "vllm::sparse_attn_indexer",
     "vllm::deepseek_v4_attention",
 )
-# The MoE layer's opaque op (fused_moe/runner/moe_runner.py), with and without shared experts.
+# The MoE layer's opaque op (fused_moe/runner/moe_runner.py), with and without shared experts. On CUDA (0.26-0.33)
+# the MoE layer runs through it, and a quantization method's apply() runs inside it; the CPU backend calls the
+# function directly (Dynamo traces into it, down to moetplan's own op).
 MOE_FORWARD_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared")
+
+
+def moe_in_cuda_graphs(vllm_config: Any = None, cuda: bool | None = None) -> bool:
+    """Whether vLLM records the MoE layers inside CUDA graphs under `vllm_config` (the current one when None; the
+    resolved config, as a worker sees it): CUDA graphs on, and either full graphs (they record every op, whatever
+    the splitting ops) or piecewise ones not split at the MoE op. `cuda`: the platform is CUDA (None: ask vLLM)."""
+    if vllm_config is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None:
+        return False
+    if cuda is None:
+        from vllm.platforms import current_platform
+
+        cuda = bool(current_platform.is_cuda_alike())
+    cc = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(cc, "cudagraph_mode", None)
+    if not cuda or mode is None or not mode:  # CUDAGraphMode.NONE is falsy
+        return False
+    full = mode.has_full_cudagraphs() if hasattr(mode, "has_full_cudagraphs") else "FULL" in str(mode).upper()
+    if full:
+        return True
+    split = set(getattr(cc, "splitting_ops", None) or ())
+    return not any(op in split for op in MOE_FORWARD_OPS)
 
 
 def _vllm_source(rel: str) -> str | None:
@@ -305,5 +332,6 @@ __all__ = [
     "ATTENTION_SPLIT_FALLBACK", "FIXES", "Fix", "MOE_FORWARD_OPS", "NATIVE_MEGA_MOE_BACKENDS", "SUPPORTED_MAX",
     "SUPPORTED_MIN", "SUPPORTED_RANGE", "UnsupportedVllm", "attention_split_ops", "check_moe_backend",
     "check_supported", "cpu_mla_backend", "cpu_routes_in_method", "cpu_select_experts", "fix_applies",
-    "installed_vllm", "is_supported", "link_routers", "parse_version", "read_attention_ops", "vllm_version",
+    "installed_vllm", "is_supported", "link_routers", "moe_in_cuda_graphs", "parse_version", "read_attention_ops",
+    "vllm_version",
 ]

@@ -197,5 +197,8 @@ def test_gate_on_cuda_launches_eager() -> None:
     assert gated.placement.gate.enabled and gated.placement.fp4_reserve_slots > 0
     argv = build_launch(gated).argv
     assert "--enforce-eager" in argv and "--compilation-config" not in argv
-    plain = build_launch(solve(spec, hw, Goals(pinned=parse_set(["mtp=0"])))).argv
-    assert "--enforce-eager" not in plain and "--compilation-config" in plain
+    plain_plan = solve(spec, hw, Goals(pinned=parse_set(["mtp=0"])))
+    plain = build_launch(plain_plan).argv
+    assert "--enforce-eager" not in plain
+    # a resident plan without a reserve keeps vLLM's graphs (MoE inside them); any other splits at MoE
+    assert ("--compilation-config" in plain) == (plain_plan.runtime.moe_split_reason is not None)

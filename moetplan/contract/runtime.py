@@ -130,6 +130,24 @@ class RuntimeSection(_Frozen):
     def reserve_wanted(self) -> bool:
         return self.reserve_slots > 0
 
+    @property
+    def moe_split_reason(self) -> str | None:
+        """Why the MoE layers must run outside CUDA graphs (the launch splits vLLM's piecewise graph at them and
+        captures no full graphs), or None: the op is capture-safe and vLLM records it inside its graphs.
+
+        The one place this is decided (docs/KERNELS.md, "CUDA graphs"): each reason is host work the op does per
+        call, which a graph replay would skip."""
+        if self.expert_format == "unquantized":
+            return "unquantized experts run on the torch reference, which groups each call's pairs on the host"
+        if self.tier != "resident":
+            return (f"expert_tier {self.tier}: the expert store learns each step's routed experts on the host and "
+                    "fetches the missing rows before the layer computes")
+        if self.reserve_wanted:
+            return "the FP4 reserve heats experts from each step's routed ids on the host"
+        if self.gate.enabled:
+            return "the confidence gate re-runs a step's forward from Python"
+        return None
+
 
 def runtime_section(placement: Any, knobs: RuntimeKnobs) -> RuntimeSection:
     """The worker's view of a placement (contract.schema.Placement) and the runtime knobs."""

@@ -22,12 +22,6 @@ PLAN_ENV = envs.PLAN.name
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 
-# vLLM runs these ops outside CUDA graphs when they are listed as splitting ops; the MoE forward must be one
-# of them so the expert store's bookkeeping runs on every step instead of once at capture. vLLM replaces its
-# default list when one is given, so the attention ops it splits on by default are repeated here (read from the
-# installed vLLM: vllm_compat.attention_split_ops).
-_MOE_SPLIT_OPS = vllm_compat.MOE_FORWARD_OPS
-
 
 def is_cpu_plan(plan: Plan) -> bool:
     """No GPU in the plan's hardware: serve on vLLM's CPU backend."""
@@ -116,6 +110,20 @@ def cpu_mla_backend(plan: Plan, extra_args: list[str] | None) -> list[str]:
     return [] if dtype in _BF16_NAMES else ["--attention-backend", backend]
 
 
+def compilation_config(plan: Plan) -> dict[str, Any] | None:
+    """vLLM's compilation config for a CUDA plan, or None for vLLM's own (FULL_AND_PIECEWISE graphs, split at
+    attention only), which records the MoE op inside both kinds of graph: the resident tier's op is capture-safe.
+
+    A plan whose MoE layers do host work per step (`RuntimeSection.moe_split_reason`: a tiered store, the FP4
+    reserve) splits the piecewise graph at vLLM's MoE op so that work runs on every step, and captures no full
+    graphs (a full graph would record the MoE layers whatever the splitting ops say). vLLM replaces its default
+    list when one is given, so the attention ops it splits at are repeated (read from the installed vLLM)."""
+    if plan.runtime.moe_split_reason is None:
+        return None
+    return {"cudagraph_mode": "PIECEWISE",
+            "splitting_ops": vllm_compat.attention_split_ops() + list(vllm_compat.MOE_FORWARD_OPS)}
+
+
 def build_launch(
     plan: Plan,
     plan_path: str | None = None,
@@ -155,9 +163,9 @@ def build_launch(
             # The confidence gate re-runs a step's forward from Python after the logits: no CUDA graphs.
             argv += ["--enforce-eager"]
         else:
-            comp = {"cudagraph_mode": "PIECEWISE",
-                    "splitting_ops": vllm_compat.attention_split_ops() + list(_MOE_SPLIT_OPS)}
-            argv += ["--compilation-config", json.dumps(comp, separators=(",", ":"))]
+            comp = compilation_config(plan)
+            if comp is not None:
+                argv += ["--compilation-config", json.dumps(comp, separators=(",", ":"))]
         if p.tp * p.pp > 1 and not plan.hardware.p2p:
             env["NCCL_P2P_DISABLE"] = "1"
         if p.expert_tier != "resident":

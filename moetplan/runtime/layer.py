@@ -43,16 +43,21 @@ class LayerState:
     paths: PathLog | None = None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                warmup: bool = False) -> torch.Tensor:
+                warmup: bool = False, paths: Any = None) -> torch.Tensor:
+        """The layer's routed sum. `paths` hears the kernel paths of this call instead of the layer's PathLog.
+
+        A resident 2-bit layer without an FP4 reserve is capture-safe: no host sync and no Python state changed
+        (its work is kernel launches sized by shapes alone); the other kinds do host work per call."""
+        paths = self.paths if paths is None else paths
         if self.fmt == "unquantized":
             assert self.w13 is not None and self.w2 is not None
             w13, w2 = self.w13, self.w2
-            if self.paths is not None:
-                self.paths.ran("reference:unquantized")
+            if paths is not None:
+                paths.ran("reference:unquantized")
             return moe_reference(x, topk_ids, topk_weights, lambda e, _fp4: (w13[e], w2[e]), self.swiglu_limit)
         fp4 = self.fp4_args(topk_ids, warmup)
         if self.store is None:
-            return self._op(x, topk_ids, topk_weights, self.rows, self.slot_of, fp4)
+            return self._op(x, topk_ids, topk_weights, self.rows, self.slot_of, fp4, paths)
         return self._store_forward(x, topk_weights, topk_ids, fp4)
 
     def fp4_args(self, topk_ids: torch.Tensor, warmup: bool = False) -> dict[str, Any]:
@@ -66,9 +71,9 @@ class LayerState:
         return res.op_args(self.moe_index)
 
     def _op(self, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, pool: torch.Tensor, slot_of: torch.Tensor,
-            fp4: dict[str, Any]) -> torch.Tensor:
+            fp4: dict[str, Any], paths: Any = None) -> torch.Tensor:
         return moe_forward(x, ids, wts, pool, slot_of, self.layout, swiglu_limit=self.swiglu_limit, policy=self.policy,
-                           paths=self.paths, **fp4)
+                           paths=self.paths if paths is None else paths, **fp4)
 
     def _store_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        fp4: dict[str, Any]) -> torch.Tensor:

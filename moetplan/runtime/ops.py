@@ -181,7 +181,12 @@ def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 out, policy)
     path, refusals = select_path(step)
     if path is REFERENCE and x.is_cuda:  # a GPU step the kernels did not take: say so once per reason
-        kernels.note_reference(refusals[-1] if refusals else "no kernel path")
+        why = refusals[-1] if refusals else "no kernel path"
+        if torch.cuda.is_current_stream_capturing():  # the reference reads routed ids on the host
+            raise UsageError(f"a CUDA graph is capturing the MoE op, but the kernels do not take this step ({why}) "
+                             "and the torch reference cannot be captured; serve with --enforce-eager, or fix the "
+                             "kernels' refusal")
+        kernels.note_reference(why)
     if paths is not None and path is REFERENCE:
         paths.fell_back(refusals[-1] if refusals else "no kernel path")
     return path.run(step, paths.ran if paths is not None else (lambda name: None))

@@ -5,6 +5,7 @@ record. The quantization config and every MoE method hold it; nothing else keeps
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import threading
@@ -15,7 +16,10 @@ import torch
 
 from moetplan.contract import envs
 from moetplan.contract.errors import ConfigError
+from moetplan import vllm_compat
 from moetplan.runtime import records
+from moetplan.runtime.cuda_paths import error_flag
+from moetplan.runtime.graph_counters import CallPaths, GraphCounters, capturing
 from moetplan.runtime.layer import LayerState
 from moetplan.runtime.ops import PathLog
 from moetplan.runtime.pack_resolve import PackResolver
@@ -54,7 +58,8 @@ def is_warmup() -> bool:
 class WorkerRuntime:
     """Everything one worker process serves its MoE layers with, read from one Plan."""
 
-    def __init__(self, plan: Any, plan_path: str | None = None, *, rank: int | None = None):
+    def __init__(self, plan: Any, plan_path: str | None = None, *, rank: int | None = None,
+                 in_graphs: bool | None = None):
         fmt = plan.placement.expert_format
         if fmt not in EXPERT_FORMATS:
             raise ConfigError(f"{plan_path or 'plan'}: expert_format '{fmt}' is not one the runtime serves; use one "
@@ -70,6 +75,10 @@ class WorkerRuntime:
         self.fp4 = ReserveState()
         self.tiered: TieredExperts | None = None
         self._writer: records.RecordWriter | None = None
+        # Whether vLLM records the MoE layers inside CUDA graphs (None: asked of vLLM's config at the first MoE
+        # layer). Then the op runs capture-safe and counts on the device (`graph`).
+        self.in_graphs = in_graphs
+        self.graph: GraphCounters | None = None
 
     @classmethod
     def from_plan_file(cls, path: str | os.PathLike[str]) -> "WorkerRuntime":
@@ -114,11 +123,39 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ layers
 
     def new_moe_index(self) -> int:
+        """The next MoE layer's index (called while vLLM builds the model, with its config current)."""
+        if self.in_graphs is None:
+            self.in_graphs = self._moe_in_graphs()
         self.moe_layers_created += 1
         return self.moe_layers_created - 1
 
+    def _moe_in_graphs(self) -> bool:
+        try:
+            captured = vllm_compat.moe_in_cuda_graphs()
+        except ImportError:  # no vLLM: nothing captures
+            return False
+        except Exception as e:  # a vLLM whose config reads differently: count in Python, say so
+            log.warning("moetplan: could not tell whether vLLM records the MoE layers in CUDA graphs (%r); counting "
+                        "on the host (the run record's MoE counts are wrong if it does)", e)
+            return False
+        why = self.section.moe_split_reason
+        if captured and why is not None:
+            ops = ",".join(f'"{op}"' for op in vllm_compat.MOE_FORWARD_OPS)
+            raise ConfigError(
+                f"vLLM would record the MoE layers inside CUDA graphs, but this plan's MoE layers must run on every "
+                f"step ({why}). Start the server with `moetplan run {self.plan_path or 'plan.json'}` (its "
+                "compilation config splits the graph at MoE), or add --compilation-config "
+                f"'{{\"cudagraph_mode\":\"PIECEWISE\",\"splitting_ops\":[<vLLM's attention ops>,{ops}]}}', "
+                "or --enforce-eager")
+        return captured
+
     def layer_state(self, **fields: Any) -> LayerState:
-        """A layer's state wired to this worker's reserve, kernel policy and path log."""
+        """A layer's state wired to this worker's reserve, kernel policy and path log. Inside CUDA graphs the
+        residency flag is read at step end rather than after each call (a host sync), and the kernel paths are
+        counted on the device (`run_layer`)."""
+        if self.in_graphs:
+            policy = dataclasses.replace(self.section.kernels, check_residency=False)
+            return LayerState(**fields, fp4=self.fp4, policy=policy, paths=None)
         return LayerState(**fields, fp4=self.fp4, policy=self.section.kernels, paths=self.paths)
 
     def attach_store(self, st: LayerState, rows: torch.Tensor) -> TieredExperts:
@@ -130,6 +167,10 @@ class WorkerRuntime:
 
     def layer_loaded(self, st: LayerState, device: Any, load_s: float) -> None:
         self.layers[st.key] = st
+        if self.in_graphs and self.graph is None:  # allocated before any capture: graphs keep its address
+            dev = torch.device(device)
+            flag = error_flag(dev) if dev.type == "cuda" else None  # read with the counters, not per call
+            self.graph = GraphCounters(dev, self.section.decode_batch_tokens, flag=flag)
         s = self.section
         if st.fmt == "unquantized" and s.reserve_wanted and st.key == 0:
             log.info("moetplan: the plan's FP4 reserve (and gate) do not apply to unquantized experts: "
@@ -152,6 +193,8 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ the op
 
     def run_layer(self, key: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.graph is not None:
+            return self._run_layer_in_graph(key, x, topk_weights, topk_ids)
         st = self.layers[key]
         t0 = time.perf_counter()
         warmup = is_warmup()
@@ -164,6 +207,21 @@ class WorkerRuntime:
             w.maybe_write()
         return out
 
+    def _run_layer_in_graph(self, key: int, x: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor) -> torch.Tensor:
+        """The capture-safe call: kernel launches and, at the first MoE layer, the step's two counter adds. A
+        graph replays what this records, so nothing here may read the device or keep Python state per call.
+        vLLM's warmup runs are eager and not counted; a capture records the adds whatever its forward context."""
+        st = self.layers[key]
+        if not st.first:
+            return st.forward(x, topk_weights, topk_ids)
+        call = CallPaths()
+        out = st.forward(x, topk_weights, topk_ids, paths=call)
+        if capturing() or not is_warmup():
+            assert self.graph is not None
+            self.graph.step(int(x.shape[0]), int(topk_ids.shape[1]), call)
+        return out
+
     # ------------------------------------------------------------------ run record
 
     def store_kpis(self) -> dict[str, Any]:
@@ -173,7 +231,13 @@ class WorkerRuntime:
         out["expert_tier"] = ",".join(sorted(tiers)) if tiers else None
         out["expert_format"] = next((st.fmt for st in layers), None)
         out["expert_sources"] = sorted({st.source for st in layers})
-        out.update(self.paths.as_dict())
+        if self.graph is None:
+            out.update(self.paths.as_dict())
+        else:
+            try:
+                out.update({k: v for k, v in self.graph_summary().items() if k.startswith("kernel_")})
+            except Exception as e:
+                out["graph_counters_error"] = repr(e)
         if self.tiered is not None and self.tiered.pack_path:
             out["pack"] = self.tiered.pack_path
         if layers and all(st.store is None for st in layers):
@@ -188,16 +252,32 @@ class WorkerRuntime:
                 out["store_kpi_error"] = repr(e)
         return out
 
+    def graph_summary(self) -> dict[str, Any]:
+        """The device counters at this moment (one copy to the host), as the run record names them."""
+        assert self.graph is not None
+        return self.graph.summary(len(self.layers))
+
     def make_record(self) -> Any:
+        extra: dict[str, Any] = {"tp_rank": self.rank, "worker_pid": os.getpid()}
+        if self.graph is not None:
+            try:
+                extra.update({k: v for k, v in self.graph_summary().items() if not k.startswith("kernel_")})
+            except Exception as e:  # a failed device read (at exit, a lost context) must not take the worker down
+                extra["graph_counters_error"] = repr(e)
         return records.build_run_record(self.plan, self.plan_path, self.stats,
-                                        store_kpis={**self.store_kpis(), **self.fp4.kpis()},
-                                        extra_runtime={"tp_rank": self.rank, "worker_pid": os.getpid()})
+                                        store_kpis={**self.store_kpis(), **self.fp4.kpis()}, extra_runtime=extra)
 
     def record_version(self) -> tuple[Any, ...]:
         """Changes whenever the record would: MoE calls, and gate steps / reserve promotions (the gate judges a
         step after its MoE calls, and the background promoter works between steps)."""
         st = self.stats
-        return (st.moe_calls, st.warmup_calls, st.recompute_calls, st.layers, *self.fp4.version())
+        graph: Any = 0
+        if self.graph is not None:
+            try:
+                graph = self.graph.version()
+            except Exception as e:  # the flusher thread must outlive a failed read
+                graph = repr(e)
+        return (st.moe_calls, st.warmup_calls, st.recompute_calls, st.layers, graph, *self.fp4.version())
 
     def record_path(self) -> str | None:
         if self.section.record_path:
