@@ -22,8 +22,8 @@ pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-vllm027"
-LEG = ["tests/test_vllm_compat.py", "tests/test_cuda_fixes.py", "tests/test_vllm_architectures.py", "tests/test_moe_graphs.py",
-       "tests/test_e2e_vllm.py", "tests/test_e2e_reserve.py"]
+LEG = ["tests/test_vllm_compat.py", "tests/test_cuda_fixes.py", "tests/test_vllm_architectures.py",
+       "tests/test_moe_graphs.py", "tests/test_e2e_vllm.py", "tests/test_e2e_reserve.py"]
 INSIDE = "MOETPLAN_VLLM027_LEG"
 
 
