@@ -38,6 +38,8 @@ def resolve_plan(plan_path: str | None, model: str | None, *, box: str | None = 
     check_router(router)
     if dummy_weights:
         check_dummy_source(model, plan_path)
+        if experts and experts != "2bit":
+            raise UsageError("--dummy-weights writes random 2-bit expert rows; drop --experts unquantized")
     if plan_path:
         plan = load_json(_schema.Plan, plan_path)
         path = Path(plan_path).resolve()
