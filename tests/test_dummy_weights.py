@@ -3,6 +3,7 @@ and the CLI's answers to bad input (no vLLM server here; tests/test_e2e_dummy.py
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -292,3 +293,32 @@ def test_dummy_rows_land_in_their_tier_and_nothing_is_loaded_or_quantized(tier, 
         store.ensure(1, ids)  # a decode step's experts reach the cache from the host store
         assert bool((store.residency[1][ids[0]] >= 0).all())
     worker.close()
+
+
+def test_nvme_tier_writes_the_random_rows_into_a_pack_once(tmp_path, dummy_root):
+    from moetplan.contract.layout import RowLayout
+    from moetplan.contract.runtime import RuntimeSection
+    from moetplan.runtime.pack_resolve import PackResolver
+    from moetplan.runtime.tiers import TieredExperts
+
+    folder = ensure_dummy_model(resolve_model("qwen3-30b-a3b"), dummy_root)
+    lay = RowLayout.for_expert(64, 64, 1, "2bit")
+    section = RuntimeSection(tier="nvme", cache_slots=8, arena_rows=4, row_bytes=lay.stride,
+                             pack_dir=str(tmp_path), weights="dummy", seed=5)
+
+    def build():
+        packs = PackResolver(str(tmp_path), lambda: 0, dummy_seed=5)
+        packs.set_model_dir(str(folder))
+        tiered = TieredExperts(section, packs.write_and_open)
+        for layer in range(3):
+            tiered.add(layer, None, lay, 16)
+        return tiered, tiered.get()
+
+    tiered, store = build()
+    assert type(store.backing).__name__ == "PackArenaStore" and tiered.pack_path.endswith(".pack")
+    mtime = os.path.getmtime(tiered.pack_path)
+    store.ensure(2, torch.tensor([[1, 2, 3]]))
+    want = RandomRowSource(lay, 3, 16, seed=5)[2 * 16 + 3]
+    assert np.array_equal(store.data[int(store.residency[2][3])].numpy(), want)
+    tiered2, _ = build()  # a second boot finds the finished pack of this config and seed
+    assert tiered2.pack_path == tiered.pack_path and os.path.getmtime(tiered2.pack_path) == mtime

@@ -71,7 +71,8 @@ class WorkerRuntime:
         self.moe_layers_created = 0  # MoE layers numbered in construction order: the pack's layer order
         self.stats = records.RuntimeStats(decode_batch_tokens=self.section.decode_batch_tokens)
         self.paths = PathLog()
-        self.packs = PackResolver(self.section.pack_dir, lambda: self.rank)
+        self.packs = PackResolver(self.section.pack_dir, lambda: self.rank,
+                                  dummy_seed=self.section.seed if self.section.weights == "dummy" else None)
         self.fp4 = ReserveState()
         self.tiered: TieredExperts | None = None
         self.router: LocalityRouter | None = None
