@@ -322,3 +322,20 @@ def test_nvme_tier_writes_the_random_rows_into_a_pack_once(tmp_path, dummy_root)
     assert np.array_equal(store.data[int(store.residency[2][3])].numpy(), want)
     tiered2, _ = build()  # a second boot finds the finished pack of this config and seed
     assert tiered2.pack_path == tiered.pack_path and os.path.getmtime(tiered2.pack_path) == mtime
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--model", "no-such-model"], "Unknown model 'no-such-model'"),
+    (["--model", "/tmp"], "is a checkpoint path"),
+    (["--model", "qwen3-30b-a3b", "--router", "bogus"], "--router bogus: choose one of model, locality"),
+])
+def test_cli_bad_input_exits_2_with_the_problem_and_the_fix(args, match, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from moetplan.cli import app
+
+    monkeypatch.setenv("MOETPLAN_CACHE_DIR", str(tmp_path))
+    res = CliRunner().invoke(app, ["run", *args, "--dummy-weights", "--dry-run", "--json"])
+    assert res.exit_code == 2
+    ev = json.loads(res.output.strip().splitlines()[-1])
+    assert ev["event"] == "error" and match in ev["error"] and "Traceback" not in res.output

@@ -34,7 +34,7 @@ def check_dummy_source(model: str | None, plan_path: str | None) -> None:
     if p.exists() or model.startswith(("/", "./", "../", "~")) or model.endswith(".json"):
         raise UsageError(f"--dummy-weights serves an hwdb model with no checkpoint on disk, and {model} is a "
                          "checkpoint path: drop --dummy-weights to serve that checkpoint, or name the hwdb model "
-                         "(`moetplan run --model qwen3-30b-a3b --dummy-weights`; `moetplan plan --list-models`)")
+                         "(`moetplan run --model qwen3-30b-a3b --dummy-weights`; `moetplan models` lists them)")
 
 
 def set_router(plan: Any, router: str) -> None:
