@@ -4,8 +4,8 @@ rate after a warm-up is within 5 points of the plan's prediction; `moetplan benc
 
 The largest honest configuration for a 2-core, 24 GiB CI machine: the whole model, experts in the host tier (8.1
 GiB of 2-bit rows in RAM) behind a 2 GiB expert cache, context 1024, one sequence. A decode step takes seconds
-there (the torch reference dequantizes every routed expert it reads), so the hit rate is taken over 40 decode
-steps after 40 of warm-up; docs/ARCHITECTURE.md ("Try before you download") has the bound.
+there (the torch reference dequantizes every routed expert it reads), so the hit rate is taken over 30 decode
+steps after 30 of warm-up; docs/ARCHITECTURE.md ("Try before you download") has the bound.
 Runtime: about 10-15 minutes on 2 CPU cores (run under the heavy lock).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from moetplan.bench.window import window_kpis  # noqa: E402
 from moetplan.contract import Plan, RunRecord, load_json  # noqa: E402
 
 MODEL = "qwen3-30b-a3b"
-WARM_TOKENS, MEASURED_TOKENS = 40, 40
+WARM_TOKENS, MEASURED_TOKENS = 30, 30
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +75,11 @@ def _record(path: Path, min_steps: int) -> RunRecord:
 @pytest.fixture(scope="module")
 def windows(served):
     path = Path(served["ready"]["run_record"])
+    # A request's first token comes from its prefill, and the store closes a decode step when the next begins.
     first = _complete(served["port"], WARM_TOKENS)
-    before = _record(path, WARM_TOKENS - 1)
+    before = _record(path, WARM_TOKENS - 2)
     _complete(served["port"], MEASURED_TOKENS)
-    after = _record(path, WARM_TOKENS + MEASURED_TOKENS - 2)
+    after = _record(path, WARM_TOKENS + MEASURED_TOKENS - 3)
     return first, before, after
 
 
@@ -100,14 +101,14 @@ def test_locality_hit_rate_is_within_5_points_of_the_plan(served, windows):
     _, before, after = windows
     plan = load_json(Plan, served["ready"]["plan"])
     w = window_kpis(before.runtime, after.runtime)
-    assert w["steps"] >= MEASURED_TOKENS - 2
+    assert w["steps"] >= MEASURED_TOKENS - 1
     assert abs(w["token_hit_rate"] - plan.prediction.token_hit_rate) <= 0.05, (w, plan.prediction.token_hit_rate)
 
 
 def test_moetplan_bench_measures_the_dummy_plan(served, windows, tmp_path):
     out = tmp_path / "run.json"
     r = subprocess.run([sys.executable, "-m", "moetplan.cli", "bench", "--url", f"http://127.0.0.1:{served['port']}",
-                        "--plan", served["ready"]["plan"], "--runs", "1", "--max-tokens", "6", "--concurrency", "1",
+                        "--plan", served["ready"]["plan"], "--runs", "1", "--max-tokens", "4", "--concurrency", "1",
                         "--prompt-lens", "32", "--no-probes", "--timeout", "600", "--out", str(out)],
                        env=served["env"], capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
