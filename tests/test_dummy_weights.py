@@ -339,3 +339,24 @@ def test_cli_bad_input_exits_2_with_the_problem_and_the_fix(args, match, tmp_pat
     assert res.exit_code == 2
     ev = json.loads(res.output.strip().splitlines()[-1])
     assert ev["event"] == "error" and match in ev["error"] and "Traceback" not in res.output
+
+
+def test_deepseek_v4_config_has_what_vllm_builds_its_layers_from(dummy_root):
+    """The attributes vLLM's DeepSeek-V4 layers read without a default, and its rope for every layer type (SWA,
+    CSA, HCA): the full model only builds on a GPU, these fail on CPU first."""
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
+    rope = pytest.importorskip("vllm.models.deepseek_v4.common.rope")
+    spec = resolve_model("deepseek-v4-flash")
+    mc = ModelConfig(model=str(ensure_dummy_model(spec, dummy_root)), max_model_len=4096)
+    hf = mc.hf_config
+    read = ("compress_ratios compress_rope_theta hc_eps hc_mult hc_sinkhorn_iters head_dim index_head_dim "
+            "index_n_heads index_topk num_hash_layers o_groups o_lora_rank q_lora_rank qk_rope_head_dim rms_norm_eps "
+            "rope_parameters rope_theta sliding_window swiglu_limit num_nextn_predict_layers").split()
+    assert [n for n in read if getattr(hf, n, None) is None] == []
+    assert len(hf.compress_ratios) >= spec.num_layers
+    with set_current_vllm_config(VllmConfig(model_config=mc)):
+        for ratio in sorted(set(hf.compress_ratios)):
+            rope.build_deepseek_v4_rope(hf, head_dim=hf.head_dim, rope_head_dim=hf.qk_rope_head_dim,
+                                        max_position_embeddings=4096, compress_ratio=ratio)
