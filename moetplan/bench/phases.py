@@ -33,7 +33,8 @@ import httpx
 
 from moetplan.bench import probes
 from moetplan.bench.client import BenchClient, StreamResult, _describe
-from moetplan.contract import Plan, RunRecord, SchemaError, load_json, run_record_path, save_json
+from moetplan.bench.window import record_window, server_side_record
+from moetplan.contract import Plan, RunRecord, SchemaError, load_json, save_json
 from moetplan.contract.errors import UsageError
 
 # Prompt for the decode and batch runs: short so prefill barely counts, long enough to look like a request.
@@ -141,21 +142,6 @@ async def runtime_metrics(client: BenchClient) -> dict[str, float]:
             except (ValueError, IndexError):
                 continue
     return out
-
-
-def server_side_record(plan_path: str | None, since: float) -> dict[str, Any]:
-    """Runtime KPIs (hit rates, misses per step) from the record the moetplan runtime writes next to the plan,
-    when the server runs on this machine and updated it during the bench; empty otherwise."""
-    if not plan_path:
-        return {}
-    try:
-        path = run_record_path(plan_path)
-        if not path.exists() or path.stat().st_mtime < since:
-            return {}
-        served = load_json(RunRecord, path)
-    except Exception:  # noqa: BLE001 - a missing or half-written server record only loses these extras
-        return {}
-    return {**served.runtime, "runtime_record": str(path)}
 
 
 # --------------------------------------------------------------------------- the bench
@@ -494,13 +480,17 @@ async def _run(url: str, model: str | None, s: BenchSettings, plan: Plan | None,
         phases = [b.warmup, b.decode, b.prefill, b.batch]
         if s.probes:
             phases += [b.needle, b.arithmetic, b.coherence]
+        after_warmup: dict[str, Any] = {}
         for phase in phases:
             await phase()
+            if phase == b.warmup:
+                after_warmup = server_side_record(plan_path, since=started)
             b.finish()
             b.save()  # partial results survive a crash or Ctrl-C in a later phase
         kpis = {**server_side_record(plan_path, since=started), **await runtime_metrics(client)}
         if kpis:
             rec.runtime.update(kpis)
+            record_window(rec, after_warmup, kpis)
             b.save()
         return rec
     finally:

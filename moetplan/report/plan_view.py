@@ -50,7 +50,9 @@ def plan_line(plan: Plan) -> str:
     name = plan.launch.served_model_name or plan.model.id
     if not plan.hardware.gpus:
         where = "this machine (vLLM CPU backend)"
-        tier = f"experts {p.expert_format} resident in RAM"
+        tier = (f"experts {p.expert_format} in a RAM host store, cache {p.gpu_expert_cache_gib:.1f} GiB "
+                f"(predicted hit rate {pred.token_hit_rate:.0%})" if p.expert_tier == "host" and pred.token_hit_rate
+                is not None else f"experts {p.expert_format} resident in RAM")
     else:
         where = hardware_line(plan.hardware)
         ranks = (f"TP{p.tp}" + (f"xPP{p.pp}" if p.pp > 1 else "")) if p.tp * p.pp > 1 else "1 GPU"
@@ -64,7 +66,9 @@ def plan_line(plan: Plan) -> str:
     ctx = f"context {p.context:,} ({p.kv_dtype} KV)"
     guess = f"predicted {pred.decode_tok_s:,.1f} tok/s decode" + (f", bound by {pred.bottleneck}" if pred.bottleneck
                                                                    else "")
-    return f"plan: {name} on {where}: {tier}, {ctx}; {guess}"
+    knobs = plan.runtime_knobs
+    dummy = f"; dummy weights, {knobs.router} router" if knobs.weights == "dummy" else ""
+    return f"plan: {name} on {where}: {tier}, {ctx}; {guess}{dummy}"
 
 
 def placement_table(plan: Plan) -> Table:

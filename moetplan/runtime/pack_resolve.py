@@ -27,8 +27,9 @@ def _hub_snapshot(repo: str) -> str | None:
 class PackResolver:
     """Pack lookups for one worker: `pack_dir` from the plan, the TP rank, and the checkpoint being loaded."""
 
-    def __init__(self, pack_dir: str | None, tp_rank: Callable[[], int]):
+    def __init__(self, pack_dir: str | None, tp_rank: Callable[[], int], dummy_seed: int | None = None):
         self.pack_dir, self._rank = pack_dir, tp_rank
+        self.dummy_seed = dummy_seed  # dummy weights: packs hold random rows of this seed
         self._model_dir: str | None = None
         self._opened: dict[str, Any] = {}  # fmt -> the valid pack (or None) found at the first lookup
 
@@ -60,6 +61,16 @@ class PackResolver:
         from moetplan.runtime.packs import checkpoint_identity, model_key_for
 
         model = self.remember_model_dir() or "model"
+        if self.dummy_seed is not None:
+            # A config-only folder (models/dummy_config.py): the rows are random, named by the config and seed.
+            import hashlib
+
+            cfg = os.path.join(model, "config.json")
+            digest = "none"
+            if os.path.isfile(cfg):
+                with open(cfg, "rb") as f:
+                    digest = hashlib.sha256(f.read()).hexdigest()[:16]
+            return model_key_for(model) + "-dummy", f"dummy:{digest}:seed{self.dummy_seed}"
         folder = self.checkpoint_dir()
         if folder:
             return model_key_for(folder if os.path.isdir(model) else model), checkpoint_identity(folder)
