@@ -65,6 +65,9 @@ def rescale(model: Any) -> dict[str, int]:
                 continue
             if not (data.dtype.is_floating_point and data.dtype != e8m0):
                 continue
+            if data.dim() == 0:  # per-tensor scalars (kv / activation scales) keep their loader values
+                counts["kept"] += 1
+                continue
             if data.dim() == 1:
                 if "norm" in name:
                     data.fill_(1.0)
