@@ -20,7 +20,8 @@ from moetplan.contract import GPUInfo, HardwareProfile, HostInfo, StorageInfo, V
 
 HWDB_ENV = envs.HWDB.name
 # yaml keys that describe provenance; they are not ModelSpec fields.
-_META_KEYS = ("source", "sources", "status", "status_default", "notes")
+# hf_config: config.json keys a ModelSpec does not carry (models/dummy_config.py writes them for --dummy-weights).
+_META_KEYS = ("source", "sources", "status", "status_default", "notes", "hf_config")
 # Checkpoint precisions a routed expert can arrive in (EXPERT_FORMAT_BITS names the stored formats; MXFP4
 # checkpoints are the same bits as the "fp4" reserve format).
 EXPERT_CHECKPOINT_PRECISIONS = frozenset(EXPERT_FORMAT_BITS) | {"mxfp4"}

@@ -16,6 +16,8 @@ from moetplan.launch.run import serve
 from moetplan.plan.cpu_backend import plan_for_cpu
 
 EXPERT_FORMAT_CHOICES = ("2bit", "unquantized")
+# What a CPU-backend plan can be pinned to (plan/cpu_backend.py: experts resident, or a RAM cache over a host store).
+CPU_PINS = ("context", "max_num_seqs", "expert_tier", "gpu_expert_cache_gib")
 
 
 def set_expert_format(plan: Any, expert_format: str) -> None:
@@ -26,16 +28,33 @@ def set_expert_format(plan: Any, expert_format: str) -> None:
 
 def resolve_plan(plan_path: str | None, model: str | None, *, box: str | None = None, gpus: str | None = None,
                  hw: str | None = None, context: str | None = None, set_: list[str] | None = None,
-                 experts: str | None = None, run_dir: str | None = None) -> tuple[Any, Path, bool]:
+                 experts: str | None = None, run_dir: str | None = None, dummy_weights: bool = False,
+                 router: str | None = None) -> tuple[Any, Path, bool]:
     """-> (plan, path the runtime will read it from, whether that file was written by this run)."""
+    from moetplan.launch.dummy import apply_dummy_weights, check_dummy_source, check_router, set_router
+
     if bool(plan_path) == bool(model):
         raise UsageError("give either a plan.json or --model NAME (e.g. `moetplan run --model tiny-moe`)")
+    check_router(router)
+    if dummy_weights:
+        check_dummy_source(model, plan_path)
     if plan_path:
         plan = load_json(_schema.Plan, plan_path)
         path = Path(plan_path).resolve()
+        changed = []
         if experts and experts != plan.placement.expert_format:
             set_expert_format(plan, experts)
-            path = path.with_name(f"{path.stem}.{experts}.json")
+            changed.append(experts)
+        if dummy_weights and plan.runtime_knobs.weights != "dummy":
+            apply_dummy_weights(plan, router)
+            changed.append("dummy")
+        elif router and router != plan.runtime_knobs.router:
+            set_router(plan, router)
+            changed.append(router)
+        if plan.runtime_knobs.weights == "dummy":
+            apply_dummy_weights(plan, plan.runtime_knobs.router)  # its config folder, rewritten if missing
+        if changed:
+            path = path.with_name(f"{path.stem}.{'.'.join(changed)}.json")
             save_json(plan, path)
             return plan, path, True
         return plan, path, False
@@ -66,9 +85,16 @@ def resolve_plan(plan_path: str | None, model: str | None, *, box: str | None = 
         from moetplan.models import resolve_model
 
         spec = resolve_model(model)  # type: ignore[arg-type]
-        plan = _solve(spec, box, gpus, hw, ctx, set_)
+        if dummy_weights and not (box or gpus or hw):
+            plan = _solve_here(spec, ctx, set_, experts or "2bit")  # the CPU backend where there is no GPU
+        else:
+            plan = _solve(spec, box, gpus, hw, ctx, set_)
     if experts:
         set_expert_format(plan, experts)
+    if dummy_weights:
+        apply_dummy_weights(plan, router)
+    elif router:
+        set_router(plan, router)
     plan.moetplan_version = plan.moetplan_version or __version__
     name = plan.launch.served_model_name or spec.id.replace(":", "-").replace("/", "-")
     folder = Path(run_dir) if run_dir else runs_root() / name
@@ -95,18 +121,20 @@ def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str
         for item in set_ or []:
             k, _, v = item.partition("=")
             pins[k.strip()] = v.strip()
-        unknown = set(pins) - {"context", "max_num_seqs"}
+        unknown = set(pins) - set(CPU_PINS)
         if unknown:
-            raise UsageError(f"--set {', '.join(sorted(unknown))}: a CPU-backend plan takes only context and "
-                             "max_num_seqs")
+            raise UsageError(f"--set {', '.join(sorted(unknown))}: a CPU-backend plan takes only "
+                             f"{', '.join(CPU_PINS)}")
         from moetplan.contract import parse_tokens as _parse_tokens
 
         try:
             context = _parse_tokens(pins["context"]) if "context" in pins else ctx
             seqs = int(pins.get("max_num_seqs", 4))
+            cache = float(pins["gpu_expert_cache_gib"]) if "gpu_expert_cache_gib" in pins else None
         except ValueError:
             raise UsageError(f"--set {' '.join(set_ or [])}: not a number") from None
-        return plan_for_cpu(spec, context=context, expert_format=experts, max_num_seqs=seqs)
+        return plan_for_cpu(spec, context=context, expert_format=experts, max_num_seqs=seqs,
+                            expert_tier=pins.get("expert_tier", "resident"), cache_gib=cache)
     return _solve(spec, None, None, None, ctx, set_)
 
 
@@ -142,6 +170,12 @@ def run_command(
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="with --model: where plan.json, the log and "
                                           "the run record go (default: the user cache dir)"),
     as_json: bool = typer.Option(False, "--json", help="JSON lines (events) instead of text"),
+    dummy_weights: bool = typer.Option(False, "--dummy-weights", help="with --model (an hwdb model): serve the "
+                                       "plan with random weights, no checkpoint on disk (config.json and a "
+                                       "tokenizer written from hwdb; experts as random 2-bit rows in their tier)"),
+    router: Optional[str] = typer.Option(None, "--router", help="who picks the experts: model (its own router) "
+                                         "or locality (popularity follows the model's published coverage curve; "
+                                         "the default with --dummy-weights)"),
     vllm_args: List[str] = typer.Argument(None, hidden=True),
 ) -> None:
     """Serve a model under a plan through vLLM (extra vLLM flags after `--`)."""
@@ -154,7 +188,8 @@ def run_command(
             # After `--` click hands every word to the positionals: the first belongs to the vLLM flags.
             extra, plan_file = [plan_file, *extra], None
         plan, plan_path, written = resolve_plan(plan_file, model, box=box, gpus=gpus, hw=hw, context=context,
-                                                set_=set_, experts=experts, run_dir=run_dir)
+                                                set_=set_, experts=experts, run_dir=run_dir,
+                                                dummy_weights=dummy_weights, router=router)
         if dry_run:
             launch = build_launch(plan, plan_path=str(plan_path), host=host, port=port, extra_args=extra)
             if as_json:

@@ -34,7 +34,7 @@ from moetplan.contract.io import (
     load_json,
     save_json,
 )
-from moetplan.contract.paths import cache_root, default_pack_dir, run_record_path, runs_root, tiny_root
+from moetplan.contract.paths import cache_root, default_pack_dir, dummy_root, run_record_path, runs_root, tiny_root
 from moetplan.contract.model import (
     DENSE_BYTES_PER_PARAM,
     EXPERT_FORMAT_BITS,
@@ -72,7 +72,7 @@ from moetplan.contract.units import GIB, MIB, parse_tokens
 __all__ = [
     "EXIT_FAILURE", "EXIT_INFEASIBLE", "EXIT_OK", "EXIT_USAGE", "ConfigError", "InfeasibleError", "MoetplanError",
     "UnknownNameError", "UsageError", "validation_summary", "SchemaError", "atomic_write_text", "load_any",
-    "load_json", "save_json", "cache_root", "default_pack_dir", "run_record_path", "runs_root", "tiny_root", "DENSE_BYTES_PER_PARAM", "EXPERT_FORMAT_BITS", "Attention",
+    "load_json", "save_json", "cache_root", "default_pack_dir", "dummy_root", "run_record_path", "runs_root", "tiny_root", "DENSE_BYTES_PER_PARAM", "EXPERT_FORMAT_BITS", "Attention",
     "AttentionKind", "ModelSpec", "PINNABLE_KNOBS", "SCHEMA_VERSION", "Alternative", "ExpertTier", "Gate", "Goals",
     "GPUInfo", "GPURankMemory", "HardwareProfile", "HostInfo", "LedgerItem", "Launch", "MemoryLedger",
     "Objective", "Placement", "Plan", "Prediction", "Reason", "RunRecord", "StorageInfo", "Term", "ValueSource",

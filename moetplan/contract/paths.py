@@ -36,6 +36,11 @@ def tiny_root() -> Path:
     return cache_root() / "tiny"
 
 
+def dummy_root() -> Path:
+    """Config-only model folders for `moetplan run --dummy-weights` (config.json + tokenizer, no weights)."""
+    return cache_root() / "dummy"
+
+
 def default_pack_dir() -> Path:
     """Pack files when no pack dir is probed or given."""
     return cache_root() / "packs"

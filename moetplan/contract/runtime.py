@@ -1,7 +1,8 @@
 """The runtime section of the Plan: every knob a vLLM worker reads, typed and frozen, in one object.
 
 `KernelPolicy` says which MoE kernel paths the op may take; `RuntimeKnobs` holds what the planner does not decide
-(kernel policy, who promotes into the FP4 reserve, where the run record goes); `RuntimeSection` is what a worker
+(kernel policy, who promotes into the FP4 reserve, where the run record goes, checkpoint or dummy weights, the
+model's router or the published-locality one); `RuntimeSection` is what a worker
 reads: those knobs with the placement's sizes (rows, not GiB: what the plan sized is what the worker allocates).
 Benches and tests build a `KernelPolicy` and pass it to the op; nothing reads a module flag.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moetplan.contract.errors import UsageError
 
@@ -18,6 +19,8 @@ DECODE_KERNELS = ("auto", "rowdot", "gemv", "mma")
 PREFILL_KERNELS = ("auto", "tiled", "wgmma", "warp")
 DECODE_RINGS = (None, "cp.async", "tma")
 PROMOTERS = ("background", "gate")
+WEIGHT_SOURCES = ("checkpoint", "dummy")
+ROUTERS = ("model", "locality")
 
 
 @dataclass(frozen=True)
@@ -98,10 +101,26 @@ class RuntimeKnobs(_Frozen):
     # The run record's file; None = beside the plan (plan.run.json, plan.run.rank<N>.json for other ranks).
     record_path: str | None = None
     record_interval_s: float = 2.0
-    # Where routed-expert weights and routing come from (room for other sources; the checkpoint and its router
-    # are the only ones today).
-    weights: Literal["checkpoint"] = "checkpoint"
-    router: Literal["model"] = "model"
+    # Where the weights come from: "checkpoint" (loaded from the model folder) or "dummy" (vLLM's random dense
+    # weights from a config-only folder; routed experts as random 2-bit rows written straight into their tier).
+    weights: Literal["checkpoint", "dummy"] = "checkpoint"
+    # Who picks each token's experts: "model" (its own router) or "locality" (sampled so each layer's expert
+    # popularity follows `router_popularity`: the model's published coverage curve, what the cost model predicts
+    # hit rates from).
+    router: Literal["model", "locality"] = "model"
+    # Share of one layer's routings each expert takes, hottest first (sums to 1; len = routed experts).
+    router_popularity: tuple[float, ...] = ()
+    # Seeds the dummy expert rows and the locality router's rankings and draws.
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _locality_needs_popularity(self) -> "RuntimeKnobs":
+        if self.router == "locality" and not self.router_popularity:
+            raise ValueError("router 'locality' needs router_popularity (the coverage curve's expert shares); "
+                             "`moetplan run --router locality` fills it from the model's hwdb entry")
+        if self.router_popularity and abs(sum(self.router_popularity) - 1.0) > 1e-3:
+            raise ValueError(f"router_popularity sums to {sum(self.router_popularity):.4f}, not 1")
+        return self
 
 
 class RuntimeSection(_Frozen):
@@ -123,8 +142,10 @@ class RuntimeSection(_Frozen):
     promoter: Literal["background", "gate"] = "background"
     record_path: str | None = None
     record_interval_s: float = 2.0
-    weights: Literal["checkpoint"] = "checkpoint"
-    router: Literal["model"] = "model"
+    weights: Literal["checkpoint", "dummy"] = "checkpoint"
+    router: Literal["model", "locality"] = "model"
+    router_popularity: tuple[float, ...] = ()
+    seed: int = 0
 
     @property
     def reserve_wanted(self) -> bool:
@@ -140,8 +161,9 @@ def runtime_section(placement: Any, knobs: RuntimeKnobs) -> RuntimeSection:
         fp4_row_bytes=p.fp4_row_bytes, pack_dir=p.pack_dir, gate=p.gate.model_copy(), mtp=p.mtp,
         decode_batch_tokens=max(1, int(p.max_num_seqs) * (1 + int(p.mtp))), kernels=knobs.kernels,
         promoter=knobs.promoter, record_path=knobs.record_path, record_interval_s=knobs.record_interval_s,
-        weights=knobs.weights, router=knobs.router)
+        weights=knobs.weights, router=knobs.router, router_popularity=knobs.router_popularity,
+        seed=knobs.seed)
 
 
-__all__ = ["DECODE_KERNELS", "DECODE_RINGS", "Gate", "KernelPolicy", "PREFILL_KERNELS", "PROMOTERS", "RuntimeKnobs",
-           "RuntimeSection", "runtime_section"]
+__all__ = ["DECODE_KERNELS", "DECODE_RINGS", "Gate", "KernelPolicy", "PREFILL_KERNELS", "PROMOTERS", "ROUTERS",
+           "RuntimeKnobs", "RuntimeSection", "WEIGHT_SOURCES", "runtime_section"]

@@ -93,6 +93,13 @@ def _popularity(curve: CoverageCurve, n_experts: int) -> np.ndarray:
     return np.diff(c)  # hottest first: the curve is concave
 
 
+def expert_popularity(model: ModelSpec, calib: Calibration | None = None) -> list[float]:
+    """Each routed expert's share of one layer's routings, hottest first: the coverage curve's steps (what the
+    locality router of `moetplan run --router locality` reproduces)."""
+    routing = (calib or load_calibration()).routing
+    return [float(v) for v in _popularity(curve_for(model, routing), model.n_routed_experts)]
+
+
 def inclusion_probs(curve: CoverageCurve, n_experts: int, top_k: int) -> np.ndarray:
     """P(expert i is among one token's top-k), hottest first."""
     return np.minimum(1.0, top_k * _popularity(curve, n_experts))

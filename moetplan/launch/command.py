@@ -160,7 +160,10 @@ def build_launch(
         if p.expert_tier != "resident":
             # The expert store allocates its slot pool itself; keep the caching allocator from fragmenting it.
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    if plan.model.local_path:
+    if plan.runtime_knobs.weights == "dummy":
+        # A config-only folder (models/dummy_config.py): vLLM's random dense weights, the plugin's random rows.
+        argv += ["--load-format", "dummy"]
+    if plan.model.local_path or plan.runtime_knobs.weights == "dummy":
         env["HF_HUB_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"
     if extra_args:

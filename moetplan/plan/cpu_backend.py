@@ -22,32 +22,57 @@ def host_info() -> Any:
     )
 
 
+CPU_TIERS = ("resident", "host")
+
+
 def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2bit",
-                 max_num_seqs: int = 4) -> Any:
-    """A Plan that serves `spec` on vLLM's CPU backend: experts resident in RAM, 1 GiB of KV cache.
+                 max_num_seqs: int = 4, expert_tier: str = "resident", cache_gib: float | None = None) -> Any:
+    """A Plan that serves `spec` on vLLM's CPU backend, 1 GiB of KV cache: experts resident in RAM, or (tier
+    "host") an expert cache of `cache_gib` over a host store of every row, both in RAM. The tiered plan runs the
+    GPU path's store and its hit-rate bookkeeping on a machine without a GPU.
 
     The GPU solver has nothing to place on a machine without a GPU; this plan still carries the ledger and
     the launch so the rest of the path (plugin, run record, diff) is the same as on a GPU box.
     """
+    from moetplan.contract.errors import UsageError
+
+    if expert_tier not in CPU_TIERS:
+        raise UsageError(f"expert_tier={expert_tier}: a CPU-backend plan keeps experts in RAM: "
+                         f"{' or '.join(CPU_TIERS)}")
+    tiered = expert_tier == "host"
+    if tiered and expert_format != "2bit":
+        raise UsageError("expert_tier=host caches 2-bit rows; drop --experts unquantized")
+    if tiered and not cache_gib:
+        raise UsageError("expert_tier=host needs a cache size: --set gpu_expert_cache_gib=GIB (on the CPU backend "
+                         "the cache is RAM too)")
     host = host_info()
     ctx = int(min(context or 2048, spec.max_position_embeddings))
     kv_gib = 1.0
     fmt_bits = "2bit" if expert_format == "2bit" else spec.expert_precision
     experts_gib = spec.routed_gib(fmt_bits if fmt_bits in ("2bit", "bf16", "fp16", "fp32", "fp8") else "bf16")
     dense_gib = spec.dense_bytes() / 2**30
-    placement = _schema.Placement(
-        tp=1, pp=1, expert_tier="resident", kv_dtype="bf16", kv_cache_gib=kv_gib, context=ctx,
+    placement = _schema.Placement.for_model(
+        spec, tp=1, pp=1, expert_tier=expert_tier, kv_dtype="bf16", kv_cache_gib=kv_gib, context=ctx,
         max_num_seqs=max_num_seqs, concurrency=1, max_num_batched_tokens=max(2048, ctx),
         gpu_memory_utilization=0.9, expert_format=expert_format,
+        **({"gpu_expert_cache_gib": float(cache_gib or 0)} if tiered else {}),
     )
+    cache = placement.gpu_expert_cache_gib
+    if tiered and placement.gpu_expert_cache_slots < spec.top_k * max_num_seqs:
+        raise UsageError(f"gpu_expert_cache_gib={cache_gib} holds {placement.gpu_expert_cache_slots} rows; a decode "
+                         f"step of {max_num_seqs} sequence(s) needs {spec.top_k * max_num_seqs}: give more")
+    items = [
+        _schema.LedgerItem(name="routed experts", gib=round(experts_gib, 6),
+                           note=f"{expert_format}, {'host store' if tiered else 'resident'}"),
+        _schema.LedgerItem(name="dense weights", gib=round(dense_gib, 6), note=spec.dense_precision),
+        _schema.LedgerItem(name="kv cache", gib=kv_gib, note="VLLM_CPU_KVCACHE_SPACE"),
+    ]
+    if tiered:
+        items.insert(1, _schema.LedgerItem(name="expert cache", gib=round(cache, 6),
+                                           note=f"{placement.gpu_expert_cache_slots} rows"))
     memory = _schema.MemoryLedger(
-        host_gib=round(experts_gib + dense_gib + kv_gib, 4), host_total_gib=host.ram_gib,
-        host_items=[
-            _schema.LedgerItem(name="routed experts", gib=round(experts_gib, 6), note=f"{expert_format}, resident"),
-            _schema.LedgerItem(name="dense weights", gib=round(dense_gib, 6), note=spec.dense_precision),
-            _schema.LedgerItem(name="kv cache", gib=kv_gib, note="VLLM_CPU_KVCACHE_SPACE"),
-        ],
-        guards=["cpu backend: no GPU guards apply"],
+        host_gib=round(experts_gib + cache + dense_gib + kv_gib, 4), host_total_gib=host.ram_gib,
+        host_items=items, guards=["cpu backend: no GPU guards apply"],
     )
     if memory.host_gib > (host.ram_available_gib or host.ram_gib) * 0.9:
         from moetplan.contract.errors import InfeasibleError
@@ -74,6 +99,7 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2b
         memory=memory,
         prediction=prediction,
         reasons=[_schema.Reason(knob="expert_tier", text="no NVIDIA GPU here: vLLM's CPU backend with every "
-                                "routed expert resident in RAM"),
+                                "routed expert " + ("in a host store behind an expert cache, both in RAM" if tiered
+                                                    else "resident in RAM")),
                  _schema.Reason(knob="kv_cache_gib", text="1 GiB CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")],
     )

@@ -65,9 +65,12 @@ class TieredExperts:
         self.layout: RowLayout | None = None
         self.store: ExpertStore | None = None
         self.pack_path: str | None = None
+        self.dummy = False
 
-    def add(self, moe_index: int, rows: torch.Tensor, layout: RowLayout) -> None:
-        self.rows[moe_index] = rows
+    def add(self, moe_index: int, rows: torch.Tensor | None, layout: RowLayout, num_experts: int = 0) -> None:
+        """A layer's rows; None: dummy weights, the rows are generated into the backing at build time."""
+        self.rows[moe_index] = rows if rows is not None else torch.empty(num_experts, 0, dtype=torch.uint8)
+        self.dummy = rows is None
         self.layout = layout
 
     def get(self) -> ExpertStore:
@@ -82,9 +85,16 @@ class TieredExperts:
         E = self.rows[0].shape[0]
         s = self.section
         _check_cache(s)  # before any pack is written
-        data = np.concatenate([self.rows[i].numpy() for i in range(L)])
+        if self.dummy:
+            # Random rows straight into the pinned store or the pack file: no copy of them exists elsewhere.
+            from moetplan.runtime.dummy_experts import RandomRowSource
+
+            assert self.layout is not None
+            data: Any = RandomRowSource(self.layout, L, E, seed=s.seed)
+        else:
+            data = np.concatenate([self.rows[i].numpy() for i in range(L)])
         if s.tier == "host":
-            source: Any = ArrayRowSource(data, L, E)
+            source: Any = data if self.dummy else ArrayRowSource(data, L, E)
         else:
             source = self.write_pack(data, L, E, self.layout)
             self.pack_path = str(source.path)

@@ -100,13 +100,17 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
             if s.row_bytes and self.layout.stride != s.row_bytes:
                 raise ConfigError(f"{layer.layer_name}: its 2-bit rows are {self.layout.stride} bytes at tp={tp}, "
                                   f"the plan sized {s.row_bytes}-byte rows (another model or TP degree): re-plan")
-            pack = w.packs.valid_pack(self.layout, num_experts)
+            pack = w.packs.valid_pack(self.layout, num_experts) if s.weights != "dummy" else None
             if pack is not None and self.key < pack.num_layers:
                 self.pack = pack
             if s.reserve_wanted:
                 self.fp4_layout = RowLayout.for_expert(hidden_size, intermediate_size_per_partition * tp, tp, "fp4")
                 w.fp4.check_fp4_pack(w.packs, self.fp4_layout, num_experts)
-        if self.source_method is not None:
+        if s.weights == "dummy":
+            # No checkpoint: the expert tensors stay empty (vLLM's dummy loader fills nothing of them) and the
+            # rows are generated in their tier after load.
+            self._create_empty_experts(layer, params_dtype, extra_weight_attrs)
+        elif self.source_method is not None:
             self.source_method.create_weights(layer, num_experts, hidden_size,
                                               intermediate_size_per_partition, params_dtype,
                                               **extra_weight_attrs)
@@ -124,6 +128,15 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
             # reserve has no pack yet: then its rows are quantized from these weights at load.)
             _free_checkpoint_experts(layer, _drop_loaded_weight)
 
+    @staticmethod
+    def _create_empty_experts(layer: Any, params_dtype: Any, attrs: dict) -> None:
+        from moetplan.vllm_compat import set_weight_attrs
+
+        for name in ("w13_weight", "w2_weight"):
+            p = torch.nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
+            layer.register_parameter(name, p)
+            set_weight_attrs(p, {**attrs, "weight_loader": _drop_loaded_weight})
+
     def get_fused_moe_quant_config(self, layer):
         return FUSED_MOE_UNQUANTIZED_CONFIG
 
@@ -133,7 +146,10 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
         if key is None:
             raise ConfigError(f"{layer.layer_name}: weights processed before they were created")
         src: ExpertSource | None = None
-        if self.pack is not None:
+        if s.weights == "dummy":
+            E, H, inter = self.dims
+            device, source = _layer_device(layer), "dummy"
+        elif self.pack is not None:
             E, H, inter = self.dims
             device = _layer_device(layer)
             source = f"pack:{self.pack.path.name}"
@@ -156,8 +172,13 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
             from moetplan.runtime.format import pack_expert_row
 
             layout = self.layout
-            rows = torch.empty(E, layout.stride, dtype=torch.uint8)
-            if self.pack is not None:
+            rows: torch.Tensor | None = torch.empty(E, layout.stride, dtype=torch.uint8)
+            if source == "dummy":
+                # Generated where they live: on the device for resident experts, by the store's backing otherwise.
+                from moetplan.runtime.dummy_experts import device_rows
+
+                rows = device_rows(layout, E, device, key, s.seed) if s.tier == "resident" else None
+            elif self.pack is not None:
                 # Packs are the persistent quantization cache: a later boot reads rows, skips the quantizer.
                 self.pack.read_rows([self.pack.row_index(key, e) for e in range(E)], rows.numpy())
             else:
@@ -168,6 +189,7 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
             if self.fp4_layout is not None:
                 w.fp4.collect_rows(key, src, self.fp4_layout, E)
             if s.tier == "resident":
+                assert rows is not None
                 st.rows = rows.to(device)
                 st.slot_of = torch.arange(E, device=device, dtype=torch.int32)
             else:
@@ -185,6 +207,7 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         if self.key is None:
             raise ConfigError(f"{layer.layer_name}: moetplan experts used before weights were processed")
+        topk_ids = self.worker.route(self.key, topk_ids)
         return torch.ops.moetplan.routed_experts(x, topk_weights, topk_ids, self.worker_id, self.key)
 
 

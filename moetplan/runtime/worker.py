@@ -20,6 +20,7 @@ from moetplan.runtime.layer import LayerState
 from moetplan.runtime.ops import PathLog
 from moetplan.runtime.pack_resolve import PackResolver
 from moetplan.runtime.reserve_build import ReserveState
+from moetplan.runtime.routers import LocalityRouter, router_for
 from moetplan.runtime.tiers import TieredExperts
 
 log = logging.getLogger("vllm.moetplan")
@@ -61,6 +62,10 @@ class WorkerRuntime:
                               f"of {', '.join(EXPERT_FORMATS)}")
         self.plan, self.plan_path = plan, str(plan_path) if plan_path else None
         self.section = plan.runtime
+        if self.section.weights == "dummy" and (fmt != "2bit" or self.section.reserve_wanted):
+            raise ConfigError(f"{plan_path or 'plan'}: dummy weights are random 2-bit rows with no FP4 reserve; "
+                              "re-run `moetplan run --dummy-weights` without --experts unquantized (it plans no "
+                              "reserve)")
         self._rank = rank  # None: asked of vLLM when needed (its TP group may not exist yet at construction)
         self.layers: dict[int, LayerState] = {}
         self.moe_layers_created = 0  # MoE layers numbered in construction order: the pack's layer order
@@ -69,6 +74,7 @@ class WorkerRuntime:
         self.packs = PackResolver(self.section.pack_dir, lambda: self.rank)
         self.fp4 = ReserveState()
         self.tiered: TieredExperts | None = None
+        self.router: LocalityRouter | None = None
         self._writer: records.RecordWriter | None = None
 
     @classmethod
@@ -121,12 +127,21 @@ class WorkerRuntime:
         """A layer's state wired to this worker's reserve, kernel policy and path log."""
         return LayerState(**fields, fp4=self.fp4, policy=self.section.kernels, paths=self.paths)
 
-    def attach_store(self, st: LayerState, rows: torch.Tensor) -> TieredExperts:
-        """Hand a layer's rows to the worker's tiered store (built at the first forward)."""
+    def attach_store(self, st: LayerState, rows: torch.Tensor | None) -> TieredExperts:
+        """Hand a layer's rows to the worker's tiered store (built at the first forward; None: dummy weights, the
+        store generates them into its backing)."""
         if self.tiered is None:
             self.tiered = TieredExperts(self.section, self.packs.write_and_open)
-        self.tiered.add(st.moe_index, rows, st.layout)
+        self.tiered.add(st.moe_index, rows, st.layout, st.num_experts)
         return self.tiered
+
+    def route(self, key: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts a layer computes: the model's choice, or the plan's router's (runtime/routers.py)."""
+        if self.section.router == "model":
+            return topk_ids
+        if self.router is None:
+            self.router = router_for(self.section, int(topk_ids.shape[1]))
+        return self.router.route(key, topk_ids)
 
     def layer_loaded(self, st: LayerState, device: Any, load_s: float) -> None:
         self.layers[st.key] = st
@@ -189,9 +204,11 @@ class WorkerRuntime:
         return out
 
     def make_record(self) -> Any:
+        s = self.section
         return records.build_run_record(self.plan, self.plan_path, self.stats,
                                         store_kpis={**self.store_kpis(), **self.fp4.kpis()},
-                                        extra_runtime={"tp_rank": self.rank, "worker_pid": os.getpid()})
+                                        extra_runtime={"tp_rank": self.rank, "worker_pid": os.getpid(),
+                                                       "weights": s.weights, "router": s.router})
 
     def record_version(self) -> tuple[Any, ...]:
         """Changes whenever the record would: MoE calls, and gate steps / reserve promotions (the gate judges a
