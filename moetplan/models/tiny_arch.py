@@ -131,7 +131,11 @@ def deepseek_v4(size: Size = "cuda", layers: int = 3, *, full: bool = False, rel
                     "sliding_window": a["sliding_window"], "index_topk": a["index_topk"],
                     "index_n_heads": a["index_n_heads"], "index_head_dim": a["index_head_dim"],
                     "compress_ratios": ds4_ratios(layers), "num_nextn_predict_layers": s.mtp_layers if full else 0,
-                    "expert_dtype": "fp4", **json.loads(json.dumps(DS4_EXTRA))})
+                    **json.loads(json.dumps(DS4_EXTRA))})
+        if full:
+            # The released experts are MXFP4; a tiny model's stay FP8 like its dense part, a format the moetplan
+            # method quantizes at load (MXFP4 experts reach it only as packs: `moetplan quantize`).
+            cfg["expert_dtype"] = "fp4"
         if full:
             cfg["vocab_size"] = s.vocab_size
         if release_quant:
