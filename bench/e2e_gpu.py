@@ -122,10 +122,12 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any,
     res["predicted"] = predictions(args.model, hw, case, args.context, max(streams), card, streams)
     port = 8100 + len(list(root.iterdir()))
     left = deadline - time.monotonic()
-    run = RunProcess([str(plan_path), "--port", str(port), "--timeout", str(int(max(left - 60, 60)))],
+    extra = ["--", *args.vllm_args.split()] if args.vllm_args else []
+    res["vllm_extra_args"] = args.vllm_args or None
+    run = RunProcess([str(plan_path), "--port", str(port), "--timeout", str(int(max(left - 30, 60))), *extra],
                      log_path=folder / "events.log").start()
     try:
-        ready = run.wait_ready(max(left - 45, 60))
+        ready = run.wait_ready(max(left - 25, 60))
         res["startup_s"] = round(time.monotonic() - t0, 1)
         print(f"{name}: ready after {res['startup_s']} s", flush=True)
         rec = run_bench(run.url, plan=plan_path, concurrency=streams, runs=args.runs, max_tokens=args.max_tokens,
@@ -154,6 +156,7 @@ def case_rows(name: str, case: dict[str, Any], res: dict[str, Any], model: str) 
         measured = m.get("decode_tok_s") if n == 1 else curve.get(n)
         rows.append({
             "case": f"{model} {case['tier']}{' mtp1' if case['pins'].get('mtp') else ''}"
+                    f"{' eager' if '--enforce-eager' in (res.get('vllm_extra_args') or '') else ''}"
                     f"{' 32GB-card' if name == 'consumer' else ''} {n} stream{'s' if n > 1 else ''}",
             "streams": n,
             "predicted_decode_tok_s": pred["decode_tok_s"] if n == 1 else pred["aggregate_tok_s"],
@@ -184,6 +187,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/moetplan-e2e"))
     ap.add_argument("--deadline-s", type=float, default=540.0, help="stop starting cases after this many seconds")
     ap.add_argument("--min-case-s", type=float, default=200.0, help="a case needs at least this long to start")
+    ap.add_argument("--vllm-args", default="", help="extra vLLM arguments for every server (e.g. --enforce-eager: "
+                    "then the case names say eager)")
     args = ap.parse_args()
     args.streams = tuple(int(s) for s in args.streams.split(",") if s)
     start = time.monotonic()
