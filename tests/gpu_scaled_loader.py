@@ -35,6 +35,9 @@ def register() -> None:
         def load_weights(self, model: Any, model_config: Any) -> None:
             super().load_weights(model, model_config)
             rescale(model)
+            from moetplan.vllm_compat import finish_dummy_load
+
+            finish_dummy_load(model)  # what the model's own load_weights derives from the rescaled tensors
 
 
 def _seed(name: str) -> int:
