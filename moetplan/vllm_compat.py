@@ -159,6 +159,30 @@ def link_routers(model: Any, method_cls: type) -> int:
     return n
 
 
+# --------------------------------------------------------------------------- dummy weights
+
+# Steps a model's own load_weights takes after its tensors are in, which vLLM's dummy loader skips (it fills the
+# parameters and never calls load_weights). DeepSeek-V4 (vLLM 0.26): DeepseekV4Model.finalize_mhc_broadcast_weights
+# derives the first decoder layer's hyper-connection broadcast from hc_attn_fn; without it that layer's forward
+# asserts (seen on the H200, the first forward of the memory profile).
+POST_LOAD_HOOKS = ("finalize_mhc_broadcast_weights",)
+
+
+def finish_dummy_load(model: Any) -> list[str]:
+    """Run on a model loaded with dummy weights the post-load steps its load_weights would have run; returns the
+    `Class.hook` names that ran (none for models without such steps)."""
+    ran = []
+    for m in (model, getattr(model, "model", None)):
+        if m is None:
+            continue
+        for name in POST_LOAD_HOOKS:
+            fn = getattr(type(m), name, None)
+            if callable(fn):
+                fn(m)
+                ran.append(f"{type(m).__name__}.{name}")
+    return ran
+
+
 # --------------------------------------------------------------------------- MoE backends the method cannot serve
 
 # DeepSeek-V4's MegaMoE experts (SM100 only, expert parallel) are built outside RoutedExperts, so no quantization
@@ -331,7 +355,7 @@ def fix_applies(name: str, version: Version | None, capability: tuple[int, int] 
 __all__ = [
     "ATTENTION_SPLIT_FALLBACK", "FIXES", "Fix", "MOE_FORWARD_OPS", "NATIVE_MEGA_MOE_BACKENDS", "SUPPORTED_MAX",
     "SUPPORTED_MIN", "SUPPORTED_RANGE", "UnsupportedVllm", "attention_split_ops", "check_moe_backend",
-    "check_supported", "cpu_mla_backend", "cpu_routes_in_method", "cpu_select_experts", "fix_applies",
-    "installed_vllm", "is_supported", "link_routers", "moe_in_cuda_graphs", "parse_version", "read_attention_ops",
-    "vllm_version",
+    "check_supported", "cpu_mla_backend", "cpu_routes_in_method", "cpu_select_experts", "finish_dummy_load",
+    "fix_applies", "installed_vllm", "is_supported", "link_routers", "moe_in_cuda_graphs", "parse_version",
+    "POST_LOAD_HOOKS", "read_attention_ops", "vllm_version",
 ]

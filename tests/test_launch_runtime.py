@@ -244,6 +244,20 @@ def test_fp8_block_experts_are_dequantized_exactly():
         assert torch.equal(f13, expect13[e]) and torch.equal(f2, expect2[e])
 
 
+def test_packed_fp4_experts_are_refused_not_read_as_fp8():
+    # MXFP4 experts arrive as uint8 with two values per byte ([E, 2I, H/2]) and a w13_weight_scale, like FP8 bytes
+    # would: the hidden size tells them apart, and the error names the way to serve them.
+    E, I, H = 2, 64, 256
+    layer = SimpleNamespace(w13_weight=SimpleNamespace(data=torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8)),
+                            w2_weight=SimpleNamespace(data=torch.zeros(E, H, I // 2, dtype=torch.uint8)),
+                            w13_weight_scale=SimpleNamespace(data=torch.zeros(E, 2 * I, H // 32, dtype=torch.uint8)),
+                            hidden_size=H, layer_name="model.layers.1.ffn.experts")
+    with pytest.raises(ConfigError, match="packed 4-bit.*moetplan quantize"):
+        source_expert_weights(layer)
+    fp8 = SimpleNamespace(**{**vars(layer), "w13_weight": SimpleNamespace(data=torch.zeros(E, 2 * I, H, dtype=torch.uint8))})
+    assert source_expert_weights(fp8).hidden == H  # FP8 bytes at full width still read
+
+
 def test_fp8_small_experts_keep_one_block_row_per_half():
     # I = 64 < 128: vLLM gives gate and up one block row each ([E, 2, ceil(H/128)])
     E, I, H = 1, 64, 128

@@ -25,24 +25,16 @@ pytest.importorskip("vllm")
 from moetplan.contract.errors import ConfigError  # noqa: E402
 from moetplan import vllm_compat  # noqa: E402
 from moetplan import contract as schema  # noqa: E402
+from moetplan.models import tiny_arch  # noqa: E402
 from moetplan.runtime import vllm_config  # noqa: E402
 from moetplan.runtime import vllm_method as vm  # noqa: E402
 from moetplan.runtime.worker import WorkerRuntime  # noqa: E402
 
-E, K, H, I = 16, 4, 128, 64  # experts, top-k, hidden, expert FFN
-
-GLM = {"model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], "vocab_size": 256,
-       "hidden_size": H, "intermediate_size": 256, "moe_intermediate_size": I, "num_hidden_layers": 4,
-       "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": E,
-       "n_shared_experts": 1, "num_experts_per_tok": K, "n_group": 1, "topk_group": 1, "kv_lora_rank": 512,
-       "q_lora_rank": 64, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "index_topk": 32,
-       "index_n_heads": 2, "index_head_dim": 64, "max_position_embeddings": 512, "num_nextn_predict_layers": 0}
-DS4 = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 256,
-       "hidden_size": H, "moe_intermediate_size": I, "num_hidden_layers": 3, "n_routed_experts": E,
-       "n_shared_experts": 1, "num_experts_per_tok": K, "num_hash_layers": 1, "swiglu_limit": 10.0,
-       "hidden_act": "silu", "norm_topk_prob": True, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
-       "routed_scaling_factor": 1.5, "num_attention_heads": 4, "max_position_embeddings": 512,
-       "torch_dtype": "bfloat16"}
+# The CPU-sized configs of moetplan.models.tiny_arch (the GPU end-to-end test serves their CUDA-sized twins).
+_D = tiny_arch.CPU_DIMS
+E, K, H, I = _D["experts"], _D["top_k"], _D["hidden"], _D["moe_inter"]  # experts, top-k, hidden, expert FFN
+GLM = tiny_arch.glm_moe_dsa("cpu", layers=4)
+DS4 = tiny_arch.deepseek_v4("cpu", layers=3)
 
 
 def _free_port() -> int:

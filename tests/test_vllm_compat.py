@@ -145,3 +145,33 @@ def test_cpu_mla_backend_is_named_only_where_the_cpu_build_has_one(known, backen
 def test_cpu_mla_backend_defaults_to_the_current_name_without_vllm(monkeypatch):
     monkeypatch.setattr(vc, "_vllm_source", lambda rel: None)
     assert vc.cpu_mla_backend() == "CPU_MLA"
+
+
+def test_finish_dummy_load_runs_the_models_own_post_load_step():
+    """DeepSeek-V4's load_weights derives the first layer's hyper-connection broadcast; vLLM's dummy loader never
+    calls load_weights, so the step runs after a dummy load, on the inner model, from the loaded tensors."""
+    import torch
+
+    class Layer:
+        hc_attn_fn = torch.arange(8.0)
+        hc_attn_fn_broadcast = None
+
+    class DeepseekV4Model:
+        def __init__(self):
+            self.layers = [Layer()]
+
+        def finalize_mhc_broadcast_weights(self):
+            self.layers[0].hc_attn_fn_broadcast = self.layers[0].hc_attn_fn.view(-1, 2, 4).sum(dim=1)
+
+    class DeepseekV4ForCausalLM:
+        def __init__(self):
+            self.model = DeepseekV4Model()
+
+    outer = DeepseekV4ForCausalLM()
+    assert vc.finish_dummy_load(outer) == ["DeepseekV4Model.finalize_mhc_broadcast_weights"]
+    assert torch.equal(outer.model.layers[0].hc_attn_fn_broadcast, torch.tensor([[4.0, 6.0, 8.0, 10.0]]))
+
+    class Qwen3MoeForCausalLM:
+        model = object()
+
+    assert vc.finish_dummy_load(Qwen3MoeForCausalLM()) == []

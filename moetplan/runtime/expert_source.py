@@ -78,6 +78,13 @@ def source_expert_weights(layer: Any) -> ExpertSource:
         w2 = layer.w2_weight.data
         return ExpertSource(str(w13.dtype).replace("torch.", ""), E, H, two_i // 2, w13.device,
                             lambda e: (w13[e], w2[e]))
+    hidden = getattr(layer, "hidden_size", None)
+    if w13.dtype == torch.uint8 and isinstance(hidden, int) and H != hidden:
+        # Packed sub-byte experts (MXFP4 / NVFP4: two values per byte) are not FP8 bytes.
+        raise ConfigError(
+            f"{getattr(layer, 'layer_name', 'MoE layer')}: routed experts are packed {w13.shape[-1] * 8 // hidden}-bit "
+            f"values ({w13.dtype} [E, {two_i}, {H}] for hidden size {hidden}), not a source the moetplan method "
+            "reads at load: convert the checkpoint with `moetplan quantize` into packs first")
     if w13.dtype in (torch.float8_e4m3fn, torch.uint8) and (
         hasattr(layer, "w13_weight_scale") or hasattr(layer, "w13_weight_scale_inv")
     ):

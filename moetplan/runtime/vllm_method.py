@@ -234,6 +234,10 @@ def after_model_loaded(model: Any, vllm_config: Any = None) -> Any:
         return model
     if vllm_compat.cpu_routes_in_method():
         vllm_compat.link_routers(model, MoetplanMoEMethod)
+    if worker.section.weights == "dummy":
+        ran = vllm_compat.finish_dummy_load(model)
+        if ran:
+            log.info("moetplan: dummy weights: ran %s", ", ".join(ran))
     return worker.after_model_loaded(model, vllm_config)
 
 

@@ -1,0 +1,229 @@
+"""A full-size model served by `moetplan run --dummy-weights` on this GPU, measured by `moetplan bench`, next to
+the plan's prediction for the same machine (issue: predicted vs measured, end to end).
+
+Cases (`--cases`, in order, each its own server):
+  resident   all 2-bit experts resident on the GPU, MTP off; bench at --streams (default 1,4,16)
+  mtp        the same with MTP (depth 1) on
+  consumer   the GPU limited to a 32 GB card (gpu_memory_utilization), the 2-bit base pinned in host RAM, the GPU
+             an expert cache over PCIe, the locality router (popularity = the model's published coverage curve);
+             one stream: tok/s, token hit rate and zero-miss steps next to the plan's
+Each case: the plan solved for `--hw` (a probe of this machine) with that case's pins, served with dummy weights,
+benched (decode tok/s at 1 stream, the batch curve at the others), stopped. The result file is rewritten after
+every case, so a run cut short keeps what it measured; `--deadline-s` skips the cases that cannot finish.
+
+Stock vLLM on the same model: its own weights (MXFP4 experts + FP8 dense) are sized from hwdb and compared with
+the GPU's memory; it is served only where they fit.
+
+    PYTHONPATH=. python3 bench/e2e_gpu.py --model deepseek-v4-flash --hw bench/results/hw_h200_probe.json \
+        --out bench/results/e2e_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.kernels import atomic_write_json  # noqa: E402
+
+GIB = 1024**3
+CONSUMER_CARD_GIB = 32.0
+# Pins every case shares: what the bench measures must not move with the planner's other choices.
+COMMON_PINS = {"fp4_reserve_gib": 0.0}
+CASES: dict[str, dict[str, Any]] = {
+    "resident": {"tier": "resident", "pins": {"expert_tier": "resident", "mtp": 0}, "router": "locality"},
+    "mtp": {"tier": "resident", "pins": {"expert_tier": "resident", "mtp": 1}, "router": "locality"},
+    "consumer": {"tier": "host", "pins": {"expert_tier": "host", "mtp": 0, "max_num_seqs": 1}, "router": "locality",
+                 "streams": (1,)},
+}
+
+
+def _profile(hw_path: str):
+    from moetplan.contract import HardwareProfile, load_json
+
+    return load_json(HardwareProfile, hw_path)
+
+
+def make_plan(model: str, hw: Any, case: dict[str, Any], context: int, max_seqs: int, card_gib: float | None,
+              folder: Path) -> tuple[Path, Any]:
+    from moetplan import hwdb
+    from moetplan.contract import Goals, save_json
+    from moetplan.launch.dummy import apply_dummy_weights
+    from moetplan.plan.solver import solve
+
+    spec = hwdb.model_spec(model)
+    pins = {**COMMON_PINS, "context": context, "max_num_seqs": max_seqs, **case["pins"]}
+    if card_gib is not None:
+        pins["gpu_memory_utilization"] = round(card_gib / hw.gpus[0].vram_gib, 4)
+    plan = solve(spec, hw, Goals(context=context, pinned=pins))
+    apply_dummy_weights(plan, case["router"])
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "plan.json"
+    save_json(plan, path)
+    return path, plan
+
+
+def predictions(model: str, hw: Any, case: dict[str, Any], context: int, max_seqs: int, card_gib: float | None,
+                streams: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+    """The plan's prediction at each stream count (the same pins, the planner told the concurrency)."""
+    from moetplan import hwdb
+    from moetplan.contract import Goals
+    from moetplan.plan.solver import solve
+
+    spec = hwdb.model_spec(model)
+    out = {}
+    for n in streams:
+        pins = {**COMMON_PINS, "context": context, "max_num_seqs": max_seqs, **case["pins"]}
+        if card_gib is not None:
+            pins["gpu_memory_utilization"] = round(card_gib / hw.gpus[0].vram_gib, 4)
+        p = solve(spec, hw, Goals(context=context, concurrency=n, pinned=pins)).prediction
+        out[n] = {"decode_tok_s": p.decode_tok_s, "aggregate_tok_s": p.aggregate_tok_s, "step_ms": p.step_ms,
+                  "bottleneck": p.bottleneck, "token_hit_rate": p.token_hit_rate,
+                  "zero_miss_step_share": p.zero_miss_step_share,
+                  "terms": [t.model_dump() for t in p.terms]}
+    return out
+
+
+def stock_fit(model: str, hw: Any) -> dict[str, Any]:
+    """Stock vLLM's own weights for the model (its released formats) against this GPU's memory."""
+    from moetplan import hwdb
+
+    s = hwdb.model_spec(model)
+    e = hwdb.model_entry(model)
+    routed_params = s.n_routed_experts * s.moe_layers * 3 * s.hidden_size * s.moe_intermediate_size
+    # MXFP4: 4 bits per weight + one e8m0 byte per 32 weights.
+    experts_gb = routed_params * (4 / 8 + 1 / 32) / 1e9
+    dense_gb = (s.dense_gib_published or 0) * GIB / 1e9 if s.dense_gib_published else None
+    vram_gb = hw.gpus[0].vram_gib * GIB / 1e9
+    return {"expert_precision": s.expert_precision, "dense_precision": s.dense_precision,
+            "routed_expert_weights_gb": round(experts_gb, 1), "dense_weights_gb": dense_gb and round(dense_gb, 1),
+            "total_weights_gb": dense_gb and round(experts_gb + dense_gb, 1), "gpu_memory_gb": round(vram_gb, 1),
+            "fits": bool(dense_gb and experts_gb + dense_gb < 0.95 * vram_gb),
+            "hwdb_params_total_b": e.get("params_total_b") if isinstance(e, dict) else None}
+
+
+def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any, root: Path,
+             deadline: float) -> dict[str, Any]:
+    from moetplan.bench.phases import run_bench
+    from moetplan.launch.harness import RunFailed, RunProcess
+
+    streams = tuple(case.get("streams") or args.streams)
+    card = CONSUMER_CARD_GIB if name == "consumer" else None
+    folder = root / name
+    t0 = time.monotonic()
+    plan_path, plan = make_plan(args.model, hw, case, args.context, max(streams), card, folder)
+    res: dict[str, Any] = {"plan": str(plan_path), "placement": plan.placement.model_dump(mode="json"),
+                           "prediction_served_plan": plan.prediction.model_dump(mode="json")}
+    res["predicted"] = predictions(args.model, hw, case, args.context, max(streams), card, streams)
+    port = 8100 + len(list(root.iterdir()))
+    left = deadline - time.monotonic()
+    extra = ["--", *args.vllm_args.split()] if args.vllm_args else []
+    res["vllm_extra_args"] = args.vllm_args or None
+    run = RunProcess([str(plan_path), "--port", str(port), "--timeout", str(int(max(left - 30, 60))), *extra],
+                     log_path=folder / "events.log").start()
+    try:
+        ready = run.wait_ready(max(left - 25, 60))
+        res["startup_s"] = round(time.monotonic() - t0, 1)
+        print(f"{name}: ready after {res['startup_s']} s", flush=True)
+        rec = run_bench(run.url, plan=plan_path, concurrency=streams, runs=args.runs, max_tokens=args.max_tokens,
+                        prompt_lens=(args.prompt_len,), needle_lens=(), probes=False, warmup=1,
+                        out=folder / "bench.run.json")
+        res["measured"] = rec.measured
+        res["runtime"] = rec.runtime
+        res["errors"] = rec.errors
+        res["notes"] = rec.notes
+        res["ready"] = {k: ready.get(k) for k in ("endpoint", "model", "startup_s")}
+    except RunFailed as e:
+        res["error"] = str(e)[-2000:]
+    finally:
+        res["stopped"] = {k: v for k, v in run.stop().items() if k in ("leftover", "leftover_killed", "returncode")}
+        res["wall_s"] = round(time.monotonic() - t0, 1)
+    return res
+
+
+def case_rows(name: str, case: dict[str, Any], res: dict[str, Any], model: str) -> list[dict[str, Any]]:
+    """One row per stream count: the `cases` list of the result file."""
+    rows = []
+    m = res.get("measured") or {}
+    curve = {int(k): v for k, v in (m.get("batch_curve") or {}).items()}
+    for n, pred in sorted((res.get("predicted") or {}).items()):
+        n = int(n)
+        measured = m.get("decode_tok_s") if n == 1 else curve.get(n)
+        rows.append({
+            "case": f"{model} {case['tier']}{' mtp1' if case['pins'].get('mtp') else ''}"
+                    f"{' eager' if '--enforce-eager' in (res.get('vllm_extra_args') or '') else ''}"
+                    f"{' 32GB-card' if name == 'consumer' else ''} {n} stream{'s' if n > 1 else ''}",
+            "streams": n,
+            "predicted_decode_tok_s": pred["decode_tok_s"] if n == 1 else pred["aggregate_tok_s"],
+            "measured_decode_tok_s": measured,
+            "measured_is": "single-stream decode tok/s" if n == 1 else "aggregate decode tok/s over the streams",
+            "error_pct": (round(100 * (measured / (pred["decode_tok_s"] if n == 1 else pred["aggregate_tok_s"]) - 1), 1)
+                          if measured else None),
+            **({"predicted_token_hit_rate": pred.get("token_hit_rate"),
+                "predicted_zero_miss_step_share": pred.get("zero_miss_step_share"),
+                "measured_token_hit_rate": (res.get("runtime") or {}).get("token_hit_rate"),
+                "measured_zero_miss_step_share": (res.get("runtime") or {}).get("zero_miss_step_share")}
+               if name == "consumer" else {}),
+        })
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="deepseek-v4-flash")
+    ap.add_argument("--hw", required=True, help="hw.json of this machine (moetplan probe)")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/e2e_h200.json"))
+    ap.add_argument("--cases", default="resident,consumer,mtp")
+    ap.add_argument("--streams", default="1,4,16")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/moetplan-e2e"))
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="stop starting cases after this many seconds")
+    ap.add_argument("--min-case-s", type=float, default=200.0, help="a case needs at least this long to start")
+    ap.add_argument("--vllm-args", default="", help="extra vLLM arguments for every server (e.g. --enforce-eager: "
+                    "then the case names say eager)")
+    args = ap.parse_args()
+    args.streams = tuple(int(s) for s in args.streams.split(",") if s)
+    start = time.monotonic()
+    deadline = start + args.deadline_s
+    hw = _profile(args.hw)
+    from moetplan.bench.phases import machine_info
+
+    try:
+        import vllm
+        vllm_version = vllm.__version__
+    except Exception as e:  # noqa: BLE001
+        vllm_version = f"not importable: {e}"
+    doc: dict[str, Any] = {"machine": machine_info(), "vllm": vllm_version, "command": " ".join(sys.argv),
+                           "hw_profile": args.hw, "model": args.model, "weights": "dummy (moetplan --dummy-weights)",
+                           "cases": [], "runs": {}, "skipped": {}, "stock_vllm": stock_fit(args.model, hw)}
+    if not doc["stock_vllm"]["fits"]:
+        doc["skipped"]["stock_vllm"] = ("stock vLLM's own weights for this model do not fit this GPU: "
+                                        f"{doc['stock_vllm']}")
+    args.work.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out, doc)
+    for name in [c for c in args.cases.split(",") if c]:
+        if deadline - time.monotonic() < args.min_case_s:
+            doc["skipped"][name] = f"not started: {deadline - time.monotonic():.0f} s left of the call's budget"
+            continue
+        try:
+            res = run_case(name, CASES[name], args, hw, args.work, deadline)
+        except Exception as e:  # noqa: BLE001 - the other cases still run
+            res = {"error": f"{type(e).__name__}: {e}"}
+        doc["runs"][name] = res
+        doc["cases"] += case_rows(name, CASES[name], res, args.model)
+        atomic_write_json(args.out, doc)
+        print(json.dumps({"case": name, "rows": case_rows(name, CASES[name], res, args.model),
+                          "error": res.get("error")}, default=str)[:3000], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
