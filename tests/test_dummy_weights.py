@@ -23,6 +23,17 @@ SHAPES = ("num_layers", "moe_layers", "hidden_size", "moe_intermediate_size", "n
           "n_shared_experts", "vocab_size", "max_position_embeddings", "dense_intermediate_size", "mtp_layers")
 
 
+@pytest.fixture(autouse=True)
+def _a_24_gib_box(monkeypatch):
+    """Plans here are CI's box (24 GiB, 2 cores), not this machine's free RAM at the moment (another test's
+    server may hold it)."""
+    from moetplan.contract import HostInfo
+    from moetplan.plan import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "host_info", lambda: HostInfo(ram_gib=24.0, ram_available_gib=22.0, cores=2))
+
+
+
 @pytest.fixture(scope="module")
 def dummy_root(tmp_path_factory):
     return tmp_path_factory.mktemp("dummy")
