@@ -156,7 +156,7 @@ class RuntimeSection(_Frozen):
         """Why the MoE layers must run outside CUDA graphs (the launch splits vLLM's piecewise graph at them and
         captures no full graphs), or None: the op is capture-safe and vLLM records it inside its graphs.
 
-        The one place this is decided (docs/KERNELS.md, "CUDA graphs"): each reason is host work the op does per
+        The one place this is decided (docs/CUDA_GRAPHS.md): each reason is host work the op does per
         call, which a graph replay would skip."""
         if self.expert_format == "unquantized":
             return "unquantized experts run on the torch reference, which groups each call's pairs on the host"

@@ -5,7 +5,7 @@ again (a graph replay), now from resident rows only.
 
 Plain torch, capture-safe on the layer side (`StepMisses.record`: index and scatter kernels of fixed shape, no host
 read); the step side (`ReplayDriver.step`) runs on the host between steps. The launch keeps the split for tiered
-plans until a GPU run measures this against it (docs/KERNELS.md, "CUDA graphs"); the driver needs the engine to
+plans until a GPU run measures this against it (docs/CUDA_GRAPHS.md); the driver needs the engine to
 re-run a step, which vLLM's model runner does not offer a plugin.
 """
 from __future__ import annotations
