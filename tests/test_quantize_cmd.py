@@ -222,13 +222,16 @@ def _done_layers(sidecar: Path) -> int:
 
 def _run_until_layers(args: list[str], sidecar: Path, layers: int, sig: int) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A suite started in the background inherits SIGINT ignored, and Python keeps an ignored SIGINT (the child would
+    # run to the end): give the child the default disposition, as a terminal's Ctrl-C would find it.
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while _done_layers(sidecar) < layers:
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline, "quantize made no progress"
         time.sleep(0.05)
-    assert proc.poll() is None, "quantize finished before it could be interrupted; raise --layer-delay"
+    assert proc.poll() is None, "quantize finished before it could be interrupted"
     proc.send_signal(sig)
     proc.wait(timeout=60)
     return proc
