@@ -1,5 +1,6 @@
 """--dummy-weights: config.json + tokenizer written from hwdb, the locality router, random 2-bit rows in their tier,
-and the CLI's answers to bad input (no vLLM server here; tests/test_e2e_dummy.py serves qwen3-30b-a3b)."""
+and the CLI's answers to bad input (no vLLM server here; tests/test_e2e_dummy.py serves a toy hwdb model and, in
+the slow tier, qwen3-30b-a3b)."""
 from __future__ import annotations
 
 import json

@@ -313,7 +313,6 @@ def test_begin_step_can_adopt_the_step_observe_opened():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_reserve_on_gpu_background_and_gate_paths():
     r = FP4Reserve(source(), 3, layout=LAY4, device="cuda", background=True, idle_poll_s=0.01)
     try:

@@ -269,7 +269,6 @@ def test_the_store_factory_sizes_the_store_as_the_runtime_section_says():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["host", "pagecache", "arena"])
 def test_cuda_pool_matches_pack_rows(kind):
     src = ArrayRowSource(ROWS, L, E)
@@ -318,7 +317,6 @@ def test_coalesce_merges_adjacent_rows_into_one_copy():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_copy_waits_for_kernels_still_reading_a_victim_slot():
     """A kernel queued on the compute stream must read the old row even if the next ensure() evicts its slot."""
     store = ExpertStore(PinnedHostStore(ArrayRowSource(ROWS, L, E), pin=True), 4, device="cuda",
