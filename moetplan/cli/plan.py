@@ -51,7 +51,7 @@ def plan_cmd(
         except InfeasibleError as e:
             raise with_notes(e, notes) from None
         plan.warnings = notes + plan.warnings
-        plan.launch = build_launch(plan)
+        build_launch(plan)  # a plan vLLM cannot serve fails here, not at `moetplan run`
     except MoetplanError as e:
         fail(e, as_json)
         return
