@@ -28,6 +28,8 @@ Router = Literal["model", "locality"]
 DecodeKernel = Literal["auto", "rowdot", "gemv", "mma"]
 PrefillKernel = Literal["auto", "tiled", "wgmma", "warp"]
 DecodeRing = Literal["cp.async", "tma"]  # KernelPolicy.decode_ring; None there = the extension's choice
+# The row formats the runtime packs experts in (contract.layout): 2-bit codes, or FP4 (e2m1) for the reserve.
+RowFormat = Literal["2bit", "fp4"]
 # How quantization treats a tensor's exact zeros (runtime.format).
 ZeroMode = Literal["auto", "signed", "balanced"]
 
@@ -41,6 +43,7 @@ ROUTERS: tuple[Router, ...] = get_args(Router)
 DECODE_KERNELS: tuple[DecodeKernel, ...] = get_args(DecodeKernel)
 PREFILL_KERNELS: tuple[PrefillKernel, ...] = get_args(PrefillKernel)
 DECODE_RINGS: tuple[DecodeRing | None, ...] = (None, *get_args(DecodeRing))
+ROW_FORMATS: tuple[RowFormat, ...] = get_args(RowFormat)
 ZERO_MODES: tuple[ZeroMode, ...] = get_args(ZeroMode)
 
 
@@ -54,6 +57,6 @@ def check_choice(what: str, value: Any, allowed: tuple[Any, ...], why: str = "")
 __all__ = [
     "DECODE_KERNELS", "DECODE_RINGS", "DecodeKernel", "DecodeRing", "EXPERT_FORMATS", "EXPERT_TIERS", "ExpertFormat",
     "ExpertTier", "OBJECTIVES", "Objective", "PREFILL_KERNELS", "PROMOTERS", "PrefillKernel", "Promoter", "ROUTERS",
-    "Router", "VALUE_SOURCES", "ValueSource", "WEIGHT_SOURCES", "WeightSource", "ZERO_MODES", "ZeroMode",
+    "ROW_FORMATS", "Router", "RowFormat", "VALUE_SOURCES", "ValueSource", "WEIGHT_SOURCES", "WeightSource", "ZERO_MODES", "ZeroMode",
     "check_choice",
 ]
