@@ -257,15 +257,14 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
                 reserve = L.fp4_gate_floor_slots(model, p) * row4 / GIB
         kv_target = clamp if clamp is not None else kv_floor
         set_reserve(reserve)  # whole rows first: the cache gets what they leave
-        cache = pins.get("gpu_expert_cache_gib", left - inside(p.fp4_reserve_gib) - kv_target)
-        slots = min(rows_in(cache, row2), max_slots)
-        if slots >= max_slots and "expert_tier" not in pins:
+        gpu_expert_cache_gib = pins.get("gpu_expert_cache_gib", left - inside(p.fp4_reserve_gib) - kv_target)
+        p.gpu_expert_cache_slots = min(rows_in(gpu_expert_cache_gib, row2), max_slots)  # the GiB -> rows rule
+        if p.gpu_expert_cache_slots >= max_slots and "expert_tier" not in pins:
             return None, [f"{_ALL_FIT}; resident is the same placement"]
-        p.gpu_expert_cache_slots = slots
         p.kv_cache_gib = clamp if clamp is not None else left - inside(p.fp4_reserve_gib) - p.gpu_expert_cache_gib
         floor = L.cache_floor_slots(model, p)
-        if slots < floor:
-            return None, [f"expert_cache: GPU expert cache of {slots} slots is below the floor of one step's "
+        if p.gpu_expert_cache_slots < floor:
+            return None, [f"expert_cache: GPU expert cache of {p.gpu_expert_cache_slots} slots is below the floor of one step's "
                           f"working set x 1.15 = {floor} slots ({floor * row2 / GIB:.1f} GiB/rank)"]
         if tier == "nvme":
             arena = pins.get("host_arena_gib", min(L.arena_budget_gib(hw, tp * pp), model.routed_gib("2bit", tp)))
