@@ -9,7 +9,7 @@ import typer
 
 from moetplan.cli.common import fail
 from moetplan.cli.common import out as console
-from moetplan.contract import MoetplanError
+from moetplan.contract import OBJECTIVES, MoetplanError
 
 
 def plan_cmd(
@@ -24,7 +24,7 @@ def plan_cmd(
     pack_dir: Optional[str] = typer.Option(None, "--pack-dir"),
     context: Optional[str] = typer.Option(None, "--context", help="wanted context, e.g. 32768 or 128k"),
     concurrency: int = typer.Option(1, "--concurrency"),
-    objective: str = typer.Option("balanced", "--objective", help="decode | context | balanced"),
+    objective: str = typer.Option("balanced", "--objective", help=" | ".join(OBJECTIVES)),
     set_: List[str] = typer.Option([], "--set", help="pin a knob: name=value (repeatable)"),
     explain: bool = typer.Option(False, "--explain", help="per-term step time and what would move the bottleneck"),
     plot: Optional[str] = typer.Option(None, "--plot", help="write the context vs decode Pareto plot (PNG)"),
@@ -51,7 +51,7 @@ def plan_cmd(
         except InfeasibleError as e:
             raise with_notes(e, notes) from None
         plan.warnings = notes + plan.warnings
-        plan.launch = build_launch(plan)
+        build_launch(plan)  # a plan vLLM cannot serve fails here, not at `moetplan run`
     except MoetplanError as e:
         fail(e, as_json)
         return

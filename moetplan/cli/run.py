@@ -10,19 +10,18 @@ import typer
 from moetplan import __version__
 from moetplan import contract as _schema
 from moetplan.contract import MoetplanError, UsageError, load_json, runs_root, save_json
+from moetplan.contract.vocab import EXPERT_FORMATS, check_choice
 from moetplan.hw.gpus import local_gpu_count
 from moetplan.launch.command import DEFAULT_HOST, DEFAULT_PORT, build_launch, is_cpu_plan, shell_line
 from moetplan.launch.run import serve
 from moetplan.plan.cpu_backend import plan_for_cpu
 
-EXPERT_FORMAT_CHOICES = ("2bit", "unquantized")
 # What a CPU-backend plan can be pinned to (plan/cpu_backend.py: experts resident, or a RAM cache over a host store).
 CPU_PINS = ("context", "max_num_seqs", "expert_tier", "gpu_expert_cache_gib")
 
 
 def set_expert_format(plan: Any, expert_format: str) -> None:
-    if expert_format not in EXPERT_FORMAT_CHOICES:
-        raise UsageError(f"--experts {expert_format}: choose one of {', '.join(EXPERT_FORMAT_CHOICES)}")
+    check_choice("--experts", expert_format, EXPERT_FORMATS)
     plan.placement.expert_format = expert_format
 
 
@@ -119,24 +118,16 @@ def _solve(spec: Any, box: str | None, gpus: str | None, hw: str | None, ctx: in
 def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str) -> Any:
     """Plan for this machine: its GPUs through the solver, or the CPU backend when it has none."""
     if local_gpu_count() == 0:
-        pins = {}
-        for item in set_ or []:
-            k, _, v = item.partition("=")
-            pins[k.strip()] = v.strip()
+        from moetplan.plan.solver import parse_set
+
+        pins = parse_set(set_ or [])
         unknown = set(pins) - set(CPU_PINS)
         if unknown:
             raise UsageError(f"--set {', '.join(sorted(unknown))}: a CPU-backend plan takes only "
                              f"{', '.join(CPU_PINS)}")
-        from moetplan.contract import parse_tokens as _parse_tokens
-
-        try:
-            context = _parse_tokens(pins["context"]) if "context" in pins else ctx
-            seqs = int(pins.get("max_num_seqs", 4))
-            cache = float(pins["gpu_expert_cache_gib"]) if "gpu_expert_cache_gib" in pins else None
-        except ValueError:
-            raise UsageError(f"--set {' '.join(set_ or [])}: not a number") from None
-        return plan_for_cpu(spec, context=context, expert_format=experts, max_num_seqs=seqs,
-                            expert_tier=pins.get("expert_tier", "resident"), cache_gib=cache)
+        return plan_for_cpu(spec, context=pins.get("context", ctx), expert_format=experts,
+                            max_num_seqs=pins.get("max_num_seqs", 4), expert_tier=pins.get("expert_tier", "resident"),
+                            gpu_expert_cache_gib=pins.get("gpu_expert_cache_gib"))
     return _solve(spec, None, None, None, ctx, set_)
 
 

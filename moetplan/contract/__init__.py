@@ -12,6 +12,7 @@ the errors users see, and shared units. It imports no other moetplan package; ev
     machine.py  machine facts recorded beside every measurement
     errors.py   errors with a message that names the problem and the fix, and their exit codes
     units.py    GiB, token counts as users write them ("128k")
+    vocab.py    every enumerated value set (tier, expert format, router, ...), declared once as a Literal alias
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ from moetplan.contract.schema import (
     ValueSource,
 )
 from moetplan.contract.units import GIB, MIB, parse_tokens
+from moetplan.contract.vocab import EXPERT_FORMATS, EXPERT_TIERS, OBJECTIVES, ExpertFormat
 
 __all__ = [
     "EXIT_FAILURE", "EXIT_INFEASIBLE", "EXIT_OK", "EXIT_USAGE", "ConfigError", "InfeasibleError", "MoetplanError",
@@ -76,5 +78,6 @@ __all__ = [
     "AttentionKind", "ModelSpec", "PINNABLE_KNOBS", "SCHEMA_VERSION", "Alternative", "ExpertTier", "Gate", "Goals",
     "GPUInfo", "GPURankMemory", "HardwareProfile", "HostInfo", "LedgerItem", "Launch", "MemoryLedger",
     "Objective", "Placement", "Plan", "Prediction", "Reason", "RunRecord", "StorageInfo", "Term", "ValueSource",
-    "GIB", "MIB", "parse_tokens", "KernelPolicy", "RuntimeKnobs", "RuntimeSection",
+    "GIB", "MIB", "parse_tokens", "KernelPolicy", "RuntimeKnobs", "RuntimeSection", "EXPERT_FORMATS", "EXPERT_TIERS",
+    "OBJECTIVES", "ExpertFormat",
 ]
