@@ -56,6 +56,7 @@ from moetplan.contract.schema import (
     HostInfo,
     LedgerItem,
     Launch,
+    Serving,
     MemoryLedger,
     Objective,
     Placement,
@@ -74,7 +75,7 @@ __all__ = [
     "UnknownNameError", "UsageError", "validation_summary", "SchemaError", "atomic_write_text", "load_any",
     "load_json", "save_json", "cache_root", "default_pack_dir", "dummy_root", "run_record_path", "runs_root", "tiny_root", "DENSE_BYTES_PER_PARAM", "EXPERT_FORMAT_BITS", "Attention",
     "AttentionKind", "ModelSpec", "PINNABLE_KNOBS", "SCHEMA_VERSION", "Alternative", "ExpertTier", "Gate", "Goals",
-    "GPUInfo", "GPURankMemory", "HardwareProfile", "HostInfo", "LedgerItem", "Launch", "MemoryLedger",
+    "GPUInfo", "GPURankMemory", "HardwareProfile", "HostInfo", "LedgerItem", "Launch", "Serving", "MemoryLedger",
     "Objective", "Placement", "Plan", "Prediction", "Reason", "RunRecord", "StorageInfo", "Term", "ValueSource",
     "GIB", "MIB", "parse_tokens", "KernelPolicy", "RuntimeKnobs", "RuntimeSection",
 ]
