@@ -388,6 +388,19 @@ class Launch(_Model):
         return data
 
 
+class Serving(_Model):
+    """How vLLM speaks the model's chat format (hwdb/serving.yaml, or the user's override): the tool-call and
+    reasoning parsers (vLLM registry names; None: that feature off), the tokenizer mode and a chat template
+    (None: the checkpoint's own). `checked_with`: the vLLM release the names were checked against when planned."""
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    tokenizer_mode: str | None = None
+    chat_template: str | None = None
+    source: str = ""
+    checked_with: str | None = None
+    notes: list[str] = Field(default_factory=list)
+
+
 class Plan(_Model):
     schema_version: str = SCHEMA_VERSION
     kind: Literal["plan"] = "plan"
@@ -403,6 +416,8 @@ class Plan(_Model):
     alternatives: list[Alternative] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
     launch: Launch = Field(default_factory=Launch)
+    serving: Serving | None = Field(default=None, description="tool-call / reasoning parsers, tokenizer mode and "
+                                    "chat template the launch passes to vLLM (None in plans older than it)")
     runtime_knobs: RuntimeKnobs = Field(default_factory=RuntimeKnobs, description="What the worker reads beyond "
                                         "the placement: kernel policy, FP4 promoter, run-record path")
 

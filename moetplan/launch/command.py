@@ -190,6 +190,10 @@ def build_launch(
     if plan.model.local_path or plan.runtime_knobs.weights == "dummy":
         env["HF_HUB_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"
+    from moetplan.launch.serving import serving_args, serving_for
+
+    # A plan made before serving conventions existed gets hwdb's for its model.
+    argv += serving_args(plan.serving if plan.serving is not None else serving_for(plan), extra_args)
     if extra_args:
         argv += list(extra_args)
     return LaunchCommand(argv=argv, env=env, model_path=model, served_model_name=name)

@@ -24,11 +24,19 @@ def host_info() -> Any:
 
 
 CPU_TIERS: tuple[ExpertTier, ...] = ("resident", "host")
+# Attention kinds vLLM's CPU backend has no kernels for (sparse MLA: GLM-5.x, DeepSeek-V3.2/V4).
+CPU_UNSERVED_ATTENTION = ("mla_sparse",)
+
+
+def cpu_backend_serves(spec: Any) -> bool:
+    """Whether a GPU-less machine can serve `spec` from a checkpoint here: one on disk (a folder, a tiny model)
+    whose attention vLLM's CPU backend runs. hwdb models without a checkpoint are planned for a GPU box."""
+    return bool(spec.local_path) and spec.attention.kind not in CPU_UNSERVED_ATTENTION
 
 
 def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFormat = "2bit",
                  max_num_seqs: int = 4, expert_tier: ExpertTier = "resident",
-                 gpu_expert_cache_gib: float | None = None) -> Any:
+                 gpu_expert_cache_gib: float | None = None, pack_dir: str | None = None) -> Any:
     """A Plan that serves `spec` on vLLM's CPU backend, 1 GiB of KV cache: experts resident in RAM, or (tier
     "host") an expert cache of `gpu_expert_cache_gib` over a host store of every row, both in RAM. The tiered plan
     runs the GPU path's store and its hit-rate bookkeeping on a machine without a GPU.
@@ -56,7 +64,7 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFor
     placement = _schema.Placement.for_model(
         spec, tp=1, pp=1, expert_tier=expert_tier, kv_dtype="bf16", kv_cache_gib=kv_gib, context=ctx,
         max_num_seqs=max_num_seqs, concurrency=1, max_num_batched_tokens=max(2048, ctx),
-        gpu_memory_utilization=0.9, expert_format=expert_format,
+        gpu_memory_utilization=0.9, expert_format=expert_format, pack_dir=pack_dir,
         **({"gpu_expert_cache_gib": float(gpu_expert_cache_gib or 0)} if tiered else {}),
     )
     cache = placement.gpu_expert_cache_gib
@@ -97,7 +105,7 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFor
     return _schema.Plan(
         model=spec,
         hardware=hw,
-        goals=_schema.Goals(context=context),
+        goals=_schema.Goals(context=context, pack_dir=pack_dir),
         placement=placement,
         memory=memory,
         prediction=prediction,
