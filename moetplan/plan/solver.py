@@ -479,6 +479,19 @@ def _choose(cands: list[Candidate], goals: Goals, model: ModelSpec) -> Candidate
     return max(near, key=lambda c: (c.placement.context, c.prediction.decode_tok_s))
 
 
+def context_tradeoff(chosen: Candidate, cands: list[Candidate]) -> str:
+    """What the windows beyond the chosen one would cost in decode speed (the same discrete choice, the Pareto front
+    above the chosen context), e.g. "524288 tokens: 39.8 tok/s (-6%)"; "" when no longer window fits."""
+    p = chosen.placement
+    same = [c for c in cands if (c.placement.tp, c.placement.pp, c.placement.expert_tier, c.placement.kv_dtype,
+                                 c.placement.mtp) == (p.tp, p.pp, p.expert_tier, p.kv_dtype, p.mtp)
+            and c.placement.context > p.context]
+    base = chosen.prediction.decode_tok_s
+    parts = [f"{c.placement.context} tokens: {c.prediction.decode_tok_s:.1f} tok/s "
+             f"({c.prediction.decode_tok_s / base - 1:+.0%})" for c in pareto(same)] if base > 0 else []
+    return ("longer windows cost decode: " + ", ".join(parts)) if parts else ""
+
+
 def pareto(cands: list[Candidate]) -> list[Candidate]:
     """Non-dominated set over (context up, decode tok/s up), best decode per context first."""
     best: dict[int, Candidate] = {}
