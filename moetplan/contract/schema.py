@@ -168,6 +168,8 @@ class Placement(_Model):
     kv_tokens: int = Field(0, description="Tokens the KV pool holds (what vLLM prints as 'GPU KV cache size')")
     kv_cache_clamped: bool = Field(False, description="kv_cache_gib is given to vLLM (--kv-cache-memory-bytes) "
                                                       "instead of being what gpu_memory_utilization leaves")
+    kv_cache_memory_bytes: int = Field(0, ge=0, description="vLLM's --kv-cache-memory-bytes: the KV pool per rank, "
+                                       "clamped (0 = vLLM sizes it from gpu_memory_utilization)")
     context: Tokens = Field(4096, ge=1, description="max_model_len")
     mtp: int = Field(0, ge=0, description="Speculative tokens per step (MTP depth)")
     mtp_acceptance: float = Field(1.0, ge=0, description="Mean tokens emitted per decode step")
@@ -246,7 +248,7 @@ class Placement(_Model):
 PINNABLE_KNOBS: tuple[str, ...] = (
     "tp", "pp", "expert_tier", "gpu_expert_cache_gib", "fp4_reserve_gib", "host_arena_gib", "kv_dtype",
     "context", "mtp", "mtp_acceptance", "max_num_seqs", "concurrency", "gpu_memory_utilization",
-    "gate_tau", "max_num_batched_tokens", "kv_cache_gib",
+    "gate_tau", "max_num_batched_tokens", "kv_cache_gib", "kv_cache_memory_bytes",
 )
 # --set names that are not a Placement field's own name: (model, field) they are typed by.
 KNOB_FIELDS: dict[str, tuple[type[BaseModel], str]] = {"gate_tau": (Gate, "tau")}

@@ -13,7 +13,9 @@ from moetplan.contract.model import ModelSpec
 from moetplan.contract.sizing import rows_in
 from moetplan.contract import HardwareProfile, Placement, RunRecord
 
-REFERENCE_CSVS = ("vllm_moet_measurements.csv", "vllm_moet_measurements_more.csv")
+REFERENCE_CSVS = ("vllm_moet_measurements.csv", "vllm_moet_measurements_more.csv",
+                  "vllm_moet_measurements_facts.csv")
+ROW_PREFIX = {REFERENCE_CSVS[1]: "m", REFERENCE_CSVS[2]: "f"}
 REFERENCE_CSV = REFERENCE_CSVS[0]
 ANNOTATIONS = "measurement_annotations.yaml"
 
@@ -76,7 +78,7 @@ def load_reference(paths: list[str | Path] | None = None) -> list[Measurement]:
     files = [Path(p) for p in paths] if paths else [calibration_dir() / f for f in REFERENCE_CSVS]
     out: list[Measurement] = []
     for p in files:
-        prefix = "m" if p.name == REFERENCE_CSVS[1] else "r"
+        prefix = ROW_PREFIX.get(p.name, "r")
         out.extend(_load_csv(p, prefix, _annotations().get(p.name) or {}))
     return out
 

@@ -15,6 +15,8 @@ from moetplan.cost_model.terms import (
     MLA_ATTN,
     MISS_HOST,
     MISS_NVME,
+    MISS_REPLAY,
+    MOE_GRAPH,
     PIPELINE,
     SEQ_OVH,
     STEP_OVH,
@@ -39,24 +41,25 @@ def _terms(step: DecodeStep, calib: Calibration, hw: HardwareProfile) -> tuple[l
 
 
 def predict(model: ModelSpec, hw: HardwareProfile, placement: Placement,
-            calib: Calibration | None = None) -> Prediction:
+            calib: Calibration | None = None, moe_graphs: str = "replay") -> Prediction:
     """Predicted performance of `placement` for `model` on `hw`.
 
     decode_tok_s: one stream decoding alone. aggregate_tok_s: all planned streams (concurrency, bounded by
     max_num_seqs) batched. step_ms, terms and bottleneck describe the step at the planned concurrency — the operating
     point the plan is for (with concurrency 1, the single-stream step); the other operating point is named in notes.
-    Miss statistics are those of the planned step.
+    Miss statistics are those of the planned step. moe_graphs: how a tiered plan runs its MoE layers
+    (terms.MOE_GRAPH_MODES: "replay", vLLM-Moet's design, or "split").
     """
     calib = calib or load_calibration(hw)
     curve = curve_for(model, calib.routing)
-    one = decode_step(model, hw, placement, calib, 1, curve)
+    one = decode_step(model, hw, placement, calib, 1, curve, moe_graphs=moe_graphs)
     one_terms, one_ms, one_bottleneck = _terms(one, calib, hw)
     decode_tok_s = one.tokens_per_step / one_ms * 1e3
 
     n = streams(placement)
     notes = list(one.notes)
     if n > 1:
-        step = decode_step(model, hw, placement, calib, n, curve)
+        step = decode_step(model, hw, placement, calib, n, curve, moe_graphs=moe_graphs)
         terms, step_ms, bottleneck = _terms(step, calib, hw)
         aggregate = n * step.tokens_per_step / step_ms * 1e3
         notes.append(f"terms are for the {n}-stream step ({aggregate / n:.1f} tok/s per stream, "
@@ -100,9 +103,9 @@ RESOURCE = {
     "memory bandwidth": (DENSE, EXPERTS, KV, DRAFT),
     "attention kernels": (MLA_ATTN,),
     "host link / NVMe": (MISS_HOST, MISS_NVME),
-    "recomputation": (GATE,),
+    "recomputation": (GATE, MISS_REPLAY),
     "GPU interconnect": (ALLREDUCE, PIPELINE),
-    "fixed overheads": (LAYER_OVH, STEP_OVH, SEQ_OVH),
+    "fixed overheads": (LAYER_OVH, STEP_OVH, SEQ_OVH, MOE_GRAPH),
 }
 
 

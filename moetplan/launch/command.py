@@ -169,6 +169,7 @@ def build_launch(
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(p.kv_cache_gib or 1))))
     else:
         argv += ["--gpu-memory-utilization", f"{p.gpu_memory_utilization:.3f}".rstrip("0").rstrip(".")]
+        argv += ["--kv-cache-memory-bytes", str(int(p.kv_cache_memory_bytes))] if p.kv_cache_memory_bytes else []
         spec = speculative_config(plan)
         if spec:
             argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
