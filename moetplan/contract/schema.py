@@ -243,12 +243,12 @@ class Placement(_Model):
 
 
 # Knob names accepted by --set (the issue fixes these names): Placement fields, the GiB sizes that become rows
-# (SIZE_KNOBS), and the KNOB_FIELDS below. kv_cache_gib clamps the KV pool (vLLM's --kv-cache-memory-bytes).
+# (SIZE_KNOBS), and the KNOB_FIELDS below. kv_cache_memory_bytes clamps the KV pool (vLLM's --kv-cache-memory-bytes).
 # Each knob's type, allowed values and bounds are its field's (`parse_knob`): a new knob is a field and a name here.
 PINNABLE_KNOBS: tuple[str, ...] = (
     "tp", "pp", "expert_tier", "gpu_expert_cache_gib", "fp4_reserve_gib", "host_arena_gib", "kv_dtype",
     "context", "mtp", "mtp_acceptance", "max_num_seqs", "concurrency", "gpu_memory_utilization",
-    "gate_tau", "max_num_batched_tokens", "kv_cache_gib", "kv_cache_memory_bytes",
+    "gate_tau", "max_num_batched_tokens", "kv_cache_memory_bytes",
 )
 # --set names that are not a Placement field's own name: (model, field) they are typed by.
 KNOB_FIELDS: dict[str, tuple[type[BaseModel], str]] = {"gate_tau": (Gate, "tau")}

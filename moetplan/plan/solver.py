@@ -47,11 +47,9 @@ def parse_bytes(value: str) -> int:
 
 
 def kv_clamp_gib(pins: dict[str, Any]) -> float | None:
-    """The pinned KV clamp in GiB per rank (kv_cache_memory_bytes, or its GiB spelling kv_cache_gib), or None."""
+    """The pinned KV clamp in GiB per rank (kv_cache_memory_bytes, the one KV-clamp knob; 0: no clamp), or None."""
     if pins.get("kv_cache_memory_bytes"):
         return pins["kv_cache_memory_bytes"] / GIB
-    if pins.get("kv_cache_gib"):
-        return float(pins["kv_cache_gib"])
     return None
 
 
