@@ -17,7 +17,7 @@ from moetplan.plan.cpu_backend import plan_for_cpu
 
 EXPERT_FORMAT_CHOICES = ("2bit", "unquantized")
 # What a CPU-backend plan can be pinned to (plan/cpu_backend.py: experts resident, or a RAM cache over a host store).
-CPU_PINS = ("context", "max_num_seqs", "expert_tier", "gpu_expert_cache_gib")
+CPU_PINS = ("context", "max_num_seqs", "expert_tier", "gpu_expert_cache_gib", "moe_graphs")
 
 
 def set_expert_format(plan: Any, expert_format: str) -> None:
@@ -136,7 +136,8 @@ def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str
         except ValueError:
             raise UsageError(f"--set {' '.join(set_ or [])}: not a number") from None
         return plan_for_cpu(spec, context=context, expert_format=experts, max_num_seqs=seqs,
-                            expert_tier=pins.get("expert_tier", "resident"), cache_gib=cache)
+                            expert_tier=pins.get("expert_tier", "resident"), cache_gib=cache,
+                            moe_graphs=pins.get("moe_graphs", "replay"))
     return _solve(spec, None, None, None, ctx, set_)
 
 

@@ -9,7 +9,7 @@ Benches and tests build a `KernelPolicy` and pass it to the op; nothing reads a 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -21,6 +21,11 @@ DECODE_RINGS = (None, "cp.async", "tma")
 PROMOTERS = ("background", "gate")
 WEIGHT_SOURCES = ("checkpoint", "dummy")
 ROUTERS = ("model", "locality")
+# How a tiered plan's MoE layers meet vLLM's CUDA graphs: "replay" (inside the graphs; a step that missed is
+# fetched in one batch and run again) or "split" (outside them, the store on the host per layer: the measured
+# fallback). docs/CUDA_GRAPHS.md.
+MoeGraphs = Literal["replay", "split"]
+MOE_GRAPHS: tuple[str, ...] = get_args(MoeGraphs)
 
 
 @dataclass(frozen=True)
@@ -146,10 +151,16 @@ class RuntimeSection(_Frozen):
     router: Literal["model", "locality"] = "model"
     router_popularity: tuple[float, ...] = ()
     seed: int = 0
+    moe_graphs: MoeGraphs = "replay"
 
     @property
     def reserve_wanted(self) -> bool:
         return self.reserve_slots > 0
+
+    @property
+    def replays(self) -> bool:
+        """Tiered layers run inside vLLM's graphs and a step that missed is run again (runtime/miss_replay.py)."""
+        return self.moe_split_reason is None and self.tier != "resident"
 
     @property
     def moe_split_reason(self) -> str | None:
@@ -160,13 +171,15 @@ class RuntimeSection(_Frozen):
         call, which a graph replay would skip."""
         if self.expert_format == "unquantized":
             return "unquantized experts run on the torch reference, which groups each call's pairs on the host"
-        if self.tier != "resident":
-            return (f"expert_tier {self.tier}: the expert store learns each step's routed experts on the host and "
-                    "fetches the missing rows before the layer computes")
-        if self.reserve_wanted:
-            return "the FP4 reserve heats experts from each step's routed ids on the host"
         if self.gate.enabled:
             return "the confidence gate re-runs a step's forward from Python"
+        if self.reserve_wanted:
+            # Its promoter swaps a layer's FP4 slot table for a new tensor (kernels in flight keep the old one): a
+            # captured graph would keep reading the table of capture time.
+            return "the FP4 reserve publishes promotions as new slot tables, which a captured graph would not see"
+        if self.tier != "resident" and self.moe_graphs == "split":
+            return (f"expert_tier {self.tier} with moe_graphs=split: the expert store learns each step's routed "
+                    "experts on the host and fetches the missing rows before the layer computes")
         return None
 
 
@@ -180,8 +193,9 @@ def runtime_section(placement: Any, knobs: RuntimeKnobs) -> RuntimeSection:
         decode_batch_tokens=max(1, int(p.max_num_seqs) * (1 + int(p.mtp))), kernels=knobs.kernels,
         promoter=knobs.promoter, record_path=knobs.record_path, record_interval_s=knobs.record_interval_s,
         weights=knobs.weights, router=knobs.router, router_popularity=knobs.router_popularity,
-        seed=knobs.seed)
+        seed=knobs.seed, moe_graphs=p.moe_graphs)
 
 
-__all__ = ["DECODE_KERNELS", "DECODE_RINGS", "Gate", "KernelPolicy", "PREFILL_KERNELS", "PROMOTERS", "ROUTERS",
+__all__ = ["DECODE_KERNELS", "DECODE_RINGS", "Gate", "KernelPolicy", "MOE_GRAPHS", "MoeGraphs", "PREFILL_KERNELS",
+           "PROMOTERS", "ROUTERS",
            "RuntimeKnobs", "RuntimeSection", "WEIGHT_SOURCES", "runtime_section"]

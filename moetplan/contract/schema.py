@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from moetplan.contract.model import ModelSpec
-from moetplan.contract.runtime import Gate, RuntimeKnobs, RuntimeSection, runtime_section
+from moetplan.contract.runtime import Gate, MoeGraphs, RuntimeKnobs, RuntimeSection, runtime_section
 from moetplan.contract.sizing import rows_in
 from moetplan.contract.units import GIB
 
@@ -168,6 +168,9 @@ class Placement(_Model):
         "2bit", description="Routed experts as the runtime stores them; 'unquantized' keeps the checkpoint's "
         "(for checking the path against stock vLLM)")
     gate: Gate = Field(default_factory=Gate)
+    moe_graphs: MoeGraphs = Field("replay", description="Tiered experts inside vLLM's CUDA graphs, a step that "
+                                  "missed fetched in one batch and run again ('replay'), or outside them with the "
+                                  "store on the host per layer ('split', the measured fallback)")
 
     @model_validator(mode="before")
     @classmethod
@@ -229,7 +232,7 @@ class Placement(_Model):
 # Knob names accepted by --set (the issue fixes these names).
 PINNABLE_KNOBS: tuple[str, ...] = (
     "tp", "pp", "expert_tier", "gpu_expert_cache_gib", "fp4_reserve_gib", "host_arena_gib", "kv_dtype",
-    "context", "mtp", "mtp_acceptance", "max_num_seqs", "concurrency", "gpu_memory_utilization",
+    "context", "mtp", "mtp_acceptance", "max_num_seqs", "concurrency", "gpu_memory_utilization", "moe_graphs",
 )
 
 
@@ -289,6 +292,8 @@ class Prediction(_Model):
     token_hit_rate: float | None = None
     zero_miss_step_share: float | None = None
     misses_per_step: float | None = None
+    replay_rate: float | None = Field(None, description="Decode steps run twice (they missed and were replayed after "
+                                      "one batch fetch), per step; tiered plans with moe_graphs=replay")
     gate_fire_share: float | None = None
     notes: list[str] = Field(default_factory=list)
 

@@ -27,6 +27,7 @@ from moetplan.contract import (
     parse_tokens,
 )
 from moetplan.contract.errors import InfeasibleError, UsageError
+from moetplan.contract.runtime import MOE_GRAPHS
 from moetplan.contract.model import GIB, ModelSpec
 from moetplan.contract.sizing import reserve_slots, rows_in
 from moetplan.plan import ledger as L
@@ -76,6 +77,8 @@ def parse_set(items: Iterable[str]) -> dict[str, Any]:
             raise UsageError(f"--set {name}={value}: not a number") from None
         if name == "expert_tier" and v not in TIERS:
             raise UsageError(f"--set expert_tier={value}: must be one of {', '.join(TIERS)}")
+        if name == "moe_graphs" and v not in MOE_GRAPHS:
+            raise UsageError(f"--set moe_graphs={value}: must be one of {', '.join(MOE_GRAPHS)}")
         if name == "gpu_memory_utilization" and not 0.1 <= v <= 0.99:
             raise UsageError(f"--set gpu_memory_utilization={value}: must be between 0.1 and 0.99")
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
@@ -236,7 +239,7 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
         mtp_acceptance=pins.get("mtp_acceptance", model.mtp_accept(mtp)),
         max_num_seqs=seqs, concurrency=conc, max_num_batched_tokens=mnbt,
         pack_dir=pack_dir,
-        gate=Gate(enabled=bool(gate_tau), tau=gate_tau or 0.5),
+        gate=Gate(enabled=bool(gate_tau), tau=gate_tau or 0.5), moe_graphs=pins.get("moe_graphs", "replay"),
     )
     p.gpu_memory_utilization = pins.get("gpu_memory_utilization", L.gpu_memory_utilization_for(model, p, vram))
     budget = vram * p.gpu_memory_utilization
