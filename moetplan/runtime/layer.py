@@ -10,6 +10,7 @@ import torch
 
 from moetplan.contract.layout import RowLayout
 from moetplan.contract.runtime import KernelPolicy
+from moetplan.runtime.graph_counters import capturing
 from moetplan.runtime.ops import PathLog, moe_forward
 from moetplan.runtime.reference import moe_reference
 
@@ -84,7 +85,7 @@ class LayerState:
         layer = self.moe_index
         slot_of = store.residency[layer]
         misses.record(layer, slot_of, topk_ids)
-        if x.is_cuda:
+        if x.is_cuda or capturing():
             return self._op(x, topk_ids, topk_weights, store.data, slot_of, fp4)
         miss = slot_of.index_select(0, topk_ids.reshape(-1).long()).view(topk_ids.shape) < 0
         if bool(miss.any()):  # CPU: no graph, a host read is free of a sync
@@ -108,7 +109,7 @@ class LayerState:
         layer = self.moe_index
         misses = self.store.misses
         if misses is not None and not misses.eager and (
-                x.shape[0] <= store.prefill_tokens or torch.cuda.is_current_stream_capturing()):
+                x.shape[0] <= store.prefill_tokens or capturing()):
             return self._replay_forward(x, topk_weights, topk_ids, fp4, store, misses)
         if x.shape[0] <= store.prefill_tokens:  # decode: the step's working set fits (the planner's guard)
             try:

@@ -85,7 +85,10 @@ class ReplayCounts:
 Need = dict[int, np.ndarray]  # layer -> every expert the step used there (the hits are pinned with the misses)
 
 
-def _need(routings: np.ndarray, layers: np.ndarray) -> Need:
+def _need(routings: np.ndarray, layers: np.ndarray | None = None) -> Need:
+    """Every expert the pass used, per layer (all layers by default: the hits are pinned with the misses)."""
+    if layers is None:
+        layers = np.flatnonzero(routings.any(axis=1))
     return {int(layer): np.flatnonzero(routings[layer]) for layer in layers}
 
 
@@ -157,7 +160,7 @@ class ReplayDriver:
                 first = int(main[0])
                 if first <= first_before:
                     raise self._error(f"layer {first} again, after its rows were fetched")
-                self.counts.fetched_rows += self._fetch(_need(routings, layers))
+                self.counts.fetched_rows += self._fetch(_need(routings))
                 if before_rerun is not None:
                     before_rerun()
                 out = run()

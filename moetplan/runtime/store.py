@@ -482,8 +482,10 @@ class ExpertStore:
         """Make every listed expert resident for this step, in one batch: the resident ones are pinned first (a
         replay needs them too), slots are chosen for the missing ones across all layers (coldest unpinned rows
         evicted), then one backing fetch and one copy submission. Pins last until the step closes (`begin_step`),
-        so a second batch of the same step cannot evict the first. Raises StoreCapacityError when the step's rows
-        do not fit. Returns the rows fetched."""
+        so nothing else evicts them; a later batch of the same step (the replay's routing moved) replaces them:
+        `need` is the whole step as its last pass routed it. Raises StoreCapacityError when the step's rows do not
+        fit. Returns the rows fetched."""
+        self._pin_step[self._pin_step == self._step_id] = -1
         missing: list[Key] = []
         for layer, ids in sorted(need.items()):
             if not 0 <= layer < self.num_layers:
