@@ -54,6 +54,7 @@ def install_load_hook(loader_cls: Any = None) -> bool:
 def register() -> None:
     global _DONE
     if _DONE:
+        prepare_replay()  # a later engine of this process may serve another plan (offline scripts)
         return
     from moetplan import vllm_compat
     from moetplan.runtime import cpu_amx

@@ -119,6 +119,12 @@ class ExpertStore:
         """Close the current step (its pins end) and open a new one. Called implicitly when the layer restarts."""
         self._close_step()
 
+    def close_open_step(self) -> None:
+        """Close a step left open (calls of the per-layer path before a replay-driven step), else nothing: a step
+        boundary the layers did not mark (the replay driver's steps begin here)."""
+        if self._step_open:
+            self._close_step()
+
     def _close_step(self) -> None:
         if self._step_open:
             c = self.prefill if self._step_prefill else self.decode

@@ -254,6 +254,7 @@ class WorkerRuntime:
         snap = router.snapshot() if router is not None else None
         restore = (lambda: router.restore(snap)) if router is not None else None
         assert tiered.store is not None
+        tiered.store.close_open_step()
         large = tokens > tiered.store.prefill_tokens
         return self.replay.step(call, large=large, eager=eager, before_rerun=restore)
 
