@@ -90,6 +90,7 @@ def predict(model: ModelSpec, hw: HardwareProfile, placement: Placement,
         token_hit_rate=None if miss is None else round(miss.token_hit_rate, 6),
         zero_miss_step_share=None if miss is None else round(1.0 - miss.p_step_miss, 6),
         misses_per_step=None if miss is None else round(miss.misses_per_step, 4),
+        replay_rate=None if miss is None or placement.moe_graphs != "replay" else round(miss.p_step_miss, 6),
         gate_fire_share=step.gate_fire_share,
         notes=notes,
     )

@@ -19,6 +19,7 @@ from moetplan.cost_model.coverage import (
     miss_stats,
 )
 from moetplan.cost_model.hardware import GB, Rates, rates
+from moetplan.cost_model.replay import replay_cost
 from moetplan.contract.errors import UsageError
 from moetplan.contract.model import DENSE_BYTES_PER_PARAM, GIB, ModelSpec
 from moetplan.contract import HardwareProfile, Placement
@@ -330,10 +331,17 @@ def _miss_term(model: ModelSpec, placement: Placement, calib: Calibration, rt: R
             f"{miss.p_step_miss:.0%} of steps miss and replay (independent model: {miss.p_step_miss_independent:.0%});"
             f" token hit rate {miss.token_hit_rate:.2%}")
     t = TermSpec(MISS_HOST if placement.expert_tier == "host" else MISS_NVME, note=note)
-    # Per-layer fetch costs scale with the link: vLLM-Moet's RTX 5090 box (26.6 GiB/s under load) pays 2x the misses
-    # of its PRO 6000 (51.6 GiB/s).
-    t.add("link.fetch_overhead_mib", miss.layers_with_miss * _ms(2**20, rt.h2d_gbps))
-    t.add("family.miss_replay_factor", miss.p_step_miss * graph_ms)
+    if placement.moe_graphs == "replay":
+        # One batch per missed step, the graph run again, one record read per step (cost_model/replay.py).
+        rc = replay_cost(miss, graph_ms, rt.h2d_gbps)
+        for param, coef in rc.parts.items():
+            t.add(param, coef)
+        t.note += f"; {rc.note()}"
+    else:
+        # Split (the fallback): each layer that misses waits for its own fetch. Per-layer fetch costs scale with
+        # the link: vLLM-Moet's RTX 5090 box (26.6 GiB/s under load) pays 2x the misses of its PRO 6000
+        # (51.6 GiB/s). The split path's host work per layer is not a term here (bench/graph_overhead.py).
+        t.add("link.fetch_overhead_mib", miss.layers_with_miss * _ms(2**20, rt.h2d_gbps))
     if placement.expert_tier == "host":
         t.add("link.h2d_eff", _ms(rank_bytes, rt.h2d_gbps))
         return t
