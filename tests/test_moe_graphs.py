@@ -501,3 +501,33 @@ def test_a_capture_the_kernels_refuse_is_a_clear_error_not_a_reference_run(exper
     x, wt, ids = _inputs(4)
     with pytest.raises(ops.UsageError, match="enforce-eager"):
         ops.moe_forward(x.as_subclass(OnGpu), ids, wt, expert_rows[0], torch.arange(E, dtype=torch.int32), LAYOUT)
+
+
+@pytest.mark.parametrize("graphs,split", [("replay", False), ("split", True)])
+def test_a_tiered_plans_dry_run_launch_keeps_vllms_graphs_unless_split(tmp_path, graphs, split):
+    """`moetplan run --dry-run` of the 32 GB-card case (DeepSeek-V4-Flash, host tier, no FP4 reserve: a reserve
+    still splits): replay keeps vLLM's default compilation config (no MoE splitting op, no --compilation-config);
+    --set moe_graphs=split is the fallback."""
+    from typer.testing import CliRunner
+
+    from moetplan.cli import app
+
+    res = CliRunner().invoke(app, ["run", "--model", "deepseek-v4-flash", "--box", "rtx-5090x1", "--dry-run",
+                                   "--json", "--run-dir", str(tmp_path), "--set", "expert_tier=host",
+                                   "--set", "fp4_reserve_gib=0", "--set", f"moe_graphs={graphs}"])
+    assert res.exit_code == 0, res.output
+    argv = json.loads(res.output)["argv"]
+    assert ("--compilation-config" in argv) == split
+    assert not any(op in " ".join(argv) for op in vllm_compat.MOE_FORWARD_OPS) or split
+    plan = schema.Plan.model_validate_json((tmp_path / "plan.json").read_text())
+    assert plan.placement.moe_graphs == graphs and plan.runtime.replays == (not split)
+    assert (plan.prediction.replay_rate is not None) == (not split)
+
+
+def test_moe_graphs_takes_only_its_values():
+    from moetplan.contract.errors import UsageError
+    from moetplan.plan.solver import parse_set
+
+    assert parse_set(["moe_graphs=split"]) == {"moe_graphs": "split"}
+    with pytest.raises(UsageError, match="replay, split"):
+        parse_set(["moe_graphs=eager"])
