@@ -6,7 +6,13 @@ Cases (`--cases`, in order, each its own server):
   mtp        the same with MTP (depth 1) on
   consumer   the GPU limited to a 32 GB card (gpu_memory_utilization), the 2-bit base pinned in host RAM, the GPU
              an expert cache over PCIe, the locality router (popularity = the model's published coverage curve);
-             one stream: tok/s, token hit rate and zero-miss steps next to the plan's
+             one stream: tok/s, token hit rate and zero-miss steps next to the plan's (the plan's moe_graphs
+             default: replay)
+  replay     the consumer case with moe_graphs=replay: tiered layers inside vLLM's graphs, a step that missed
+             fetched in one batch and run again (runtime/miss_replay.py); rows also carry the replay rate
+  split      the consumer case with moe_graphs=split: MoE split out of the graphs, the store per layer on the host
+  (`--cases replay,split`: the pair side by side in one call; both record greedy tokens of one prompt, and the
+  result's `token_check` says whether replay's equal split's, which computes every layer from resident rows)
 Each case: the plan solved for `--hw` (a probe of this machine) with that case's pins, served with dummy weights,
 benched (decode tok/s at 1 stream, the batch curve at the others), stopped. The result file is rewritten after
 every case, so a run cut short keeps what it measured; `--deadline-s` skips the cases that cannot finish.
@@ -39,7 +45,28 @@ CASES: dict[str, dict[str, Any]] = {
     "mtp": {"tier": "resident", "pins": {"expert_tier": "resident", "mtp": 1}, "router": "locality"},
     "consumer": {"tier": "host", "pins": {"expert_tier": "host", "mtp": 0, "max_num_seqs": 1}, "router": "locality",
                  "streams": (1,)},
+    "replay": {"tier": "host", "pins": {"expert_tier": "host", "mtp": 0, "max_num_seqs": 1, "moe_graphs": "replay"},
+               "router": "locality", "streams": (1,)},
+    "split": {"tier": "host", "pins": {"expert_tier": "host", "mtp": 0, "max_num_seqs": 1, "moe_graphs": "split"},
+              "router": "locality", "streams": (1,)},
 }
+CONSUMER_CASES = ("consumer", "replay", "split")
+TOKEN_PROMPT = "The expert cache of a mixture-of-experts model on one consumer GPU"
+TOKEN_COUNT = 32
+
+
+def greedy_tokens(url: str, model: str) -> list[int] | str:
+    """Greedy token ids of one fixed prompt (the cases' outputs compared token for token)."""
+    import httpx
+
+    try:
+        r = httpx.post(f"{url.rstrip('/')}/completions", timeout=600, json={
+            "model": model, "prompt": TOKEN_PROMPT, "max_tokens": TOKEN_COUNT, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        r.raise_for_status()
+        return list(r.json()["choices"][0]["token_ids"])
+    except Exception as e:  # noqa: BLE001 - the speed numbers still count
+        return f"{type(e).__name__}: {e}"
 
 
 def _profile(hw_path: str):
@@ -83,7 +110,7 @@ def predictions(model: str, hw: Any, case: dict[str, Any], context: int, max_seq
         p = solve(spec, hw, Goals(context=context, concurrency=n, pinned=pins)).prediction
         out[n] = {"decode_tok_s": p.decode_tok_s, "aggregate_tok_s": p.aggregate_tok_s, "step_ms": p.step_ms,
                   "bottleneck": p.bottleneck, "token_hit_rate": p.token_hit_rate,
-                  "zero_miss_step_share": p.zero_miss_step_share,
+                  "zero_miss_step_share": p.zero_miss_step_share, "replay_rate": p.replay_rate,
                   "terms": [t.model_dump() for t in p.terms]}
     return out
 
@@ -112,7 +139,7 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any,
     from moetplan.launch.harness import RunFailed, RunProcess
 
     streams = tuple(case.get("streams") or args.streams)
-    card = CONSUMER_CARD_GIB if name == "consumer" else None
+    card = CONSUMER_CARD_GIB if name in CONSUMER_CASES else None
     folder = root / name
     t0 = time.monotonic()
     plan_path, plan = make_plan(args.model, hw, case, args.context, max(streams), card, folder)
@@ -137,6 +164,7 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any,
         res["errors"] = rec.errors
         res["notes"] = rec.notes
         res["ready"] = {k: ready.get(k) for k in ("endpoint", "model", "startup_s")}
+        res["greedy_tokens"] = greedy_tokens(run.url, ready.get("model") or plan.launch.served_model_name)
     except RunFailed as e:
         res["error"] = str(e)[-2000:]
     finally:
@@ -156,7 +184,8 @@ def case_rows(name: str, case: dict[str, Any], res: dict[str, Any], model: str) 
         rows.append({
             "case": f"{model} {case['tier']}{' mtp1' if case['pins'].get('mtp') else ''}"
                     f"{' eager' if '--enforce-eager' in (res.get('vllm_extra_args') or '') else ''}"
-                    f"{' 32GB-card' if name == 'consumer' else ''} {n} stream{'s' if n > 1 else ''}",
+                    f"{' 32GB-card' if name in CONSUMER_CASES else ''}"
+                    f"{' ' + name if name in ('replay', 'split') else ''} {n} stream{'s' if n > 1 else ''}",
             "streams": n,
             "predicted_decode_tok_s": pred["decode_tok_s"] if n == 1 else pred["aggregate_tok_s"],
             "measured_decode_tok_s": measured,
@@ -166,8 +195,11 @@ def case_rows(name: str, case: dict[str, Any], res: dict[str, Any], model: str) 
             **({"predicted_token_hit_rate": pred.get("token_hit_rate"),
                 "predicted_zero_miss_step_share": pred.get("zero_miss_step_share"),
                 "measured_token_hit_rate": (res.get("runtime") or {}).get("token_hit_rate"),
-                "measured_zero_miss_step_share": (res.get("runtime") or {}).get("zero_miss_step_share")}
-               if name == "consumer" else {}),
+                "measured_zero_miss_step_share": (res.get("runtime") or {}).get("zero_miss_step_share"),
+                "predicted_replay_rate": pred.get("replay_rate"),
+                "measured_replay_rate": (res.get("runtime") or {}).get("replay_rate"),
+                "measured_replay": (res.get("runtime") or {}).get("replay")}
+               if name in CONSUMER_CASES else {}),
         })
     return rows
 
@@ -221,6 +253,12 @@ def main() -> int:
         atomic_write_json(args.out, doc)
         print(json.dumps({"case": name, "rows": case_rows(name, CASES[name], res, args.model),
                           "error": res.get("error")}, default=str)[:3000], flush=True)
+        toks = {c: doc["runs"].get(c, {}).get("greedy_tokens") for c in ("replay", "split")}
+        if all(isinstance(t, list) for t in toks.values()):
+            doc["token_check"] = {"replay_equals_split": toks["replay"] == toks["split"],
+                                  "first_difference": next((i for i, (a, b) in enumerate(zip(*toks.values()))
+                                                            if a != b), None), "tokens": TOKEN_COUNT}
+            atomic_write_json(args.out, doc)
     return 0
 
 

@@ -364,3 +364,29 @@ def test_zero_rates_and_dense_models_are_usage_errors():
         predict(toy_model(), toy_hw(bw=0.0), Placement(), CAL)
     with pytest.raises(UsageError, match="no routed experts"):
         predict(toy_model(n_routed_experts=0), toy_hw(), Placement(), CAL)
+
+
+def test_a_tiered_step_predicts_its_replays_from_the_zero_miss_share():
+    """moe_graphs=replay: graph step + P(miss) x (batch fetch + graph step) + one read (terms: MOE_GRAPH, the fetch,
+    MISS_REPLAY); the plan carries the replay rate next to the zero-miss share; split has no replay term."""
+    from moetplan import hwdb
+    from moetplan.contract import Placement
+    from moetplan.cost_model import predict
+    from moetplan.cost_model.calibration import load_calibration
+    from moetplan.cost_model.coverage import curve_for
+    from moetplan.cost_model.terms import GRAPH_TERMS, MISS_REPLAY, decode_step
+
+    ds4, hw = hwdb.model_spec("deepseek-v4-flash"), hwdb.box_profile("rtx-5090x1")
+    pl = Placement.for_model(ds4, expert_tier="host", gpu_expert_cache_gib=14, context=32768, mtp=0)
+    rep = predict(ds4, hw, pl)
+    split = predict(ds4, hw, pl.model_copy(update={"moe_graphs": "split"}))
+    assert rep.replay_rate == pytest.approx(1 - rep.zero_miss_step_share, abs=1e-6) and 0 < rep.replay_rate < 1
+    assert split.replay_rate is None and split.zero_miss_step_share == rep.zero_miss_step_share
+    calib = load_calibration(hw)
+    curve = curve_for(ds4, calib.routing)
+    step = decode_step(ds4, hw, pl, calib, 1, curve)
+    term = next(t for t in step.terms if t.name == MISS_REPLAY)
+    graph = sum(t.ms(calib, hw) for t in step.terms if t.name in GRAPH_TERMS)
+    assert term.parts["family.miss_replay_factor"] == pytest.approx(step.miss.p_step_miss * graph)
+    split_step = decode_step(ds4, hw, pl.model_copy(update={"moe_graphs": "split"}), calib, 1, curve)
+    assert not any(t.name == MISS_REPLAY for t in split_step.terms)

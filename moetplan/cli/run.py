@@ -17,7 +17,7 @@ from moetplan.launch.run import serve
 from moetplan.plan.cpu_backend import CPU_UNSERVED_ATTENTION, cpu_backend_serves, plan_for_cpu
 
 # What a CPU-backend plan can be pinned to (plan/cpu_backend.py: experts resident, or a RAM cache over a host store).
-CPU_PINS = ("context", "max_num_seqs", "expert_tier", "gpu_expert_cache_gib")
+CPU_PINS = ("context", "max_num_seqs", "expert_tier", "gpu_expert_cache_gib", "moe_graphs")
 
 
 def set_expert_format(plan: Any, expert_format: str) -> None:

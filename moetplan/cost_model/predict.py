@@ -25,6 +25,7 @@ from moetplan.cost_model.terms import (
 )
 from moetplan.contract.model import ModelSpec
 from moetplan.contract import HardwareProfile, Placement, Prediction, Term
+from moetplan.contract.vocab import MoeGraphs
 
 
 def streams(placement: Placement) -> int:
@@ -41,7 +42,7 @@ def _terms(step: DecodeStep, calib: Calibration, hw: HardwareProfile) -> tuple[l
 
 
 def predict(model: ModelSpec, hw: HardwareProfile, placement: Placement,
-            calib: Calibration | None = None, moe_graphs: str = "replay") -> Prediction:
+            calib: Calibration | None = None, moe_graphs: MoeGraphs | None = None) -> Prediction:
     """Predicted performance of `placement` for `model` on `hw`.
 
     decode_tok_s: one stream decoding alone. aggregate_tok_s: all planned streams (concurrency, bounded by
@@ -93,6 +94,7 @@ def predict(model: ModelSpec, hw: HardwareProfile, placement: Placement,
         token_hit_rate=None if miss is None else round(miss.token_hit_rate, 6),
         zero_miss_step_share=None if miss is None else round(1.0 - miss.p_step_miss, 6),
         misses_per_step=None if miss is None else round(miss.misses_per_step, 4),
+        replay_rate=None if miss is None or (moe_graphs or placement.moe_graphs) != "replay" else round(miss.p_step_miss, 6),
         gate_fire_share=step.gate_fire_share,
         notes=notes,
     )

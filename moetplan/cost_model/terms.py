@@ -23,6 +23,7 @@ from moetplan.cost_model.hardware import GB, Rates, rates
 from moetplan.contract.errors import UsageError
 from moetplan.contract.model import DENSE_BYTES_PER_PARAM, GIB, ModelSpec
 from moetplan.contract import HardwareProfile, Placement
+from moetplan.contract.vocab import MOE_GRAPHS, MoeGraphs
 
 MS = 1e3
 
@@ -45,7 +46,7 @@ GATE = "confidence-gate recomputes"
 # How a tiered step keeps its MoE layers: "replay" (inside the CUDA graphs; a step that missed is fetched in one
 # batch and run again: vLLM-Moet's design, behind every published tiered row) or "split" (every MoE layer out of
 # the graphs, reading its routed ids on the host each step).
-MOE_GRAPH_MODES = ("replay", "split")
+MOE_GRAPH_MODES = MOE_GRAPHS  # contract.vocab: the one declaration
 # Terms a CUDA-graph replay of the step repeats: the forward pass, not the host-side scheduling around it.
 GRAPH_TERMS = (DENSE, EXPERTS, KV, MLA_ATTN, "TP all-reduce over PCIe", "pipeline stage hand-off",
                "per-layer launch overhead")
@@ -172,11 +173,12 @@ def _ms(nbytes: float, gbps: float) -> float:
 
 def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, calib: Calibration,
                 concurrency: int | None = None, curve: CoverageCurve | None = None,
-                kv_tokens: float | None = None, moe_graphs: str = "replay") -> DecodeStep:
+                kv_tokens: float | None = None, moe_graphs: MoeGraphs | None = None) -> DecodeStep:
     """Terms of one decode step on the slowest rank, with `concurrency` streams batched (default: 1).
 
     kv_tokens: context tokens each stream has filled; default filled_tokens()'s rule.
-    moe_graphs: how a tiered plan runs its MoE layers (MOE_GRAPH_MODES); resident plans ignore it.
+    moe_graphs: how a tiered plan runs its MoE layers (MOE_GRAPH_MODES); default the placement's own;
+    resident plans ignore it.
     """
     rt = rates(hw, placement)
     if rt.mem_bw_gbps <= 0 or rt.h2d_gbps <= 0 or rt.nvme_gbps <= 0 or rt.tflops <= 0:
@@ -305,11 +307,13 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     miss: MissStats | None = None
     if placement.expert_tier != "resident":
         miss = miss_stats(curve, E, K, L, tokens_eff, x_cached, r.miss_correlation, c, so)
-        terms.append(moe_graph_overhead(model, placement, moe_graphs))
+        mode = moe_graphs or placement.moe_graphs
+        terms.append(moe_graph_overhead(model, placement, mode))
         terms.append(_fetch_term(model, placement, calib, rt, curve, miss, x_cached))
-        t = TermSpec(MISS_REPLAY, note=f"{miss.p_step_miss:.0%} of steps miss and run again")
-        t.add("family.miss_replay_factor", miss.p_step_miss * graph)
-        terms.append(t)
+        if mode == "replay":  # split computes a missing layer after its fetch: no step runs twice
+            t = TermSpec(MISS_REPLAY, note=f"{miss.p_step_miss:.0%} of steps miss and run again")
+            t.add("family.miss_replay_factor", miss.p_step_miss * graph)
+            terms.append(t)
 
     gate_share: float | None = None
     if placement.gate.enabled and x_r > 0:

@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from moetplan import contract as _schema
-from moetplan.contract.vocab import ExpertFormat, ExpertTier
+from moetplan.contract.vocab import ExpertFormat, ExpertTier, MoeGraphs
 
 
 def host_info() -> Any:
@@ -36,7 +36,8 @@ def cpu_backend_serves(spec: Any) -> bool:
 
 def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFormat = "2bit",
                  max_num_seqs: int = 4, expert_tier: ExpertTier = "resident",
-                 gpu_expert_cache_gib: float | None = None, pack_dir: str | None = None) -> Any:
+                 gpu_expert_cache_gib: float | None = None, pack_dir: str | None = None,
+                 moe_graphs: MoeGraphs = "replay") -> Any:
     """A Plan that serves `spec` on vLLM's CPU backend, 1 GiB of KV cache: experts resident in RAM, or (tier
     "host") an expert cache of `gpu_expert_cache_gib` over a host store of every row, both in RAM. The tiered plan
     runs the GPU path's store and its hit-rate bookkeeping on a machine without a GPU.
@@ -49,6 +50,10 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFor
     if expert_tier not in CPU_TIERS:
         raise UsageError(f"expert_tier={expert_tier}: a CPU-backend plan keeps experts in RAM: "
                          f"{' or '.join(CPU_TIERS)}")
+    from moetplan.contract.runtime import MOE_GRAPHS
+
+    if moe_graphs not in MOE_GRAPHS:
+        raise UsageError(f"moe_graphs={moe_graphs}: must be one of {', '.join(MOE_GRAPHS)}")
     tiered = expert_tier == "host"
     if tiered and expert_format != "2bit":
         raise UsageError("expert_tier=host caches 2-bit rows; drop --experts unquantized")
@@ -64,7 +69,7 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFor
     placement = _schema.Placement.for_model(
         spec, tp=1, pp=1, expert_tier=expert_tier, kv_dtype="bf16", kv_cache_gib=kv_gib, context=ctx,
         max_num_seqs=max_num_seqs, concurrency=1, max_num_batched_tokens=max(2048, ctx),
-        gpu_memory_utilization=0.9, expert_format=expert_format, pack_dir=pack_dir,
+        gpu_memory_utilization=0.9, expert_format=expert_format, pack_dir=pack_dir, moe_graphs=moe_graphs,
         **({"gpu_expert_cache_gib": float(gpu_expert_cache_gib or 0)} if tiered else {}),
     )
     cache = placement.gpu_expert_cache_gib

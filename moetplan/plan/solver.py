@@ -25,6 +25,7 @@ from moetplan.contract import (
     Prediction,
 )
 from moetplan.contract.errors import InfeasibleError, UsageError
+from moetplan.contract.runtime import MOE_GRAPHS
 from moetplan.contract.model import GIB, ModelSpec
 from moetplan.contract.schema import parse_knob
 from moetplan.contract.vocab import EXPERT_TIERS
@@ -235,7 +236,7 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
         mtp_acceptance=pins.get("mtp_acceptance", model.mtp_accept(mtp)),
         max_num_seqs=seqs, concurrency=conc, max_num_batched_tokens=mnbt,
         pack_dir=pack_dir,
-        gate=Gate(enabled=bool(gate_tau), tau=gate_tau or 0.5),
+        gate=Gate(enabled=bool(gate_tau), tau=gate_tau or 0.5), moe_graphs=pins.get("moe_graphs", "replay"),
     )
     p.gpu_memory_utilization = pins.get("gpu_memory_utilization", L.gpu_memory_utilization_for(model, p, vram))
     budget = vram * p.gpu_memory_utilization

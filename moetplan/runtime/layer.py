@@ -10,6 +10,7 @@ import torch
 
 from moetplan.contract.layout import RowLayout
 from moetplan.contract.runtime import KernelPolicy
+from moetplan.runtime.graph_counters import capturing
 from moetplan.runtime.ops import PathLog, moe_forward
 from moetplan.runtime.reference import moe_reference
 
@@ -75,6 +76,25 @@ class LayerState:
         return moe_forward(x, ids, wts, pool, slot_of, self.layout, swiglu_limit=self.swiglu_limit, policy=self.policy,
                            paths=self.paths if paths is None else paths, **fp4)
 
+    def _replay_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        fp4: dict[str, Any], store: Any, misses: Any) -> torch.Tensor:
+        """Inside a graph (replay mode): compute from the cache as it stands and record, on the device, what the
+        call routed to and what had no slot; the driver fetches and re-runs a step that missed. Capture-safe on
+        the kernels (a pair without a row contributes zeros and sets the flag, read with the counters); the torch
+        reference (CPU) gets the same zeros by weight 0 on a resident expert."""
+        layer = self.moe_index
+        slot_of = store.residency[layer]
+        misses.record(layer, slot_of, topk_ids)
+        if x.is_cuda or capturing():
+            return self._op(x, topk_ids, topk_weights, store.data, slot_of, fp4)
+        miss = slot_of.index_select(0, topk_ids.reshape(-1).long()).view(topk_ids.shape) < 0
+        if bool(miss.any()):  # CPU: no graph, a host read is free of a sync
+            if bool(miss.all()):
+                return torch.zeros_like(x)
+            topk_ids = torch.where(miss, topk_ids[~miss][0], topk_ids)
+            topk_weights = torch.where(miss, torch.zeros_like(topk_weights), topk_weights)
+        return self._op(x, topk_ids, topk_weights, store.data, slot_of, fp4)
+
     def _store_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        fp4: dict[str, Any]) -> torch.Tensor:
         """Make this layer's routed experts resident in the slot pool, then compute from it.
@@ -87,6 +107,10 @@ class LayerState:
 
         store = self.store.get()
         layer = self.moe_index
+        misses = self.store.misses
+        if misses is not None and not misses.eager and (
+                x.shape[0] <= store.prefill_tokens or capturing()):
+            return self._replay_forward(x, topk_weights, topk_ids, fp4, store, misses)
         if x.shape[0] <= store.prefill_tokens:  # decode: the step's working set fits (the planner's guard)
             try:
                 store.ensure(layer, topk_ids)
