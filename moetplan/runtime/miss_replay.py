@@ -40,16 +40,12 @@ class StepMisses:
 
     def __init__(self, num_layers: int, num_experts: int, device: Any = "cpu"):
         self.used = torch.zeros(2, num_layers, num_experts, dtype=torch.int32, device=device)
-        self._ones: torch.Tensor | None = None
         self.eager = False
 
     def record(self, layer: int, slot_of: torch.Tensor, topk_ids: torch.Tensor) -> None:
         """Capture-safe: kernels whose shapes are the call's, whatever the routing."""
         ids = topk_ids.reshape(-1).long()
-        n = ids.numel()
-        if self._ones is None or self._ones.numel() < n or self._ones.device != ids.device:
-            self._ones = torch.ones(max(n, 64), dtype=torch.int32, device=ids.device)  # outside any capture: warm-up
-        self.used[0, layer].index_add_(0, ids, self._ones[:n])
+        self.used[0, layer].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         missing = (slot_of.index_select(0, ids) < 0).to(torch.int32)
         # duplicates of an id carry the same value, so the reduction is deterministic
         self.used[1, layer].scatter_reduce_(0, ids, missing, reduce="amax")
