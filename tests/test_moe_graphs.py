@@ -533,3 +533,19 @@ def test_moe_graphs_takes_only_its_values():
     assert parse_set(["moe_graphs=split"]) == {"moe_graphs": "split"}
     with pytest.raises(UsageError, match="replay, split"):
         parse_set(["moe_graphs=eager"])
+
+
+def test_tensor_parallel_ranks_replay_together():
+    """Another rank missed (the agreed flag says so): this rank runs the forward again with it, fetching nothing,
+    so every rank's all-reduces pair up."""
+    from moetplan.runtime.miss_replay import ReplayDriver, StepMisses
+
+    misses = StepMisses(1, E)
+    slot_of = torch.zeros(E, dtype=torch.int32)  # everything resident here
+    ids = torch.tensor([[1, 2]], dtype=torch.int32)
+    votes = iter([True, False])  # the first pass missed on another rank, the replay on none
+    fetched = []
+    driver = ReplayDriver(misses, lambda need: fetched.append(need) or 0, agree=lambda local: next(votes) or local)
+    runs = []
+    driver.step(lambda: runs.append(misses.record(0, slot_of, ids)))
+    assert len(runs) == 2 and driver.counts.replayed == 1 and not fetched

@@ -42,6 +42,15 @@ def tp_rank() -> int:
         return 0
 
 
+def tp_any(flag: bool) -> bool:
+    """True when `flag` is True on any tensor-parallel rank (one 1-element all-reduce in vLLM's TP group)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=group.device)
+    return bool(int(group.all_reduce(t).item()) > 0)
+
+
 def is_warmup() -> bool:
     """True inside vLLM's profile/dummy runs (no attention metadata): not user traffic, not counted."""
     try:
@@ -292,7 +301,8 @@ class WorkerRuntime:
             return 0
 
         return ReplayDriver(rec, store.fetch_step if store is not None else no_store, main_layers=self.main_layers,
-                            cache_slots=self.section.cache_slots, observe=observe, end_step=end_step)
+                            cache_slots=self.section.cache_slots, observe=observe, end_step=end_step,
+                            agree=tp_any if self.section.tp > 1 else None)
 
     # ------------------------------------------------------------------ the op
 
