@@ -549,3 +549,32 @@ def test_tensor_parallel_ranks_replay_together():
     runs = []
     driver.step(lambda: runs.append(misses.record(0, slot_of, ids)))
     assert len(runs) == 2 and driver.counts.replayed == 1 and not fetched
+
+
+def test_a_pack_backed_store_keeps_its_heat_and_restarts_warm(expert_rows, tmp_path):
+    """runtime/heat.py in serving: the NVMe tier's store saves its heat beside the pack (the record-fed heat of
+    replayed steps) and the next worker preloads the hot rows."""
+    def worker() -> WorkerRuntime:
+        w = WorkerRuntime(_plan(expert_tier="nvme", gpu_expert_cache_slots=10, max_num_seqs=2, pack_dir=str(tmp_path)),
+                          rank=0, in_graphs=False)
+        for li, rows in enumerate(expert_rows):
+            st = w.layer_state(key=li, moe_index=li, name=f"l{li}", fmt="2bit", tier="nvme", num_experts=E, hidden=H,
+                               inter=INTER, first=li == 0, layout=LAYOUT, source="test")
+            st.store = w.attach_store(st, rows.clone())
+            w.layer_loaded(st, "cpu", 0.0)
+        w.main_layers = 2
+        return w
+
+    w = worker()
+    x, wt, ids = _inputs(50, tokens=2)
+    w.layers[0].forward(x, wt, ids)  # the first forward builds the store (and writes the pack)
+    for _ in range(3):
+        w.forward_step(lambda: [w.layers[li].forward(x, wt, ids) for li in range(2)], tokens=2)
+    keeper = w.tiered.heat_keeper
+    assert keeper is not None and keeper.save().exists()
+    w.close()
+    again = worker()
+    again.layers[0].forward(x, wt, ids)
+    hot = set(ids.reshape(-1).tolist())
+    assert {e for e in hot if again.tiered.store.pool.res[1][e] >= 0} == hot  # layer 1 preloaded, never routed yet
+    again.close()
