@@ -323,7 +323,7 @@ def test_a_batch_the_cache_cannot_hold_is_a_replay_error_not_wrong_tokens(expert
     x, wt, ids = _inputs(40, tokens=2)
     ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     w.layers[0].forward(x, wt, ids)  # builds the store
-    w.tiered.misses.clear()
+    w.step_rec.clear()
     with pytest.raises(ReplayError, match="3 slots"):
         w.forward_step(lambda: w.layers[0].forward(x, wt, ids), tokens=2)
     w.close()
@@ -350,7 +350,7 @@ def test_a_large_step_that_missed_reruns_through_the_per_layer_store(expert_rows
     w = _tiered_worker(expert_rows, slots=4, in_graphs=False)
     x, wt, ids = _inputs(42, tokens=6)  # up to 8 experts: more than the 4 slots
     w.layers[0].forward(x[:2], wt[:2], ids[:2])  # builds the store
-    misses = w.tiered.misses
+    misses = w.step_rec
     out: list[torch.Tensor] = []
 
     def graph_pass() -> torch.Tensor:  # what a piecewise graph of 6 tokens records: the replay path
@@ -376,7 +376,8 @@ def test_a_large_step_that_missed_reruns_through_the_per_layer_store(expert_rows
     ({"expert_tier": "nvme", "gpu_expert_cache_slots": 4}, False),
     ({"expert_tier": "host", "gpu_expert_cache_slots": 4, "moe_graphs": "split"}, True),
     ({"expert_tier": "nvme", "gpu_expert_cache_slots": 4, "moe_graphs": "split"}, True),
-    ({"fp4_reserve_slots": 4}, True),
+    ({"fp4_reserve_slots": 4}, False),  # heated from the step record, tables synced at step ends
+    ({"fp4_reserve_slots": 4, "moe_graphs": "split"}, True),
     ({"gate": {"enabled": True}}, True),
     ({"expert_format": "unquantized"}, True),
 ])
@@ -463,7 +464,8 @@ def test_the_launch_splits_at_moe_for_split_plans_only(gpu_plan):
         assert set(vllm_compat.MOE_FORWARD_OPS) <= set(comp["splitting_ops"])
         assert set(vllm_compat.attention_split_ops()) <= set(comp["splitting_ops"])
         assert not any(op.startswith("moetplan::") for op in comp["splitting_ops"])
-    reserve = _compilation(_with(resident, fp4_reserve_slots=16))
+    assert _compilation(_with(resident, fp4_reserve_slots=16)) is None  # the reserve inside the graphs too
+    reserve = _compilation(_with(resident, fp4_reserve_slots=16, moe_graphs="split"))
     assert reserve is not None and "vllm::moe_forward" in reserve["splitting_ops"]
 
 
@@ -531,3 +533,48 @@ def test_moe_graphs_takes_only_its_values():
     assert parse_set(["moe_graphs=split"]) == {"moe_graphs": "split"}
     with pytest.raises(UsageError, match="replay, split"):
         parse_set(["moe_graphs=eager"])
+
+
+def test_tensor_parallel_ranks_replay_together():
+    """Another rank missed (the agreed flag says so): this rank runs the forward again with it, fetching nothing,
+    so every rank's all-reduces pair up."""
+    from moetplan.runtime.miss_replay import ReplayDriver, StepMisses
+
+    misses = StepMisses(1, E)
+    slot_of = torch.zeros(E, dtype=torch.int32)  # everything resident here
+    ids = torch.tensor([[1, 2]], dtype=torch.int32)
+    votes = iter([True, False])  # the first pass missed on another rank, the replay on none
+    fetched = []
+    driver = ReplayDriver(misses, lambda need: fetched.append(need) or 0, agree=lambda local: next(votes) or local)
+    runs = []
+    driver.step(lambda: runs.append(misses.record(0, slot_of, ids)))
+    assert len(runs) == 2 and driver.counts.replayed == 1 and not fetched
+
+
+def test_a_pack_backed_store_keeps_its_heat_and_restarts_warm(expert_rows, tmp_path):
+    """runtime/heat.py in serving: the NVMe tier's store saves its heat beside the pack (the record-fed heat of
+    replayed steps) and the next worker preloads the hot rows."""
+    def worker() -> WorkerRuntime:
+        w = WorkerRuntime(_plan(expert_tier="nvme", gpu_expert_cache_slots=10, max_num_seqs=2, pack_dir=str(tmp_path)).runtime,
+                          rank=0, in_graphs=False)
+        for li, rows in enumerate(expert_rows):
+            st = w.layer_state(key=li, moe_index=li, name=f"l{li}", fmt="2bit", tier="nvme", num_experts=E, hidden=H,
+                               inter=INTER, first=li == 0, layout=LAYOUT, source="test")
+            st.store = w.attach_store(st, rows.clone())
+            w.layer_loaded(st, "cpu", 0.0)
+        w.main_layers = 2
+        return w
+
+    w = worker()
+    x, wt, ids = _inputs(50, tokens=2)
+    w.layers[0].forward(x, wt, ids)  # the first forward builds the store (and writes the pack)
+    for _ in range(3):
+        w.forward_step(lambda: [w.layers[li].forward(x, wt, ids) for li in range(2)], tokens=2)
+    keeper = w.tiered.heat_keeper
+    assert keeper is not None and keeper.save().exists()
+    w.close()
+    again = worker()
+    again.layers[0].forward(x, wt, ids)
+    hot = set(ids.reshape(-1).tolist())
+    assert {e for e in hot if again.tiered.store.pool.res[1][e] >= 0} == hot  # layer 1 preloaded, never routed yet
+    again.close()

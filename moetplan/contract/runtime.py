@@ -173,9 +173,15 @@ class RuntimeSection(_Frozen):
         return self.fp4_reserve_slots > 0
 
     @property
+    def records_steps(self) -> bool:
+        """MoE layers inside vLLM's graphs record each step's routings on the device, read once at step end (the
+        tiered store's misses and heat, the FP4 reserve's heat) by the replay driver around the forward call."""
+        return self.moe_split_reason is None and (self.expert_tier != "resident" or self.reserve_wanted)
+
+    @property
     def replays(self) -> bool:
         """Tiered layers run inside vLLM's graphs and a step that missed is run again (runtime/miss_replay.py)."""
-        return self.moe_split_reason is None and self.expert_tier != "resident"
+        return self.records_steps and self.expert_tier != "resident"
 
     @property
     def moe_split_reason(self) -> str | None:
@@ -188,13 +194,11 @@ class RuntimeSection(_Frozen):
             return "unquantized experts run on the torch reference, which groups each call's pairs on the host"
         if self.gate.enabled:
             return "the confidence gate re-runs a step's forward from Python"
-        if self.reserve_wanted:
-            # Its promoter swaps a layer's FP4 slot table for a new tensor (kernels in flight keep the old one): a
-            # captured graph would keep reading the table of capture time.
-            return "the FP4 reserve publishes promotions as new slot tables, which a captured graph would not see"
-        if self.expert_tier != "resident" and self.moe_graphs == "split":
+        if self.moe_graphs == "split" and self.expert_tier != "resident":
             return (f"expert_tier {self.expert_tier} with moe_graphs=split: the expert store learns each step's routed "
                     "experts on the host and fetches the missing rows before the layer computes")
+        if self.moe_graphs == "split" and self.reserve_wanted:
+            return "the FP4 reserve with moe_graphs=split: it heats experts from each layer's routed ids on the host"
         return None
 
 

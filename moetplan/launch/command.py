@@ -185,7 +185,7 @@ def build_launch(
         if p.expert_tier != "resident":
             # The expert store allocates its slot pool itself; keep the caching allocator from fragmenting it.
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    if plan.runtime.replays:
+    if plan.runtime.records_steps:
         # The replay driver wraps Model Runner V1's forward call (vllm_compat.install_forward_hook); V2 has none.
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if plan.runtime_knobs.weights == "dummy":

@@ -42,6 +42,9 @@ class LayerState:
     fp4: Any = None  # reserve_build.ReserveState of the worker
     policy: KernelPolicy = field(default_factory=KernelPolicy)
     paths: PathLog | None = None
+    # Inside graphs (section.records_steps): (device) -> the worker's StepMisses, the step's device record of
+    # routings and misses that the replay driver reads once at step end; None: per-layer host bookkeeping.
+    record: Any = None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 warmup: bool = False, paths: Any = None) -> torch.Tensor:
@@ -58,6 +61,10 @@ class LayerState:
             return moe_reference(x, topk_ids, topk_weights, lambda e, _fp4: (w13[e], w2[e]), self.swiglu_limit)
         fp4 = self.fp4_args(topk_ids, warmup)
         if self.store is None:
+            if self.record is not None and fp4:  # the FP4 reserve heats from the step's record
+                rec = self.record(x.device)
+                if not rec.eager:
+                    rec.record(self.moe_index, self.slot_of, topk_ids)
             return self._op(x, topk_ids, topk_weights, self.rows, self.slot_of, fp4, paths)
         return self._store_forward(x, topk_weights, topk_ids, fp4)
 
@@ -67,7 +74,7 @@ class LayerState:
         res = self.fp4.reserve if self.fp4 is not None else None
         if res is None or self.moe_index >= res.num_layers:
             return {}
-        if not warmup:
+        if not warmup and self.record is None:  # recorded steps heat it at step end, from the device record
             res.observe(self.moe_index, topk_ids)
         return res.op_args(self.moe_index)
 
@@ -107,7 +114,7 @@ class LayerState:
 
         store = self.store.get()
         layer = self.moe_index
-        misses = self.store.misses
+        misses = self.record(x.device) if self.record is not None else None
         if misses is not None and not misses.eager and (
                 x.shape[0] <= store.prefill_tokens or capturing()):
             return self._replay_forward(x, topk_weights, topk_ids, fp4, store, misses)

@@ -40,16 +40,12 @@ class StepMisses:
 
     def __init__(self, num_layers: int, num_experts: int, device: Any = "cpu"):
         self.used = torch.zeros(2, num_layers, num_experts, dtype=torch.int32, device=device)
-        self._ones: torch.Tensor | None = None
         self.eager = False
 
     def record(self, layer: int, slot_of: torch.Tensor, topk_ids: torch.Tensor) -> None:
         """Capture-safe: kernels whose shapes are the call's, whatever the routing."""
         ids = topk_ids.reshape(-1).long()
-        n = ids.numel()
-        if self._ones is None or self._ones.numel() < n or self._ones.device != ids.device:
-            self._ones = torch.ones(max(n, 64), dtype=torch.int32, device=ids.device)  # outside any capture: warm-up
-        self.used[0, layer].index_add_(0, ids, self._ones[:n])
+        self.used[0, layer].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         missing = (slot_of.index_select(0, ids) < 0).to(torch.int32)
         # duplicates of an id carry the same value, so the reduction is deterministic
         self.used[1, layer].scatter_reduce_(0, ids, missing, reduce="amax")
@@ -109,11 +105,11 @@ class ReplayDriver:
 
     def __init__(self, misses: StepMisses, fetch: Callable[[Need], int], *, main_layers: int | None = None,
                  cache_slots: int = 0, observe: Callable[[np.ndarray, np.ndarray, bool], None] | None = None,
-                 end_step: Callable[[], None] | None = None):
+                 end_step: Callable[[], None] | None = None, agree: Callable[[bool], bool] | None = None):
         self.misses, self.fetch = misses, fetch
         self.main_layers = main_layers if main_layers is not None else int(misses.used.shape[1])
         self.cache_slots = cache_slots
-        self.observe, self.end_step = observe, end_step
+        self.observe, self.end_step, self.agree = observe, end_step, agree
         self.counts = ReplayCounts()
         self._fresh = True
 
@@ -138,7 +134,7 @@ class ReplayDriver:
                 self.observe(routings, missed, large)
             layers = np.flatnonzero(missed.any(axis=1))
             main = layers[layers < self.main_layers]
-            if not main.size:
+            if not self._any(main):
                 if layers.size:  # only the drafter's layers missed: fetch for its next pass, no replay
                     self.counts.drafter_rows += self._fetch(_need(routings, layers))
                 return out
@@ -157,10 +153,12 @@ class ReplayDriver:
                 return out
             first_before = -1
             for _ in range(self.main_layers + 1):
-                first = int(main[0])
-                if first <= first_before:
-                    raise self._error(f"layer {first} again, after its rows were fetched")
-                self.counts.fetched_rows += self._fetch(_need(routings))
+                if main.size:  # (under TP another rank may be the one that missed: run again with it)
+                    first = int(main[0])
+                    if first <= first_before:
+                        raise self._error(f"layer {first} again, after its rows were fetched")
+                    self.counts.fetched_rows += self._fetch(_need(routings))
+                    first_before = first
                 if before_rerun is not None:
                     before_rerun()
                 out = run()
@@ -168,15 +166,20 @@ class ReplayDriver:
                 routings, missed = self.misses.take()
                 layers = np.flatnonzero(missed.any(axis=1))
                 main = layers[layers < self.main_layers]
-                if not main.size:
+                if not self._any(main):
                     if layers.size:
                         self.counts.drafter_rows += self._fetch(_need(routings, layers))
                     return out
-                first_before = first
             raise self._error(f"still missing after {self.main_layers} replays")
         finally:
             if self.end_step is not None:
                 self.end_step()
+
+    def _any(self, main: np.ndarray) -> bool:
+        """Whether any rank's target layers missed: every tensor-parallel rank runs the forward (and its
+        all-reduces) the same number of times, so the decision is agreed (`agree`, one tiny all-reduce)."""
+        local = bool(main.size)
+        return self.agree(local) if self.agree is not None else local
 
     def _fetch(self, need: Need) -> int:
         from moetplan.runtime.store import StoreCapacityError

@@ -82,7 +82,7 @@ def register() -> None:
 
 
 def _plan_replays() -> bool:
-    """Whether MOETPLAN_PLAN names a plan that replays missed steps (read cheaply: a broken plan is reported by the
+    """Whether MOETPLAN_PLAN names a plan whose steps run through the replay driver (read cheaply: a broken plan is reported by the
     worker, which reads it properly)."""
     from moetplan.contract import Plan, envs, load_json
 
@@ -90,13 +90,13 @@ def _plan_replays() -> bool:
     if not path:
         return False
     try:
-        return bool(load_json(Plan, path).runtime.replays)
+        return bool(load_json(Plan, path).runtime.records_steps)
     except Exception:
         return False
 
 
 def prepare_replay() -> bool:
-    """For a plan with moe_graphs=replay: ask vLLM for Model Runner V1 (the runner whose forward call the driver
+    """For a plan whose steps the driver runs (tiered or FP4 reserve, moe_graphs=replay): ask vLLM for Model Runner V1 (the runner whose forward call the driver
     wraps; a user's explicit VLLM_USE_V2_MODEL_RUNNER is kept, and the worker refuses V2 with the fix) and wrap
     that call in this process (`WorkerRuntime.forward_step`). Nothing for other plans."""
     import os

@@ -65,9 +65,6 @@ class TieredExperts:
         self.store: ExpertStore | None = None
         self.pack_path: str | None = None
         self.dummy = False
-        # Replay mode (section.replays): the device record of the step's routings and misses, allocated with the
-        # store (before any graph capture) so graphs keep its address.
-        self.misses: Any = None
         self.heat_keeper: Any = None
 
     def add(self, moe_index: int, rows: torch.Tensor | None, layout: RowLayout, num_experts: int = 0) -> None:
@@ -109,10 +106,6 @@ class TieredExperts:
         log.info("moetplan: store %s tier=%s gpu_expert_cache_slots=%d layers=%d experts=%d%s",
                  type(store.backing).__name__, s.expert_tier, s.gpu_expert_cache_slots, L, E,
                  " (graph replay)" if s.replays else "")
-        if s.replays:
-            from moetplan.runtime.miss_replay import StepMisses
-
-            self.misses = StepMisses(L, E, device=store.device)
         if self.pack_path:
             # A pack-backed store restarts warm: its heat is saved beside the pack (every 5 min, on the step
             # boundary) and preloaded on the next start (runtime/heat.py).

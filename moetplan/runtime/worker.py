@@ -22,7 +22,7 @@ from moetplan.runtime import records
 from moetplan.runtime.cuda_paths import error_flag
 from moetplan.runtime.graph_counters import CallPaths, GraphCounters, capturing
 from moetplan.runtime.layer import LayerState
-from moetplan.runtime.miss_replay import ReplayDriver
+from moetplan.runtime.miss_replay import ReplayDriver, StepMisses
 from moetplan.runtime.ops import PathLog
 from moetplan.runtime.pack_resolve import PackResolver
 from moetplan.runtime.reserve_build import ReserveState
@@ -38,6 +38,15 @@ def tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:
         return 0
+
+
+def tp_any(flag: bool) -> bool:
+    """True when `flag` is True on any tensor-parallel rank (one 1-element all-reduce in vLLM's TP group)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=group.device)
+    return bool(int(group.all_reduce(t).item()) > 0)
 
 
 def is_warmup() -> bool:
@@ -89,6 +98,7 @@ class WorkerRuntime:
         # has a store; the target model's MoE layer count (later ones are a drafter's), known once it loaded.
         self.replay: ReplayDriver | None = None
         self.main_layers: int | None = None
+        self.step_rec: StepMisses | None = None  # the step's device record (section.records_steps)
 
     @classmethod
     def from_plan_file(cls, path: str | os.PathLike[str]) -> "WorkerRuntime":
@@ -167,9 +177,19 @@ class WorkerRuntime:
         policy = self.section.knobs.kernels
         if self.in_graphs or self.section.replays:
             policy = dataclasses.replace(policy, check_residency=False)
+        if self.section.records_steps:
+            experts = int(fields["num_experts"])
+            fields["record"] = lambda device: self.step_record(device, experts)
         if self.in_graphs:
             return LayerState(**fields, fp4=self.fp4, policy=policy, paths=None)
         return LayerState(**fields, fp4=self.fp4, policy=policy, paths=self.paths)
+
+    def step_record(self, device: Any, num_experts: int) -> StepMisses:
+        """The step's device record over every MoE layer, allocated at the first forward (vLLM's eager warm-up,
+        before any capture, after every layer loaded): graphs keep its address."""
+        if self.step_rec is None:
+            self.step_rec = StepMisses(max(self.moe_layers_created, len(self.layers)), num_experts, device=device)
+        return self.step_rec
 
     def attach_store(self, st: LayerState, rows: torch.Tensor | None) -> TieredExperts:
         """Hand a layer's rows to the worker's tiered store (built at the first forward; None: dummy weights, the
@@ -203,6 +223,8 @@ class WorkerRuntime:
             # the last MoE layer of this worker: the reserve spans them all (built once: a speculative drafter's
             # MoE layers, loaded later, are not in it)
             self.fp4.build(s, self.packs, self.layers[0], len(self.layers), device, f"fp4_reserve.rank{self.rank}")
+            if s.records_steps and self.fp4.reserve is not None:
+                self.fp4.reserve.use_graph_tables()  # before any capture
         self.stats.layers = len(self.layers)
         self.stats.load_s += load_s
 
@@ -213,7 +235,7 @@ class WorkerRuntime:
             return model
         if self.main_layers is None:  # the target model loads first; a speculative drafter's layers come after
             self.main_layers = len(self.layers)
-            if self.section.replays:
+            if self.section.records_steps:
                 self._check_replayable(vllm_config)
         return self.fp4.install_gate(self.section, model, vllm_config)
 
@@ -239,22 +261,46 @@ class WorkerRuntime:
 
     def forward_step(self, call: Any, tokens: int, eager: Any = None) -> Any:
         """vLLM's forward call of one step (the plugin's runner hook), run through the replay driver when this
-        plan replays and its store exists (vLLM's first forwards, before the store, run as they are)."""
-        tiered = self.tiered
-        if not self.section.replays or tiered is None or tiered.misses is None:
+        plan records its steps (vLLM's first forwards, before the record and the store exist, run as they are)."""
+        rec = self.step_rec
+        if not self.section.records_steps or rec is None:
             return call()
+        store = self.tiered.store if self.tiered is not None else None
+        if self.section.replays and store is None:
+            return call()
+        reserve = self.fp4.reserve
         if self.replay is None:
-            store = tiered.store
-            self.replay = ReplayDriver(tiered.misses, store.fetch_step, main_layers=self.main_layers,
-                                       cache_slots=self.section.gpu_expert_cache_slots, observe=store.observe_step,
-                                       end_step=store.begin_step)
+            self.replay = self._driver(rec, store, reserve)
         router = self.router
         snap = router.snapshot() if router is not None else None
         restore = (lambda: router.restore(snap)) if router is not None else None
-        assert tiered.store is not None
-        tiered.store.close_open_step()
-        large = tokens > tiered.store.prefill_tokens
+        if store is not None:
+            store.close_open_step()
+        if reserve is not None:
+            reserve.begin_step()
+        large = tokens > (store.prefill_tokens if store is not None else self.section.decode_batch_tokens)
         return self.replay.step(call, large=large, eager=eager, before_rerun=restore)
+
+    def _driver(self, rec: StepMisses, store: Any, reserve: Any) -> ReplayDriver:
+        def observe(routings: Any, missed: Any, large: bool) -> None:
+            if store is not None:
+                store.observe_step(routings, missed, large)
+            if reserve is not None:
+                reserve.observe_counts(routings)
+
+        def end_step() -> None:
+            if store is not None:
+                store.begin_step()
+            if reserve is not None:
+                reserve.sync_graph_tables()
+                reserve.end_step()
+
+        def no_store(need: Any) -> int:  # resident rows never miss
+            return 0
+
+        return ReplayDriver(rec, store.fetch_step if store is not None else no_store, main_layers=self.main_layers,
+                            cache_slots=self.section.gpu_expert_cache_slots, observe=observe, end_step=end_step,
+                            agree=tp_any if self.section.tp > 1 else None)
 
     # ------------------------------------------------------------------ the op
 
@@ -310,7 +356,7 @@ class WorkerRuntime:
             counts = self.replay.counts.as_dict()
             out["replay"] = counts  # steps, replayed steps, passes, fetched rows, batches
             out["replay_rate"] = counts["replay_rate"]
-        elif self.section.replays:
+        elif self.section.records_steps:
             out["replay"] = {"steps": 0, "note": "no step has run through the replay driver yet"}
         if layers and all(st.store is None for st in layers):
             # Every routed expert is in the device pool: every routing is a hit, no step waits on a fetch.
