@@ -223,6 +223,7 @@ class LogFollower:
         self._pos = 0
         self._partial = ""
         self.tail: deque[str] = deque(maxlen=keep)
+        self.count = 0  # lines read so far
 
     def skip_to_end(self) -> None:
         try:
@@ -245,6 +246,7 @@ class LogFollower:
         self._partial = lines.pop()
         lines = [ln for ln in lines if ln.strip()]
         self.tail.extend(lines)
+        self.count += len(lines)
         return lines
 
 
@@ -271,6 +273,7 @@ class Server:
         self.runtime_error: str | None = None  # the first moetplan error line a worker logged
         self._titles: dict[int, str] = {}  # pid -> vLLM's process title (VLLM::EngineCore ...) or its command
         self.first_gone: tuple[int, str, float] | None = None  # (pid, title, when) of the first child seen gone
+        self._healthy_mark = 0  # log lines read when /health last answered 200
 
     @property
     def url(self) -> str:
@@ -352,10 +355,19 @@ class Server:
                     break
         return self.first_gone
 
+    def mark_healthy(self) -> None:
+        """The server answered /health: errors logged before now did not stop it (a failed request's traceback)."""
+        self.follow()
+        self._healthy_mark = self.log.count
+
     def death(self) -> Death:
-        """What stopped the tree (call after it stopped serving): the first process gone, how, and why."""
+        """What stopped the tree (call after it stopped serving): the first process gone, how, and why (from the
+        lines logged since it last answered /health)."""
         self.follow()
         tail = list(self.log.tail)
+        since = self.log.count - self._healthy_mark
+        if 0 < since < len(tail):
+            tail = tail[-since:]
         root_code = self.proc.returncode if self.proc is not None else None
         if self.first_gone is not None:
             pid, name, at = self.first_gone
