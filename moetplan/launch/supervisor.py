@@ -144,8 +144,10 @@ _NOISE = re.compile(r"nanobind|leaked \d+ (?:instances|types|functions)|leaked s
                     r"Application shutdown|Terminated|SIGTERM|KeyboardInterrupt", re.I)
 _ERROR_LINE = re.compile(r"\bERROR\b|\bCRITICAL\b|Fatal Python error|Segmentation fault|core dumped|"
                          r"CUDA error|out of memory|OutOfMemory|\bKilled\b|died", re.I)
-_TRACEBACK = re.compile(r"^\s*(?:\S+\s+)?(?:\(\S+ pid=\d+\)\s*)?Traceback \(most recent call last\)")
-_EXC_LINE = re.compile(r"^\s*(?:\S+\s+)?(?:\(\S+ pid=\d+\)\s*)?[A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b(?::|$)")
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
+# The exception line that closes a traceback ("torch.OutOfMemoryError: ...", "...EngineDeadError: ..."), after
+# whatever prefix the logger put before it.
+_EXC_LINE = re.compile(r"(?:^|[\s\]])[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b(?::|\s*$)")
 
 
 def root_cause(lines: list[str], limit: int = 8) -> list[str]:
@@ -154,7 +156,8 @@ def root_cause(lines: list[str], limit: int = 8) -> list[str]:
     stopping)."""
     for i, ln in enumerate(lines):
         if _TRACEBACK.search(ln):
-            end = next((j for j in range(i + 1, len(lines)) if _EXC_LINE.search(lines[j])), None)
+            end = next((j for j in range(i + 1, len(lines))
+                        if _EXC_LINE.search(lines[j]) and 'File "' not in lines[j]), None)
             if end is not None:
                 body = lines[i:end + 1]
                 return body[:2] + (["  ..."] if len(body) > limit else []) + body[max(2, len(body) - limit + 3):]
