@@ -30,7 +30,8 @@ def server(tmp_path_factory):
     # forced tool call (structured output) close within a few tokens, as a trained model's would.
     proc, ready, events = start_run(["--model", "tiny-moe", "--port", str(port), "--run-dir", str(run_dir),
                                      "--timeout", "400", "--",
-                                     "--structured-outputs-config", '{"disable_any_whitespace": true}'], env)
+                                     "--structured-outputs-config",
+                                     '{"backend": "xgrammar", "disable_any_whitespace": true}'], env)
     if ready is None:
         pytest.fail(f"server did not come up: {events[-3:]}")
     import httpx

@@ -252,7 +252,8 @@ FLAKY = textwrap.dedent('''
     first = not os.path.exists(marker)
     open(marker, "a").close()
     child = subprocess.Popen([sys.executable, "-c",
-                              "import setproctitle, time; setproctitle.setproctitle('VLLM::EngineCore'); time.sleep(600)"])
+                              "import setproctitle, time; setproctitle.setproctitle('VLLM::EngineCore'); "
+                              "time.sleep(600)"])
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200 if self.path == "/health" else 404); self.end_headers()
@@ -261,7 +262,7 @@ FLAKY = textwrap.dedent('''
     srv = http.server.HTTPServer(("127.0.0.1", port), H)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     print("INFO Application startup complete.", flush=True)
-    print("(APIServer pid=1) ERROR [hermes_tool_parser.py:117] Error in extracting tool call from response.", flush=True)
+    print("(APIServer pid=1) ERROR [hermes_tool_parser.py:117] Error in extracting tool call.", flush=True)
     time.sleep(3.0)
     if first:
         os.kill(child.pid, signal.SIGKILL)
@@ -269,7 +270,7 @@ FLAKY = textwrap.dedent('''
         srv.shutdown()
         print("(APIServer pid=1) ERROR [async_llm.py:906] AsyncLLM output_handler failed.", flush=True)
         print("(APIServer pid=1) ERROR [async_llm.py:906] Traceback (most recent call last):", flush=True)
-        print("(APIServer pid=1) ERROR [async_llm.py:906]   File \\"core_client.py\\", line 1235, in get_output_async", flush=True)
+        print("(APIServer pid=1) ERROR [async_llm.py:906]   File \\"core_client.py\\", line 1235, in get", flush=True)
         print("(APIServer pid=1) ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore "
               "encountered an issue.", flush=True)
         print("nanobind: leaked 514 functions!", flush=True)
@@ -343,7 +344,8 @@ def test_restart_policy_backs_off_and_bounds_restarts_in_a_window():
 def test_root_cause_skips_shutdown_noise():
     from moetplan.launch.supervisor import root_cause
 
-    lines = ["INFO serving", "nanobind: leaked 3 instances!", "(EngineCore pid=9) ERROR x Traceback (most recent call last):",
+    lines = ["INFO serving", "nanobind: leaked 3 instances!",
+             "(EngineCore pid=9) ERROR x Traceback (most recent call last):",
              '  File "a.py", line 1, in f', "torch.OutOfMemoryError: CUDA out of memory", "INFO Shutting down"]
     assert root_cause(lines) == lines[2:5]
     assert root_cause(["INFO ok", " - leaked type x", "ERROR CUDA error: an illegal memory access"]) == \

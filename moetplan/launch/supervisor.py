@@ -201,7 +201,8 @@ class RestartPolicy:
 
 
 _TITLE = re.compile(r"VLLM::(\w+)")
-_LOGGED_EXIT = re.compile(r"(EngineCore\w*|Worker\w*)'?\s*:\s*(-?\d+)|(?:proc|process) (\S+) died with exit code (-?\d+)")
+_LOGGED_EXIT = re.compile(r"(EngineCore\w*|Worker\w*)'?\s*:\s*(-?\d+)|"
+                          r"(?:proc|process) (\S+) died with exit code (-?\d+)")
 
 
 def _how(code: int | None) -> str:
