@@ -26,12 +26,8 @@ def server(tmp_path_factory):
     env = {**os.environ, "MOETPLAN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     port = free_port()
-    # A random-weight model writes whitespace inside forced JSON until max_tokens; vLLM's switch for it makes a
-    # forced tool call (structured output) close within a few tokens, as a trained model's would.
     proc, ready, events = start_run(["--model", "tiny-moe", "--port", str(port), "--run-dir", str(run_dir),
-                                     "--timeout", "400", "--",
-                                     "--structured-outputs-config",
-                                     '{"backend": "xgrammar", "disable_any_whitespace": true}'], env)
+                                     "--timeout", "400"], env)
     if ready is None:
         pytest.fail(f"server did not come up: {events[-3:]}")
     import httpx
@@ -169,6 +165,20 @@ TOOLS = [{"type": "function", "function": {
 FORCED = {"type": "function", "function": {"name": "get_weather"}}
 
 
+def _no_whitespace_bias(server) -> dict[str, int]:
+    """logit_bias pushing down every whitespace-only token of the tiny model's vocabulary: inside a forced tool
+    call's JSON a random-weight model otherwise writes whitespace (allowed there) until max_tokens, where a
+    trained one writes the arguments (vLLM's disable_any_whitespace does not reach the tool-call grammar)."""
+    from tokenizers import Tokenizer
+
+    from moetplan.models.tiny import checkpoint_dir
+
+    tok = Tokenizer.from_file(str(checkpoint_dir("tiny-moe", os.path.join(server["env"]["MOETPLAN_CACHE_DIR"],
+                                                                          "tiny")) / "tokenizer.json"))
+    return {str(i): -100 for i in range(tok.get_vocab_size())
+            if (t := tok.decode([i])) and not t.strip()}
+
+
 def _client(server):
     import openai
 
@@ -194,15 +204,17 @@ def test_tool_choice_auto_answers_200_streamed_and_not(server) -> None:
 
 def test_a_forced_tool_call_returns_json_arguments_with_the_required_keys(server) -> None:
     c = _client(server)
-    done = c.chat.completions.create(model=server["model"], tools=TOOLS, tool_choice=FORCED, max_tokens=64,
-                                     messages=[{"role": "user", "content": "Weather in Rome?"}])
+    bias = _no_whitespace_bias(server)
+    done = c.chat.completions.create(model=server["model"], tools=TOOLS, tool_choice=FORCED, max_tokens=200,
+                                     logit_bias=bias, messages=[{"role": "user", "content": "Weather in Rome?"}])
     calls = done.choices[0].message.tool_calls
     assert calls, done.choices[0].message
     _check_call(calls[0].function.name, calls[0].function.arguments)
     # streamed: the arguments arrive in pieces; joined they are the same kind of JSON
     name, parts = None, []
-    for chunk in c.chat.completions.create(model=server["model"], tools=TOOLS, tool_choice=FORCED, max_tokens=64,
-                                           stream=True, messages=[{"role": "user", "content": "Weather?"}]):
+    for chunk in c.chat.completions.create(model=server["model"], tools=TOOLS, tool_choice=FORCED, max_tokens=200,
+                                           stream=True, logit_bias=bias,
+                                           messages=[{"role": "user", "content": "Weather?"}]):
         for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
             name = tc.function.name or name
             parts.append(tc.function.arguments or "")
@@ -212,8 +224,8 @@ def test_a_forced_tool_call_returns_json_arguments_with_the_required_keys(server
 def test_a_three_turn_agent_loop_answers_at_every_turn(server) -> None:
     c = _client(server)
     messages = [{"role": "system", "content": "You call tools."}, {"role": "user", "content": "Weather in Paris?"}]
-    first = c.chat.completions.create(model=server["model"], tools=TOOLS, tool_choice=FORCED, max_tokens=64,
-                                      messages=messages)
+    first = c.chat.completions.create(model=server["model"], tools=TOOLS, tool_choice=FORCED, max_tokens=200,
+                                      logit_bias=_no_whitespace_bias(server), messages=messages)
     call = first.choices[0].message.tool_calls[0]
     args = _check_call(call.function.name, call.function.arguments)
     messages.append({"role": "assistant", "content": None, "tool_calls": [
