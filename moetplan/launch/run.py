@@ -58,6 +58,7 @@ def _record_restarts(plan_path: Path, restarts: list[dict[str, Any]]) -> None:
 def _serve_until_down(server: Any, on_line: Callable[[str], None] | None) -> str:
     """Block while the server serves; return why it stopped serving ("exited", "child died", "unhealthy")."""
     last_health, fails = time.monotonic(), 0
+    server.mark_healthy()
     while server.alive():
         if on_line:
             server.follow(on_line)
@@ -67,7 +68,11 @@ def _serve_until_down(server: Any, on_line: Callable[[str], None] | None) -> str
         now = time.monotonic()
         if now - last_health >= HEALTH_EVERY_S:
             last_health = now
-            fails = 0 if server.healthy(timeout=3.0) else fails + 1
+            if server.healthy(timeout=3.0):
+                fails = 0
+                server.mark_healthy()
+            else:
+                fails += 1
             if fails >= HEALTH_FAILURES:
                 return "unhealthy"
         time.sleep(0.5)
