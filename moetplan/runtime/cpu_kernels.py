@@ -164,6 +164,9 @@ def moe_cpu(mod: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     offs4 = _offsets(fp4_layout) if fp4_layout is not None else [0, 0, 0, 0]
     T, H = xf.shape
     k = ids.shape[1]
+    if T == 0 or k == 0:
+        res = torch.zeros(T, H, dtype=x.dtype)
+        return res if out is None else out.copy_(res)
     per_token = 4 * k * (H + layout.inter_per_rank) * 3  # y, act and its prepared planes
     chunk = max(1, PARTIAL_BYTES_CAP // max(1, per_token))
     parts = []

@@ -101,8 +101,8 @@ def _run_cuda(s: Step, ran: Callable[[str], None]) -> torch.Tensor:
 
 
 def _cpu_refusal(s: Step) -> str | None:
-    if s.x.device.type != "cpu":
-        return f"x is on {s.x.device.type}"
+    if s.x.is_cuda or s.x.device.type != "cpu":
+        return "x is not on the CPU"
     if not s.policy.cpu:
         return "the kernel policy asks for the reference (cpu=False)"
     if s.pool.device.type != "cpu" or (s.fp4_pool is not None and s.fp4_pool.device.type != "cpu"):
