@@ -129,3 +129,31 @@ def test_missing_and_bad_experts_are_named(mod):
 def test_build_key_follows_the_source():
     assert len(cpu_kernels.build_key()) == 16
     assert (cpu_kernels.source_dir() / cpu_kernels.SOURCE).is_file()
+
+
+def test_tiny_moe_greedy_tokens_are_the_references(mod, monkeypatch):
+    """tiny-moe (HF transformers, fp32) with its experts as 2-bit rows: the CPU kernels pick the same greedy tokens
+    as the torch reference the CPU backend used before them."""
+    import transformers
+
+    from moetplan.models.tiny import ensure_tiny_checkpoint
+    from moetplan.runtime.quality import VariantState, quantize_model
+
+    path = ensure_tiny_checkpoint("tiny-moe")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = quantize_model(ref, VariantState())
+    ids = torch.tensor([[5, 17, 42, 99, 7, 250, 3, 64]])
+    ran: list[str] = []
+    real = cpu_kernels.moe_cpu
+    monkeypatch.setattr(cpu_kernels, "moe_cpu", lambda *a, **k: ran.append("cpu") or real(*a, **k))
+
+    def greedy() -> list[int]:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        return out[0, ids.shape[1]:].tolist()
+
+    kernel = greedy()
+    assert ran, "the CPU kernels did not run"
+    monkeypatch.setattr(ops, "PATHS", tuple(p for p in ops.PATHS if p.name != "cpu"))  # the reference, as before
+    n = len(ran)
+    assert greedy() == kernel and len(ran) == n

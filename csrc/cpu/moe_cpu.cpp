@@ -318,7 +318,9 @@ struct ActBuf {
     lo.resize(n * K);
     corr.resize(n * ndw);
     dsc.resize(n * ndw);
-    at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+    // a decode step's few vectors are prepared inline: entering a parallel region costs a wake-up of every
+    // thread (and, on a loaded machine, a time slice when one is descheduled)
+    at::parallel_for(0, n, std::max<int64_t>(16, 65536 / std::max(K, 1)), [&](int64_t b, int64_t e) {
       std::vector<int8_t> tmp(2 * (size_t)K);
       for (int64_t i = b; i < e; ++i) {
         if (fmt == FMT_2BIT)
@@ -455,7 +457,7 @@ torch::Tensor moe_forward_cpu(torch::Tensor x, torch::Tensor topk_ids, torch::Te
   // combine: out[t] = sum_j w[t, j] * y[t*k + j], j ascending (deterministic)
   torch::Tensor out = torch::empty({T, H}, x.options());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k * H)), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       float* ot = op + t * H;
       std::fill(ot, ot + H, 0.f);
