@@ -157,3 +157,19 @@ def test_tiny_moe_greedy_tokens_are_the_references(mod, monkeypatch):
     monkeypatch.setattr(ops, "PATHS", tuple(p for p in ops.PATHS if p.name != "cpu"))  # the reference, as before
     n = len(ran)
     assert greedy() == kernel and len(ran) == n
+
+
+def test_build_kernels_builds_the_cpu_kernels(mod):
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetplan.cli import app
+
+    res = CliRunner().invoke(app, ["build-kernels", "--target", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.output)
+    assert info["cpu"]["ok"] and info["cpu"]["isa"] == cpu_kernels.best_isa(mod)
+    assert info["cpu"]["key"] == cpu_kernels.build_key() and "archs" not in info  # no CUDA asked for
+    bad = CliRunner().invoke(app, ["build-kernels", "--target", "gpu"])
+    assert bad.exit_code != 0 and "--target" in bad.output
