@@ -173,3 +173,25 @@ def test_build_kernels_builds_the_cpu_kernels(mod):
     assert info["cpu"]["key"] == cpu_kernels.build_key() and "archs" not in info  # no CUDA asked for
     bad = CliRunner().invoke(app, ["build-kernels", "--target", "gpu"])
     assert bad.exit_code != 0 and "--target" in bad.output
+
+
+def test_miss_split_uses_both_links_and_prefers_the_faster():
+    from moetplan.cost_model.cpu_compute import split_misses
+
+    row = 7 << 20
+    none = split_misses(12, row, None, 50.0)
+    assert none.cpu == 0 and none.seconds == none.fetch_only_seconds
+    even = split_misses(12, row, 50.0, 50.0)  # equal rates: half each, twice as fast as fetching all
+    assert even.cpu == 6 and even.seconds == pytest.approx(none.seconds / 2)
+    slow_cpu = split_misses(12, row, 5.0, 50.0)  # a laptop CPU next to PCIe 5: one miss of 12, or none
+    assert slow_cpu.cpu <= 1 and slow_cpu.seconds <= none.seconds
+    fast_cpu = split_misses(12, row, 200.0, 25.0)  # 8-channel server next to PCIe 4: most on the CPU
+    assert fast_cpu.cpu >= 10 and 0.8 < fast_cpu.cpu_share < 1.0
+    with pytest.raises(ValueError, match="misses"):
+        split_misses(-1, row, 1.0, 1.0)
+
+
+def test_measure_expert_throughput_reports_rates(mod):
+    lay = RowLayout.for_expert(256, 128)
+    r = cpu_kernels.measure_expert_throughput(lay, threads=1, min_seconds=0.05, pool_bytes=4 << 20)
+    assert r["gbps"] > 0 and r["experts_per_s"] > 0 and r["threads"] == 1

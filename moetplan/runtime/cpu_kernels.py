@@ -182,5 +182,45 @@ def moe_cpu(mod: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     return out
 
 
-__all__ = ["CpuKernelBuildError", "ISAS", "best_isa", "build", "build_key", "fallback_reason", "get_module",
-           "isa_code", "moe_cpu", "shape_ok"]
+
+
+def measure_expert_throughput(layout: RowLayout, threads: int | None = None, min_seconds: float = 0.3,
+                              pool_bytes: int = 256 << 20) -> dict[str, float]:
+    """This host's rate for a missed expert computed on the CPU at batch 1 (what `moetplan probe` records next
+    to the pinned H2D rate): GB/s of 2-bit rows and experts per second, one expert per call, rows rotating
+    through `pool_bytes` so they come from DRAM. Raises CpuKernelBuildError without the kernels."""
+    import time
+
+    mod = get_module()
+    if mod is None:
+        raise CpuKernelBuildError(f"CPU kernels unavailable: {fallback_reason()}")
+    rows = max(2, pool_bytes // layout.stride)
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 256, (rows, layout.stride), dtype=torch.uint8, generator=g)
+    for off, size in ((layout.w13_s_off, layout.w13_s_size), (layout.w2_s_off, layout.w2_s_size)):
+        pool[:, off:off + size] = 127
+    x = torch.randn(1, layout.hidden, generator=g)
+    w = torch.ones(1, 1)
+    slot_of = torch.arange(rows)
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        n, t0 = 0, time.perf_counter()
+        while True:
+            ids = torch.tensor([[n % rows]])
+            mod.moe_forward_cpu(x, ids, w, pool, slot_of, torch.empty(0, dtype=torch.uint8),
+                                torch.empty(0, dtype=torch.int64), _offsets(layout), [0, 0, 0, 0],
+                                layout.inter_per_rank, math.nan, int(mod.best_isa()))
+            n += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_seconds and n >= 4:
+                break
+    finally:
+        torch.set_num_threads(old)
+    row = layout.w13_q_size + layout.w13_s_size + layout.w2_q_size + layout.w2_s_size
+    return {"gbps": n * row / dt / 1e9, "experts_per_s": n / dt, "threads": float(threads or old)}
+
+
+__all__ = ["ISAS", "CpuKernelBuildError", "best_isa", "build", "build_key", "fallback_reason", "get_module", "isa_code",
+           "measure_expert_throughput", "moe_cpu", "shape_ok"]
