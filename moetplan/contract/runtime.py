@@ -45,6 +45,8 @@ class KernelPolicy:
 
     # Use the CUDA kernels where they apply (False: the torch reference everywhere, for checking a kernel).
     cuda: bool = True
+    # Use the CPU kernels (csrc/cpu/) for steps whose x is on the CPU (False: the torch reference there).
+    cpu: bool = True
     # Small (decode) steps: "auto" = rowdot up to rowdot_max_tokens tokens, else gemv; "rowdot" = CUDA-core row
     # streaming; "gemv" = mma.sync streaming stages; "mma" = the scan-mode tiles.
     decode: DecodeKernel = "auto"
