@@ -7,10 +7,11 @@ The `vllm` tests serve the tiny-moe (fp32) three times, one server after another
 - tp=1, experts resident, quantized at load: the reference greedy tokens;
 - tp=2 (`--set tp=2`), experts resident, each rank quantizing its shard at load;
 - tp=2 from a plan file: host tier with a cache of 20 rows per rank (each rank holds 32: misses happen), its rows
-  read from the per-rank packs `moetplan quantize --tp 2` wrote.
+  read from the per-rank packs that `moetplan quantize --tp 2` (quantize_checkpoint) wrote.
 Both tp=2 servers give the tp=1 tokens, and each rank writes its own run record (plan.run.json, plan.run.rank1.json)
-naming its rank, its pack and its half-size rows. About 2.5-3 minutes on 2 idle cores (the tp=2 servers ~1 min
-each: two workers, gloo all-reduce).
+naming its rank, its pack and its half-size rows. Measured on the 2-core VM shared with other jobs (load ~9): ready
+in 107 s (tp=1), 135 s and 151 s (tp=2: four processes each import vLLM), 7.5 minutes for the file; the CPU time of
+the whole file is ~80 s, so an idle 2-core machine should take a fraction of that.
 """
 from __future__ import annotations
 
