@@ -10,8 +10,8 @@ The `vllm` tests serve the tiny-moe (fp32) three times, one server after another
   read from the per-rank packs that `moetplan quantize --tp 2` (quantize_checkpoint) wrote.
 Both tp=2 servers give the tp=1 tokens, and each rank writes its own run record (plan.run.json, plan.run.rank1.json)
 naming its rank, its pack and its half-size rows. Measured on the 2-core VM shared with other jobs (load ~9): ready
-in 107 s (tp=1), 135 s and 151 s (tp=2: four processes each import vLLM), 7.5 minutes for the file; the CPU time of
-the whole file is ~80 s, so an idle 2-core machine should take a fraction of that.
+in 107 s (tp=1), 135 s and 151 s (tp=2: four processes each import vLLM), 7.5 minutes for the file, of which `time`
+counted ~80 s of CPU (user + sys): most of the wall time was waiting for the other jobs' cores.
 """
 from __future__ import annotations
 
