@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -142,7 +143,7 @@ def _serve(args: list[str], env: dict[str, str], plan: Path, tp: int) -> dict:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=120)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 proc.kill()
 
 
