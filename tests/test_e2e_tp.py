@@ -6,8 +6,8 @@ The fast tests (no vLLM) check the CPU plan and launch at tp > 1: rows per rank,
 The `vllm` tests serve the tiny-moe (fp32) three times, one server after another, through `moetplan run`:
 - tp=1, experts resident, quantized at load: the reference greedy tokens;
 - tp=2 (`--set tp=2`), experts resident, each rank quantizing its shard at load;
-- tp=2 from a plan file: host tier with a cache of 20 rows per rank (each rank holds 32: misses happen), its rows
-  read from the per-rank packs that `moetplan quantize --tp 2` (quantize_checkpoint) wrote.
+- tp=2, host tier with a cache of 20 rows per rank (each rank holds 32: misses happen), its rows read from the
+  per-rank packs that `moetplan quantize --tp 2` (quantize_checkpoint) wrote (`--pack-dir`).
 Both tp=2 servers give the tp=1 tokens, and each rank writes its own run record (plan.run.json, plan.run.rank1.json)
 naming its rank, its pack and its half-size rows. Measured on the 2-core VM shared with other jobs (load ~9): ready
 in 107 s (tp=1), 135 s and 151 s (tp=2: four processes each import vLLM), 7.5 minutes for the file, of which `time`
@@ -34,7 +34,9 @@ CACHE_ROWS = 20  # per rank; each rank holds 2 MoE layers x 16 experts = 32 rows
 def _spec():
     from moetplan.models.by_name import spec_for_tiny
 
-    return spec_for_tiny("tiny-moe")
+    spec = spec_for_tiny("tiny-moe")  # from its config: this module's cache holds no checkpoint yet
+    spec.local_path = spec.local_path or "/ckpt/tiny-moe"  # where the launch would load it from
+    return spec
 
 
 def _cores(monkeypatch, n: int) -> None:
@@ -50,10 +52,10 @@ def test_a_cpu_plan_at_tp2_has_half_rows_per_rank_and_a_core_group_per_worker(mo
 
     _cores(monkeypatch, 2)
     spec = _spec()
-    one = plan_for_cpu(spec, context=512, expert_tier="host", cache_gib=0.001)
-    two = plan_for_cpu(spec, context=512, expert_tier="host", cache_gib=0.001, tp=2)
+    one = plan_for_cpu(spec, context=512, expert_tier="host", gpu_expert_cache_gib=0.001)
+    two = plan_for_cpu(spec, context=512, expert_tier="host", gpu_expert_cache_gib=0.001, tp=2)
     assert (one.placement.tp, two.placement.tp, two.runtime.tp) == (1, 2, 2)
-    assert two.runtime.row_bytes * 2 == one.runtime.row_bytes  # each rank holds half of every expert
+    assert two.runtime.expert_row_bytes * 2 == one.runtime.expert_row_bytes  # each rank holds half of every expert
     kv = {i.name: i for i in two.memory.host_items}["kv cache"]
     assert kv.gib == 2.0 and "2 workers" in kv.note  # VLLM_CPU_KVCACHE_SPACE is per worker
     assert any("tp=2" in n for n in two.prediction.notes)
@@ -148,35 +150,26 @@ def _serve(args: list[str], env: dict[str, str], plan: Path, tp: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, e2e_env):
     """The three servers, one after another (2 cores): tp=1 resident, tp=2 resident, tp=2 host tier over packs."""
     pytest.importorskip("vllm")
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("tp=2 on the CPU backend binds each worker to its own core: this process may use one")
     tmp = tmp_path_factory.mktemp("e2e_tp")
-    env = {**os.environ, "MOETPLAN_CACHE_DIR": str(tmp / "cache"), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    os.environ["MOETPLAN_CACHE_DIR"] = env["MOETPLAN_CACHE_DIR"]
-    from moetplan.contract import save_json
-    from moetplan.models import resolve_model
     from moetplan.models.tiny import ensure_tiny_checkpoint
-    from moetplan.plan.cpu_backend import plan_for_cpu
     from moetplan.runtime.quantize_ckpt import quantize_checkpoint
 
     ckpt = ensure_tiny_checkpoint("tiny-moe")
     packs = quantize_checkpoint(ckpt, tmp / "packs", tp=2, report=False, workers=1)["packs"]
-    host = plan_for_cpu(resolve_model(str(ckpt)), context=512, expert_tier="host", cache_gib=0.001, tp=2)
-    host.placement.gpu_expert_cache_slots = CACHE_ROWS
-    host.placement.pack_dir = str(tmp / "packs")
-    host_plan = tmp / "host" / "plan.json"
-    host_plan.parent.mkdir()
-    save_json(host, host_plan)
+    cache_gib = (CACHE_ROWS + 0.5) * _spec().expert_bytes("2bit", 2) / 2**30  # CACHE_ROWS rows of a tp=2 rank
     t0 = time.monotonic()
     out = {
-        "tp1": _serve(["--model", "tiny-moe", "--run-dir", str(tmp / "tp1")], env, tmp / "tp1" / "plan.json", 1),
-        "tp2": _serve(["--model", "tiny-moe", "--set", "tp=2", "--run-dir", str(tmp / "tp2")], env,
+        "tp1": _serve(["--model", "tiny-moe", "--run-dir", str(tmp / "tp1")], e2e_env, tmp / "tp1" / "plan.json", 1),
+        "tp2": _serve(["--model", "tiny-moe", "--set", "tp=2", "--run-dir", str(tmp / "tp2")], e2e_env,
                       tmp / "tp2" / "plan.json", 2),
-        "tp2_host": _serve([str(host_plan)], env, host_plan, 2),
+        "tp2_host": _serve(["--model", "tiny-moe", "--set", "tp=2", "--set", "expert_tier=host", "--set",
+                            f"gpu_expert_cache_gib={cache_gib:.9f}", "--pack-dir", str(tmp / "packs"),
+                            "--run-dir", str(tmp / "host")], e2e_env, tmp / "host" / "plan.json", 2),
     }
     out["packs"] = [Path(p) for p in packs]
     ups = ", ".join(f"{k} up in {v['up_s']:.0f}s" for k, v in out.items() if k != "packs")
