@@ -32,12 +32,18 @@ from moetplan.runtime.tiers import TieredExperts
 log = logging.getLogger("vllm.moetplan")
 
 def tp_rank() -> int:
+    r = _vllm_tp_rank()
+    return 0 if r is None else r
+
+
+def _vllm_tp_rank() -> int | None:
+    """This process's TP rank, or None while vLLM has no TP group (before it is built, after it is torn down)."""
     try:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
     except Exception:
-        return 0
+        return None
 
 
 def tp_any(flag: bool) -> bool:
@@ -131,7 +137,14 @@ class WorkerRuntime:
 
     @property
     def rank(self) -> int:
-        return tp_rank() if self._rank is None else self._rank
+        # Kept once vLLM knows it: the run record's last write (atexit) comes after vLLM has torn its TP group
+        # down, and rank 1 would then name itself rank 0.
+        if self._rank is None:
+            r = _vllm_tp_rank()
+            if r is None:
+                return 0
+            self._rank = r
+        return self._rank
 
     # One per process: a copy of a config (or a pickle sent to another process) means that process's worker.
     def __deepcopy__(self, memo: dict) -> "WorkerRuntime":
