@@ -135,8 +135,11 @@ def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str
             cache = float(pins["gpu_expert_cache_gib"]) if "gpu_expert_cache_gib" in pins else None
         except ValueError:
             raise UsageError(f"--set {' '.join(set_ or [])}: not a number") from None
+        from moetplan.hw.host import query_host  # the probe's cores and DRAM rate price the CPU step
+
         return plan_for_cpu(spec, context=context, expert_format=experts, max_num_seqs=seqs,
-                            expert_tier=pins.get("expert_tier", "resident"), cache_gib=cache)
+                            expert_tier=pins.get("expert_tier", "resident"), cache_gib=cache,
+                            host=query_host(measure=True, try_cuda=False).info)
     return _solve(spec, None, None, None, ctx, set_)
 
 

@@ -26,13 +26,17 @@ CPU_TIERS = ("resident", "host")
 
 
 def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2bit",
-                 max_num_seqs: int = 4, expert_tier: str = "resident", cache_gib: float | None = None) -> Any:
+                 max_num_seqs: int = 4, expert_tier: str = "resident", cache_gib: float | None = None,
+                 host: Any = None) -> Any:
     """A Plan that serves `spec` on vLLM's CPU backend, 1 GiB of KV cache: experts resident in RAM, or (tier
     "host") an expert cache of `cache_gib` over a host store of every row, both in RAM. The tiered plan runs the
     GPU path's store and its hit-rate bookkeeping on a machine without a GPU.
 
     The GPU solver has nothing to place on a machine without a GPU; this plan still carries the ledger and
     the launch so the rest of the path (plugin, run record, diff) is the same as on a GPU box.
+
+    host: this machine's HostInfo as the probe measured it (cores, DRAM copy rate: what the CPU step's prediction
+    divides by); default host_info(), which measures nothing (the DRAM rate then falls back to its table value).
     """
     from moetplan.contract.errors import UsageError
 
@@ -45,7 +49,7 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2b
     if tiered and not cache_gib:
         raise UsageError("expert_tier=host needs a cache size: --set gpu_expert_cache_gib=GIB (on the CPU backend "
                          "the cache is RAM too)")
-    host = host_info()
+    host = host or host_info()
     ctx = int(min(context or 2048, spec.max_position_embeddings))
     kv_gib = 1.0
     fmt_bits = "2bit" if expert_format == "2bit" else spec.expert_precision
