@@ -429,7 +429,11 @@ def apply_values(calib: Calibration, values: dict[str, float], family: str) -> C
     return Calibration.model_validate(data)
 
 
+# Factors only vLLM's CPU backend has a use for: a GPU family keeps its field default (0) rather than their CPU prior.
+CPU_ONLY = frozenset({"family.expert_call_us"})
+
+
 def priors_calibration(priors: dict[str, Prior], base: Calibration | None = None) -> Calibration:
     """Calibration whose factors are the priors (the starting point of every fit)."""
     calib = base or Calibration()
-    return apply_values(calib, {p: pr.value for p, pr in priors.items()}, DEFAULT_FAMILY)
+    return apply_values(calib, {p: pr.value for p, pr in priors.items() if p not in CPU_ONLY}, DEFAULT_FAMILY)
