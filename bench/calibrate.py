@@ -65,6 +65,8 @@ def summary(results: list[RowResult], meas: list[Measurement]) -> dict:
     """Median and worst |error| over the decode and aggregate figures, and the same per expert tier (so a tiered
     regression cannot hide in a good median), per group, per model; the worst row named."""
     by_row = {m.row_id: m for m in meas}
+    checks = [r for r in results if by_row[r.row_id].check]
+    results = [r for r in results if not by_row[r.row_id].check]
     dec = [r for r in results if r.metric != "prefill_tok_s"]
     groups: dict[str, list[RowResult]] = {}
     models: dict[str, list[RowResult]] = {}
@@ -81,7 +83,9 @@ def summary(results: list[RowResult], meas: list[Measurement]) -> dict:
             "worst_row": None if worst is None else {"row": worst.row_id, "configuration": worst.label,
                                                      "error": round(worst.error, 4)},
             "by_group": {k: _stats(v) for k, v in sorted(groups.items())},
-            "by_model": {k: _stats(v) for k, v in sorted(models.items())}}
+            "by_model": {k: _stats(v) for k, v in sorted(models.items())},
+            "check_rows": {r.row_id: {"configuration": r.label, "measured": r.measured, "predicted": round(r.predicted, 2),
+                                      "error": round(r.error, 4)} for r in checks}}
 
 
 def _print_tiers(title: str, summ: dict) -> None:
@@ -93,6 +97,9 @@ def _print_tiers(title: str, summ: dict) -> None:
     if summ["worst_row"]:
         w = summ["worst_row"]
         print(f"  worst row: {w['row']} {w['configuration']} ({w['error']:+.1%})")
+    for rid, c in summ["check_rows"].items():
+        print(f"  check row (never fitted): {rid} {c['configuration']}: {c['measured']:g} vs {c['predicted']:g} "
+              f"({c['error']:+.1%})")
 
 
 def _print(title: str, results: list[RowResult]) -> None:

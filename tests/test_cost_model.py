@@ -390,3 +390,25 @@ def test_a_tiered_step_predicts_its_replays_from_the_zero_miss_share():
     assert term.parts["family.miss_replay_factor"] == pytest.approx(step.miss.p_step_miss * graph)
     split_step = decode_step(ds4, hw, pl.model_copy(update={"moe_graphs": "split"}), calib, 1, curve)
     assert not any(t.name == MISS_REPLAY for t in split_step.terms)
+
+
+def test_a_cpu_step_is_priced_from_what_it_does():
+    """vLLM's CPU backend: the engine's step, each layer's eager ops, each routed expert's calls (the expert path),
+    and the bytes at the probe's DRAM rate; a slower DRAM costs only the byte terms."""
+    from moetplan.cost_model.calibration import load_calibration
+    from moetplan.cost_model.terms import CPU_EXPERT_CALLS, EXPERTS
+
+    cal = load_calibration(user=False)
+    model = toy_model()
+    fast = HardwareProfile(gpus=[], host=HostInfo(ram_gib=64, cores=8, dram_gbps=40.0))
+    slow = HardwareProfile(gpus=[], host=HostInfo(ram_gib=64, cores=8, dram_gbps=10.0))
+    a, b = decode_step(model, fast, Placement(), cal), decode_step(model, slow, Placement(), cal)
+    calls = next(t for t in a.terms if t.name == CPU_EXPERT_CALLS)
+    assert calls.parts == {"family.expert_call_us": pytest.approx(a.union_per_layer * model.moe_layers)}
+    assert cal.family(fast).expert_call_us > 0 and cal.family(toy_hw()).expert_call_us == 0
+    assert not any(t.name == CPU_EXPERT_CALLS for t in decode_step(model, toy_hw(), Placement(), cal).terms)
+    ms = {t.name: x for t, x in a.term_ms(cal, fast)}
+    ms_slow = {t.name: x for t, x in b.term_ms(cal, slow)}
+    assert ms_slow[CPU_EXPERT_CALLS] == pytest.approx(ms[CPU_EXPERT_CALLS])
+    if "compute-bound" not in next(t for t in a.terms if t.name == EXPERTS).note:
+        assert ms_slow[EXPERTS] == pytest.approx(4 * ms[EXPERTS])

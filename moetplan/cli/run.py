@@ -160,6 +160,8 @@ def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str
         from moetplan.plan.solver import parse_set
 
         pins = parse_set(set_ or [])
+        from moetplan.hw.host import query_host  # the probe's cores and DRAM rate price the CPU step
+
         unknown = set(pins) - set(CPU_PINS)
         if unknown:
             raise UsageError(f"--set {', '.join(sorted(unknown))}: a CPU-backend plan takes only "
@@ -168,7 +170,8 @@ def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str
                             max_num_seqs=pins.get("max_num_seqs", 4), expert_tier=pins.get("expert_tier", "resident"),
                             gpu_expert_cache_gib=pins.get("gpu_expert_cache_gib"),
                             pack_dir=str(Path(pack_dir).expanduser().resolve()) if pack_dir else None,
-                            tp=pins.get("tp", 1), moe_graphs=pins.get("moe_graphs", "replay"))
+                            tp=pins.get("tp", 1), moe_graphs=pins.get("moe_graphs", "replay"),
+                            host=query_host(measure=True, try_cuda=False).info)
     return _solve(spec, None, None, None, ctx, set_, pack_dir)
 
 

@@ -34,6 +34,7 @@ class Measurement:
     source: str = ""
     extra: dict[str, float] = field(default_factory=dict)  # runtime KPIs (hit rate, zero-miss share) when known
     kv_tokens: float | None = None  # context each stream had filled while decode was measured, when known
+    check: bool = False  # judged, never fitted: a figure with assumed knobs (measurement_annotations.yaml `check`)
 
     @property
     def label(self) -> str:
@@ -130,6 +131,7 @@ def _load_csv(p: Path, prefix: str, notes: dict) -> list[Measurement]:
             decode_tok_s=_num(row, "decode_tok_s"), prefill_tok_s=prefill, prompt_tokens=8192 if prefill else None,
             # `context` in the table is the window; decode ran after short prompts: routing.decode_filled_tokens.
             note=(row.get("note") or "").strip(), source=f"{p.name} row {i}",
+            check=bool(note.get("check")),
         ))
     return out
 

@@ -17,6 +17,7 @@ from moetplan.cost_model.terms import (
     MISS_NVME,
     MISS_REPLAY,
     MOE_GRAPH,
+    CPU_EXPERT_CALLS,
     PIPELINE,
     SEQ_OVH,
     STEP_OVH,
@@ -107,7 +108,7 @@ RESOURCE = {
     "host link / NVMe": (MISS_HOST, MISS_NVME),
     "recomputation": (GATE, MISS_REPLAY),
     "GPU interconnect": (ALLREDUCE, PIPELINE),
-    "fixed overheads": (LAYER_OVH, STEP_OVH, SEQ_OVH, MOE_GRAPH),
+    "fixed overheads": (LAYER_OVH, STEP_OVH, SEQ_OVH, MOE_GRAPH, CPU_EXPERT_CALLS),
 }
 
 

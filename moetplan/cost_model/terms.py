@@ -43,6 +43,7 @@ MISS_NVME = "expert misses (NVMe pack -> RAM -> GPU)"
 MISS_REPLAY = "miss replays (the step's graph run again)"
 MOE_GRAPH = "tiered MoE graph overhead"
 GATE = "confidence-gate recomputes"
+CPU_EXPERT_CALLS = "MoE expert calls (CPU expert path)"
 # How a tiered step keeps its MoE layers: "replay" (inside the CUDA graphs; a step that missed is fetched in one
 # batch and run again: vLLM-Moet's design, behind every published tiered row) or "split" (every MoE layer out of
 # the graphs, reading its routed ids on the host each step).
@@ -233,6 +234,13 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     roofline(t, "family.expert_bw_eff", _ms(exp_b, rt.mem_bw_gbps),
              2.0 * tokens_layer * K * model.expert_params * L / tp)
     terms.append(t)
+
+    if not hw.gpus:
+        # vLLM's CPU backend runs the MoE op eagerly: every expert a layer routes to is its own gather, dequantize
+        # and matmuls (the expert path); their bytes are the routed expert reads above, their launches this.
+        t = TermSpec(CPU_EXPERT_CALLS, note=f"{union:.1f} experts/layer x {L} MoE layers")
+        t.add("family.expert_call_us", union * L / pp)
+        terms.append(t)
 
     # KV cache at the filled context (filled_tokens' rule), one read per sequence per step.
     kv_b = kv_read_bytes(model, placement, calib, c, kv_tokens)

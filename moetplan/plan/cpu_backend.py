@@ -37,7 +37,7 @@ def cpu_backend_serves(spec: Any) -> bool:
 def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFormat = "2bit",
                  max_num_seqs: int = 4, expert_tier: ExpertTier = "resident",
                  gpu_expert_cache_gib: float | None = None, pack_dir: str | None = None,
-                 moe_graphs: MoeGraphs = "replay", tp: int = 1) -> Any:
+                 moe_graphs: MoeGraphs = "replay", tp: int = 1, host: Any = None) -> Any:
     """A Plan that serves `spec` on vLLM's CPU backend, 1 GiB of KV cache: experts resident in RAM, or (tier
     "host") an expert cache of `gpu_expert_cache_gib` over a host store of every row, both in RAM. The tiered plan
     runs the GPU path's store and its hit-rate bookkeeping on a machine without a GPU.
@@ -48,6 +48,9 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFor
 
     The GPU solver has nothing to place on a machine without a GPU; this plan still carries the ledger and
     the launch so the rest of the path (plugin, run record, diff) is the same as on a GPU box.
+
+    host: this machine's HostInfo as the probe measured it (cores, DRAM copy rate: what the CPU step's prediction
+    divides by); default host_info(), which measures nothing (the DRAM rate then falls back to its table value).
     """
     from moetplan.contract.errors import UsageError
 
@@ -64,7 +67,7 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFor
     if tiered and not gpu_expert_cache_gib:
         raise UsageError("expert_tier=host needs a cache size: --set gpu_expert_cache_gib=GIB (on the CPU backend "
                          "the cache is RAM too)")
-    host = host_info()
+    host = host or host_info()
     tp = int(tp)
     if tp < 1:
         raise UsageError(f"tp={tp}: the tensor-parallel degree is a whole number of ranks, 1 or more")
