@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moetplan.contract import run_record_path
-from moetplan.launch.command import build_launch, is_cpu_plan
+from moetplan.launch.command import build_launch, is_cpu_plan, served_name
 
 
 class _Stop(Exception):
@@ -59,7 +59,7 @@ def serve(plan: Any, plan_path: Path, *, host: str, port: int, show_logs: bool, 
                     console.print(f"  [dim]{ev}[/]")
 
                 waited = server.wait_ready(timeout=timeout, on_line=on_line, on_progress=on_progress)
-        models = server.served_models() or [launch.served_model_name]
+        models = server.served_models() or [launch.served_model_name or served_name(plan)]
         info = {"event": "ready", "endpoint": server.url + "/v1", "model": models[0], "pid": server.pid,
                 "pids": sorted(server.tree_pids()), "startup_s": round(waited, 2), "plan": str(plan_path),
                 "run_record": str(record_path), "log": str(log_path)}
