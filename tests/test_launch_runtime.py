@@ -481,7 +481,7 @@ def test_method_over_a_quantized_checkpoint_answers_like_its_source(workers):
     plain = vm.method_for(moe, worker=w)
     assert type(plain) is vm.MoetplanMoEMethod and plain.uses_weight_scale_2_pattern() is False
     with pytest.raises(AttributeError):
-        plain.weight_scale_refine
+        _ = plain.weight_scale_refine
 
 
 # --------------------------------------------------------------------------- FP4 reserve and gate glue

@@ -294,7 +294,7 @@ def run_command(
             print(json.dumps({"event": "error", "error": str(e), "exit_code": e.exit_code}))
         else:
             err.print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(e.exit_code)
+        raise typer.Exit(e.exit_code) from None
     if rc:
         raise typer.Exit(rc)
 

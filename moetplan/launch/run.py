@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from moetplan.contract import RunRecord, run_record_path
 from moetplan.contract.io import atomic_write_text
-from moetplan.launch.command import build_launch, is_cpu_plan
+from moetplan.launch.command import build_launch, is_cpu_plan, served_name
 
 # A tree whose engine or worker is gone is given this long to exit by itself (vLLM's API server notices and
 # shuts down) before moetplan stops it.
@@ -121,7 +121,7 @@ def serve(plan: Any, plan_path: Path, *, host: str, port: int, show_logs: bool, 
                     raise  # the first start: the plan cannot load, a restart would fail the same way
                 waited = None
             if waited is not None:
-                models = server.served_models() or [launch.served_model_name]
+                models = server.served_models() or [launch.served_model_name or served_name(plan)]
                 info = {"event": "ready", "endpoint": server.url + "/v1", "model": models[0], "pid": server.pid,
                         "pids": sorted(server.tree_pids()), "startup_s": round(waited, 2), "plan": str(plan_path),
                         "run_record": str(record_path), "log": str(log_path), "restarts": len(restart_times)}

@@ -114,10 +114,10 @@ def _tp_pp_options(model: ModelSpec, n_gpus: int, pins: dict[str, Any]) -> list[
                 continue
             out.append((tp, pp))
     if "tp" in pins or "pp" in pins:
-        tp, pp = pins.get("tp"), pins.get("pp")
-        want = [(t, p) for (t, p) in out if (tp is None or t == tp) and (pp is None or p == pp)]
+        pin_tp, pin_pp = pins.get("tp"), pins.get("pp")
+        want = [(t, p) for (t, p) in out if (pin_tp is None or t == pin_tp) and (pin_pp is None or p == pin_pp)]
         if not want:
-            t, p = tp or 1, pp or 1
+            t, p = int(pin_tp or 1), int(pin_pp or 1)
             if t * p > n_gpus:
                 raise InfeasibleError(f"TP{t} x PP{p} needs {t * p} GPUs; this machine has {n_gpus}",
                                       [f"{t * p - n_gpus} GPU(s) short"], [f"use --set tp={n_gpus}"])
@@ -380,7 +380,7 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
     ctx_opts = _context_options(model, goals, pins)
     loaded = [calib]
 
-    def evaluate(choice: tuple, ctx: int) -> Candidate | None:
+    def evaluate(choice: tuple[int, int, str, str, int], ctx: int) -> Candidate | None:
         if not _context_allowed(choice[3], ctx, goals, pins):
             return None
         p, why = size_placement(model, hw, goals, pins, *choice, ctx)
