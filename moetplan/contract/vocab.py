@@ -57,6 +57,7 @@ def check_choice(what: str, value: Any, allowed: tuple[Any, ...], why: str = "")
 __all__ = [
     "DECODE_KERNELS", "DECODE_RINGS", "DecodeKernel", "DecodeRing", "EXPERT_FORMATS", "EXPERT_TIERS", "ExpertFormat",
     "ExpertTier", "OBJECTIVES", "Objective", "PREFILL_KERNELS", "PROMOTERS", "PrefillKernel", "Promoter", "ROUTERS",
-    "ROW_FORMATS", "Router", "RowFormat", "VALUE_SOURCES", "ValueSource", "WEIGHT_SOURCES", "WeightSource", "ZERO_MODES", "ZeroMode",
+    "ROW_FORMATS", "Router", "RowFormat", "VALUE_SOURCES", "ValueSource", "WEIGHT_SOURCES", "WeightSource",
+    "ZERO_MODES", "ZeroMode",
     "check_choice",
 ]
