@@ -201,7 +201,7 @@ def test_2bit_experts_are_deterministic_across_runs_tiers_and_packs(offline):
 
     assert set(ra.runtime["kernel_paths"]) == {f"cpu:{cpu_kernels.best_isa(cpu_kernels.get_module())}"}
     assert ra.runtime["kernel_fallbacks"] == 0
-    assert rn.runtime["tier"] == "nvme" and rn.runtime["slots"] == 24 and rn.runtime["pack"]
+    assert rn.runtime["tier"] == "nvme" and rn.runtime["gpu_expert_cache_slots"] == 24 and rn.runtime["pack"]
     assert 0.0 < rn.runtime["token_hit_rate"] <= 1.0 and rn.runtime["misses_per_step"] is not None
     assert rp.runtime["expert_sources"][0].startswith("pack:")
 

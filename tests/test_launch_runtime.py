@@ -202,7 +202,7 @@ def test_tiered_store_gives_the_resident_result_through_decode_and_chunked_prefi
         for st, ref in zip(layers, resident):
             assert torch.allclose(st.forward(x, wt, ids), ref.forward(x, wt, ids), atol=1e-5)
     store = w.tiered.store
-    assert store.stats()["slots"] == 6
+    assert store.stats()["gpu_expert_cache_slots"] == 6
     assert type(store.backing).__name__ == {"host": "PinnedHostStore", "nvme": "PackArenaStore"}[tier]
     kp = w.store_kpis()
     assert kp["token_hit_rate"] is not None and 0.0 <= kp["token_hit_rate"] <= 1.0

@@ -293,8 +293,8 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
         p.kv_cache_gib = clamp if clamp is not None else left - inside(p.fp4_reserve_gib) - p.gpu_expert_cache_gib
         floor = L.cache_floor_slots(model, p)
         if p.gpu_expert_cache_slots < floor:
-            return None, [f"expert_cache: GPU expert cache of {p.gpu_expert_cache_slots} slots is below the floor of one step's "
-                          f"working set x 1.15 = {floor} slots ({floor * row2 / GIB:.1f} GiB/rank)"]
+            return None, [f"expert_cache: GPU expert cache of {p.gpu_expert_cache_slots} slots is below the floor "
+                          f"of one step's working set x 1.15 = {floor} slots ({floor * row2 / GIB:.1f} GiB/rank)"]
         if tier == "nvme":
             arena = pins.get("host_arena_gib", min(L.arena_budget_gib(hw, tp * pp), model.routed_gib("2bit", tp)))
             if arena < L.guards()["host"]["arena_min_gib"] and "host_arena_gib" not in pins:

@@ -566,9 +566,9 @@ class ExpertStore:
             "name": self.name,
             "tier": self.backing.tier,
             "backing": type(self.backing).__name__,
-            "slots": self.pool.num_slots,
-            "slots_used": self.pool.used,
-            "row_bytes": self.stride,
+            "gpu_expert_cache_slots": self.pool.num_slots,  # the plan's knob, by its name
+            "gpu_expert_cache_slots_used": self.pool.used,
+            "expert_row_bytes": self.stride,
             "token_hit_rate": d["token_hit_rate"],
             "zero_miss_step_share": d["zero_miss_step_share"],
             "misses_per_step": d["misses_per_step"],
@@ -602,7 +602,8 @@ class ExpertStore:
         return (
             f"{self.name}[{s['tier']}] steps={s['decode']['steps']} hit={pct(s['token_hit_rate'])} "
             f"zero-miss={pct(s['zero_miss_step_share'])} miss/step={num(s['misses_per_step'])} "
-            f"slots={s['slots_used']}/{s['slots']} h2d={num(s['h2d_gbps'], '.1f')}GB/s "
+            f"slots={s['gpu_expert_cache_slots_used']}/{s['gpu_expert_cache_slots']} "
+            f"h2d={num(s['h2d_gbps'], '.1f')}GB/s "
             f"nvme={s['bytes_fetched']['nvme'] / GB:.2f}GB@{num(s['nvme_read_gbps'], '.2f')}GB/s "
             f"arena-hit={pct(s['arena_hit_rate'])}"
         )
