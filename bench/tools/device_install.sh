@@ -52,7 +52,9 @@ def install(name: str, files: list[str]) -> str:
     else:
         cat = subprocess.Popen(["cat", *paths], stdout=subprocess.PIPE)
         with tarfile.open(fileobj=cat.stdout, mode="r|xz") as tar:
-            tar.extractall(site, filter="tar")
+            for member in tar:  # archives extract in parallel into one tree: folders may appear meanwhile
+                os.makedirs(os.path.join(site, os.path.dirname(member.name)), exist_ok=True)
+                tar.extract(member, site, filter="tar")
         if cat.wait() != 0:
             raise RuntimeError(f"cat {paths} failed")
     open(os.path.join(site, ".pieces", name), "w").close()
@@ -64,11 +66,13 @@ todo = {n: fs for n, fs in archives.items()
 with cf.ThreadPoolExecutor(max_workers=min(12, os.cpu_count() or 4)) as ex:
     for line in ex.map(lambda kv: install(*kv), todo.items()):
         print(line, flush=True)
-missing = sorted({p["name"] for p in manifest["pieces"] for f in p["files"]
-                  if not os.path.exists(os.path.join(site, ".pieces", part_re.match(f)["name"]
-                                                     if part_re.match(f) else f))})
+installed = {n for n in archives if os.path.exists(os.path.join(site, ".pieces", n))}
+missing = [p["name"] for p in manifest["pieces"] if not all(f in here for f in p["files"])
+           and not all((part_re.match(f)["name"] if part_re.match(f) else f) in installed for f in p["files"])]
 open(os.path.join(site, ".pieces", "MISSING"), "w").write(" ".join(missing))
-print("pieces still to carry:", " ".join(missing) if missing else "none")
+waiting = sorted(set(archives) - installed)
+print("pieces still to carry:", " ".join(missing) if missing else "none",
+      f"| archives waiting for them: {' '.join(waiting)}" if waiting else "")
 PY
 if [ "${MOETPLAN_BUILD_KERNELS:-0}" = 1 ] && [ ! -e /tmp/kc-build.pid ] \
     && PYTHONPATH="$SITE:$PWD" python3 -c "import pydantic, platformdirs, moetplan.cli" 2>/dev/null; then

@@ -275,8 +275,14 @@ def check(root: Path) -> int:
     print(f"imported {len(CHECK_MODULES)} serving modules and {len(lazy)} function-level imports of "
           f"{', '.join(LAZY_FOLLOW)}")
     eps = [e.name for e in md.entry_points(group="vllm.general_plugins")]
-    print("vllm", md.version("vllm"), "| plugins:", eps, "| cutlass-dsl", md.version("nvidia-cutlass-dsl"),
-          "| quack", md.version("quack-kernels"))
+    versions = {}
+    for dist in ("vllm", "nvidia-cutlass-dsl", "quack-kernels", "tilelang", "openai", "torch"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            versions[dist] = None
+            bad.append(f"no {dist} metadata (dist-info) installed")
+    print("versions:", versions, "| vllm plugins:", eps)
     if "moetplan" not in eps:
         bad.append("moetplan's vllm.general_plugins entry point is missing")
     try:
