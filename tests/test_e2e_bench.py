@@ -4,7 +4,6 @@ then `diff plan.json run.json` and `calibrate run.json` on what it measured."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 
 import pytest
@@ -17,12 +16,10 @@ from served import free_port, start_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, e2e_env):
     """`moetplan run --model tiny-moe` (2-bit experts through the plugin), as the README's main job starts it."""
-    cache = tmp_path_factory.mktemp("cache")
     run_dir = tmp_path_factory.mktemp("run")
-    env = {**os.environ, "MOETPLAN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = e2e_env
     port = free_port()
     proc, ready, events = start_run(["--model", "tiny-moe", "--port", str(port), "--run-dir", str(run_dir),
                                      "--timeout", "400"], env)

@@ -37,11 +37,9 @@ def _flip(path: Path, rows: list[int], stride: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, e2e_env):
     tmp = tmp_path_factory.mktemp("e2e_pack")
-    env = {**os.environ, "MOETPLAN_CACHE_DIR": str(tmp / "cache"), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    os.environ["MOETPLAN_CACHE_DIR"] = env["MOETPLAN_CACHE_DIR"]
+    env = e2e_env
     from moetplan.models.tiny import ensure_tiny_checkpoint
     from moetplan.runtime.packs import Pack
     from moetplan.runtime.quantize_ckpt import quantize_checkpoint

@@ -12,7 +12,6 @@ about 5-6 minutes on 2 CPU cores.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -32,16 +31,12 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    e = {**os.environ, "MOETPLAN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-         "VLLM_CPU_KVCACHE_SPACE": "1"}
-    return e
+def env(e2e_env):
+    return e2e_env
 
 
 @pytest.fixture(scope="module")
 def checkpoints(env):
-    os.environ["MOETPLAN_CACHE_DIR"] = env["MOETPLAN_CACHE_DIR"]
     from moetplan.models.tiny import ensure_tiny_checkpoint
 
     return {n: ensure_tiny_checkpoint(n) for n in ("tiny-moe", "tiny-moe-mla", "tiny-moe-fp8")}

@@ -12,6 +12,7 @@ from moetplan.contract.errors import UsageError
 from moetplan.launch.command import build_launch, shell_line, vllm_kv_cache_dtype
 from moetplan.plan.cpu_backend import plan_for_cpu
 from moetplan.contract.model import Attention, ModelSpec
+from moetplan.contract.schema import Plan
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -63,17 +64,20 @@ def test_shell_line_round_trips(glm_plan):
     assert env == la.env and words[len(la.env):] == la.argv
 
 
-def test_the_solver_leaves_the_launch_to_launch_and_plan_out_writes_it(glm_plan, tmp_path):
-    from moetplan.plan.solver import solve
-
-    plan = solve(glm_plan.model, glm_plan.hardware)
-    assert plan.launch.argv == []  # the solver imports nothing of launch
+def test_the_plan_stores_no_command_run_derives_it(glm_plan, tmp_path):
+    """One way: the plan's launch section holds what `run` reads (checkpoint, served name); the command and its
+    environment are derived when served. A plan saved with argv/env still loads (they are dropped)."""
     out = tmp_path / "plan.json"
     res = CliRunner().invoke(app, ["plan", "--model", "glm-5.2", "--box", "rtx-pro-6000x2", "--out", str(out),
                                    "--json"])
     assert res.exit_code == 0, res.output
     written = json.loads(out.read_text())
-    assert written["launch"]["argv"] and written["launch"]["env"]["MOETPLAN_PLAN"] == "plan.json"
+    assert set(written["launch"]) == set(Plan.model_fields["launch"].annotation.model_fields)
+    assert "argv" not in written["launch"] and "env" not in written["launch"]
+    written["launch"].update(argv=["python", "-m", "old"], env={"MOETPLAN_PLAN": "plan.json"})
+    old = Plan.model_validate(written)
+    la = build_launch(old, plan_path=str(out))
+    assert la.env["MOETPLAN_PLAN"] == str(out) and la.argv[1:3] == ["-m", "moetplan.launch.serve"]
 
 
 def _tiny_spec(kind="gqa", mtp_layers=0) -> ModelSpec:

@@ -46,7 +46,7 @@ def workers():
     made: list[WorkerRuntime] = []
 
     def make(plan: schema.Plan, path: str | None = None) -> WorkerRuntime:
-        w = WorkerRuntime(plan, path, rank=0)
+        w = WorkerRuntime(plan.runtime, path, rank=0)
         made.append(w)
         return w
 
@@ -81,23 +81,26 @@ def _naive(x, ids, w, w13, w2):
 # --------------------------------------------------------------------------- settings
 
 
-def test_the_worker_reads_the_plans_runtime_section(workers):
+def test_the_worker_reads_the_plans_runtime_section(workers, tmp_path):
     plan = _plan(expert_tier="nvme", gpu_expert_cache_slots=12, host_arena_rows=5, fp4_reserve_slots=3,
                  max_num_seqs=2, mtp=1, expert_format="unquantized",
                  knobs=RuntimeKnobs(promoter="gate", kernels=schema.KernelPolicy(decode="gemv")))
     s = workers(plan, "p.json").section
-    assert (s.tier, s.cache_slots, s.arena_rows, s.reserve_slots, s.expert_format) == ("nvme", 12, 5, 3,
-                                                                                        "unquantized")
+    assert (s.expert_tier, s.gpu_expert_cache_slots, s.host_arena_rows, s.fp4_reserve_slots,
+            s.expert_format) == ("nvme", 12, 5, 3, "unquantized")
     assert s.decode_batch_tokens == 4  # 2 seqs x (1 + 1 MTP token)
-    assert s.row_bytes == RowLayout.for_expert(64, 32).stride  # the rows the plan sized are the rows allocated
-    assert (s.promoter, s.kernels.decode) == ("gate", "gemv")
+    assert s.expert_row_bytes == RowLayout.for_expert(64, 32).stride  # the rows the plan sized are the rows allocated
+    assert (s.knobs.promoter, s.knobs.kernels.decode) == ("gate", "gemv")
     with pytest.raises(ValueError, match="frozen"):  # the worker cannot drift from the plan
-        s.cache_slots = 3
+        s.gpu_expert_cache_slots = 3
     assert workers(_plan()).section.expert_format == "2bit"
-    bad = _plan()
-    object.__setattr__(bad.placement, "expert_format", "int3")  # e.g. a newer plan than this runtime knows
-    with pytest.raises(ConfigError, match="expert_format 'int3'"):
-        workers(bad)
+    doc = _plan().model_dump(mode="json")
+    doc["placement"]["expert_format"] = "int3"  # e.g. a newer plan than this runtime knows
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="expert_format.*'2bit' or 'unquantized'"):
+        WorkerRuntime.from_plan_file(tmp_path / "bad.json")
+    with pytest.raises(TypeError, match="runtime section"):
+        WorkerRuntime(_plan())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="promoter"):
         RuntimeKnobs(promoter="sometimes")
 
@@ -207,7 +210,7 @@ def test_tiered_store_gives_the_resident_result_through_decode_and_chunked_prefi
         assert store.backing.arena_rows == 256  # the plan's arena rows, as planned
         assert w.tiered.pack_path and os.path.exists(w.tiered.pack_path)
         # a later boot finds the pack valid and reads rows instead of quantizing
-        later = workers(_plan(expert_tier="nvme", pack_dir=str(tmp_path / "packs")))
+        later = workers(_plan(expert_tier="nvme", gpu_expert_cache_slots=6, pack_dir=str(tmp_path / "packs")))
         later.packs.set_model_dir(_checkpoint(tmp_path))
         pack = later.packs.valid_pack(layers[0].layout, 8)
         assert pack is not None
@@ -217,10 +220,9 @@ def test_tiered_store_gives_the_resident_result_through_decode_and_chunked_prefi
 
 
 def test_tier_without_cache_slots_is_a_clear_error(tmp_path, workers):
-    _, layers, _ = _tiered_layers(tmp_path, "host", slots=0, workers=workers)
-    ids, w = _routing(1, 2, 8)
+    # Refused when the worker reads the plan (its runtime section), before any layer loads or pack is written.
     with pytest.raises(ConfigError, match="gpu_expert_cache_slots"):
-        layers[0].forward(torch.randn(1, 64), w, ids)
+        _tiered_layers(tmp_path, "host", slots=0, workers=workers)
 
 
 def test_fp8_block_experts_are_dequantized_exactly():
@@ -359,7 +361,7 @@ def test_run_record_is_written_next_to_the_plan_and_loads(tmp_path):
     assert records.run_record_path(tmp_path / "plan.json", rank=1).name == "plan.run.rank1.json"
     st = records.RuntimeStats()
     st.on_call(True, 3, 6, False, 0.0)
-    w = records.RecordWriter(path, lambda: records.build_run_record(plan, str(tmp_path / "plan.json"), st,
+    w = records.RecordWriter(path, lambda: records.build_run_record(plan.runtime, str(tmp_path / "plan.json"), st,
                                                                     store_kpis={"token_hit_rate": 1.0}),
                              interval_s=100.0)
     assert w.maybe_write() is True
@@ -530,8 +532,8 @@ def test_apply_goes_through_the_custom_op_to_the_worker(tmp_path, workers):
 
 def test_reserve_slots_are_the_plans_slots():
     assert _plan(fp4_reserve_slots=5).runtime.reserve_wanted
-    assert reserve_slots(_plan(fp4_reserve_slots=5).runtime.reserve_slots, 2, 8) == 5
-    assert reserve_slots(_plan(fp4_reserve_slots=100).runtime.reserve_slots, 2, 8) == 16  # never more than rows
+    assert reserve_slots(_plan(fp4_reserve_slots=5).runtime.fp4_reserve_slots, 2, 8) == 5
+    assert reserve_slots(_plan(fp4_reserve_slots=100).runtime.fp4_reserve_slots, 2, 8) == 16  # never more than rows
     assert not _plan().runtime.reserve_wanted
 
 

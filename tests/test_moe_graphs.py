@@ -50,7 +50,7 @@ def expert_rows() -> list[torch.Tensor]:
 
 
 def _resident_worker(expert_rows, in_graphs: bool = True) -> WorkerRuntime:
-    w = WorkerRuntime(_plan(max_num_seqs=T), rank=0, in_graphs=in_graphs)  # a decode batch of T tokens
+    w = WorkerRuntime(_plan(max_num_seqs=T).runtime, rank=0, in_graphs=in_graphs)  # a decode batch of T tokens
     for li, rows in enumerate(expert_rows):
         st = w.layer_state(key=li, moe_index=li, name=f"l{li}", fmt="2bit", tier="resident", num_experts=E,
                            hidden=H, inter=INTER, first=li == 0, layout=LAYOUT, source="test")
@@ -155,7 +155,7 @@ def test_a_host_sync_added_to_the_resident_path_fails_the_stand_in(expert_rows, 
 def test_the_stand_in_sees_the_tiered_paths_host_work(expert_rows, device):
     """The tiered store reads each step's routed ids on the host: the stand-in catches it (the reason the launch
     splits the graph at MoE for tiered plans)."""
-    w = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=6), rank=0, in_graphs=False)
+    w = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=6).runtime, rank=0, in_graphs=False)
     st = w.layer_state(key=0, moe_index=0, name="l0", fmt="2bit", tier="host", num_experts=E, hidden=H,
                        inter=INTER, first=True, layout=LAYOUT)
     st.store = w.attach_store(st, expert_rows[0].clone())
@@ -289,16 +289,16 @@ def test_the_plan_decides_the_split_in_one_place(placement, split):
 
 def test_the_worker_counts_on_the_device_exactly_when_vllm_captures_its_moe(monkeypatch):
     monkeypatch.setattr(vllm_compat, "moe_in_cuda_graphs", lambda *a, **k: True)
-    w = WorkerRuntime(_plan(), rank=0)
+    w = WorkerRuntime(_plan().runtime, rank=0)
     w.new_moe_index()
     assert w.in_graphs is True and w.layer_state(key=0, moe_index=0, name="l", fmt="2bit", tier="resident",
                                                  num_experts=E, hidden=H, inter=INTER).policy.check_residency is False
-    tiered = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4), rank=0)
+    tiered = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4).runtime, rank=0)
     with pytest.raises(ConfigError, match="moetplan run") as e:
         tiered.new_moe_index()
     assert "expert_tier host" in str(e.value) and "vllm::moe_forward" in str(e.value)
     monkeypatch.setattr(vllm_compat, "moe_in_cuda_graphs", lambda *a, **k: False)
-    eager = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4), rank=0)
+    eager = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4).runtime, rank=0)
     eager.new_moe_index()
     assert eager.in_graphs is False and eager.graph is None
 

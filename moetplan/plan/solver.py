@@ -16,7 +16,6 @@ from typing import Any, Iterable, Iterator
 
 from moetplan import __version__
 from moetplan.contract import (
-    PINNABLE_KNOBS,
     Gate,
     Goals,
     HardwareProfile,
@@ -24,18 +23,15 @@ from moetplan.contract import (
     Placement,
     Plan,
     Prediction,
-    parse_tokens,
 )
 from moetplan.contract.errors import InfeasibleError, UsageError
 from moetplan.contract.model import GIB, ModelSpec
+from moetplan.contract.schema import parse_knob
+from moetplan.contract.vocab import EXPERT_TIERS
 from moetplan.contract.sizing import reserve_slots, rows_in
 from moetplan.plan import ledger as L
 from moetplan.plan import support
 
-TIERS = ("resident", "host", "nvme")
-# Knobs --set accepts beyond the Placement's pinnable ones: kv_cache_gib clamps the KV pool (vLLM's
-# --kv-cache-memory-bytes), the others are engine settings.
-EXTRA_KNOBS = ("gate_tau", "max_num_batched_tokens", "kv_cache_gib")
 SWEEP_TOP = 4  # discrete choices whose context range is swept in full
 
 
@@ -50,39 +46,14 @@ class Candidate:
 
 
 def parse_set(items: Iterable[str]) -> dict[str, Any]:
-    """Parse `--set name=value` strings into typed pins (names exactly as in PINNABLE_KNOBS)."""
+    """Parse `--set name=value` strings into typed pins (names exactly as in PINNABLE_KNOBS; each value typed and
+    checked as the schema declares its field: contract.schema.parse_knob)."""
     pins: dict[str, Any] = {}
-    int_knobs = {"tp", "pp", "context", "mtp", "max_num_seqs", "concurrency", "max_num_batched_tokens"}
-    float_knobs = {"gpu_expert_cache_gib", "fp4_reserve_gib", "host_arena_gib", "mtp_acceptance",
-                   "gpu_memory_utilization", "gate_tau", "kv_cache_gib"}
     for item in items:
         if "=" not in item:
             raise UsageError(f"--set '{item}': expected name=value (e.g. --set tp=2)")
         name, value = (s.strip() for s in item.split("=", 1))
-        if name not in PINNABLE_KNOBS and name not in EXTRA_KNOBS:
-            import difflib
-
-            close = difflib.get_close_matches(name, PINNABLE_KNOBS + EXTRA_KNOBS, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise UsageError(f"--set: unknown knob '{name}'.{hint} Knobs: {', '.join(PINNABLE_KNOBS + EXTRA_KNOBS)}")
-        try:
-            if name in int_knobs:
-                v: Any = parse_tokens(value) if name == "context" else int(value)
-            elif name in float_knobs:
-                v = float(value)
-            else:
-                v = value
-        except ValueError:
-            raise UsageError(f"--set {name}={value}: not a number") from None
-        if name == "expert_tier" and v not in TIERS:
-            raise UsageError(f"--set expert_tier={value}: must be one of {', '.join(TIERS)}")
-        if name == "gpu_memory_utilization" and not 0.1 <= v <= 0.99:
-            raise UsageError(f"--set gpu_memory_utilization={value}: must be between 0.1 and 0.99")
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
-            raise UsageError(f"--set {name}={value}: must not be negative")
-        if name in ("tp", "pp", "context", "max_num_seqs", "concurrency", "max_num_batched_tokens") and v < 1:
-            raise UsageError(f"--set {name}={value}: must be at least 1")
-        pins[name] = v
+        pins[name] = parse_knob(name, value)
     return pins
 
 
@@ -286,15 +257,14 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
                 reserve = L.fp4_gate_floor_slots(model, p) * row4 / GIB
         kv_target = clamp if clamp is not None else kv_floor
         set_reserve(reserve)  # whole rows first: the cache gets what they leave
-        cache = pins.get("gpu_expert_cache_gib", left - inside(p.fp4_reserve_gib) - kv_target)
-        slots = min(rows_in(cache, row2), max_slots)
-        if slots >= max_slots and "expert_tier" not in pins:
+        gpu_expert_cache_gib = pins.get("gpu_expert_cache_gib", left - inside(p.fp4_reserve_gib) - kv_target)
+        p.gpu_expert_cache_slots = min(rows_in(gpu_expert_cache_gib, row2), max_slots)  # the GiB -> rows rule
+        if p.gpu_expert_cache_slots >= max_slots and "expert_tier" not in pins:
             return None, [f"{_ALL_FIT}; resident is the same placement"]
-        p.gpu_expert_cache_slots = slots
         p.kv_cache_gib = clamp if clamp is not None else left - inside(p.fp4_reserve_gib) - p.gpu_expert_cache_gib
         floor = L.cache_floor_slots(model, p)
-        if slots < floor:
-            return None, [f"expert_cache: GPU expert cache of {slots} slots is below the floor of one step's "
+        if p.gpu_expert_cache_slots < floor:
+            return None, [f"expert_cache: GPU expert cache of {p.gpu_expert_cache_slots} slots is below the floor of one step's "
                           f"working set x 1.15 = {floor} slots ({floor * row2 / GIB:.1f} GiB/rank)"]
         if tier == "nvme":
             arena = pins.get("host_arena_gib", min(L.arena_budget_gib(hw, tp * pp), model.routed_gib("2bit", tp)))
@@ -331,7 +301,7 @@ def _default_reserve(model: ModelSpec, p: Placement, slack_gib: float, row4: flo
 
 def _choices(model: ModelSpec, hw: HardwareProfile, goals: Goals,
              pins: dict[str, Any]) -> Iterator[tuple[int, int, str, str, int]]:
-    tiers = [pins["expert_tier"]] if "expert_tier" in pins else list(TIERS)
+    tiers = [pins["expert_tier"]] if "expert_tier" in pins else list(EXPERT_TIERS)
     for tp, pp in _tp_pp_options(model, hw.num_gpus, pins):
         for tier in tiers:
             for kv in _kv_options(model, hw, pins):

@@ -59,7 +59,7 @@ class StoreCapacityError(InfeasibleError):
 class ExpertStore:
     """GPU (or CPU) expert cache over a backing store. Single-threaded use (one model runner)."""
 
-    def __init__(self, backing: BackingStore, slots: int, *, device: str | torch.device = "cpu",
+    def __init__(self, backing: BackingStore, gpu_expert_cache_slots: int, *, device: str | torch.device = "cpu",
                  decay: float = 0.99, prefill_tokens: int = 256, protected_share: float = 0.8,
                  kpi_every_steps: int = 0, kpi_every_s: float = 60.0, name: str = "experts"):
         if not 0.0 < decay <= 1.0:
@@ -68,7 +68,7 @@ class ExpertStore:
             raise UsageError(f"protected_share must be in [0, 1) so prefill keeps some slots; got {protected_share}")
         self.backing, self.name = backing, name
         self.num_layers, self.num_experts, self.stride = backing.num_layers, backing.num_experts, backing.stride
-        self.pool = SlotPool(slots, self.stride, self.num_layers, self.num_experts, device)
+        self.pool = SlotPool(gpu_expert_cache_slots, self.stride, self.num_layers, self.num_experts, device)
         self.device = self.pool.device
         self.decay, self.prefill_tokens, self.protected_share = float(decay), int(prefill_tokens), float(protected_share)
         # Decayed frequency per (layer, expert): add `inc` per routing and grow `inc` by 1/decay per step, which

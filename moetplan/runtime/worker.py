@@ -16,6 +16,7 @@ import torch
 
 from moetplan.contract import envs
 from moetplan.contract.errors import ConfigError
+from moetplan.contract.runtime import RuntimeSection
 from moetplan import vllm_compat
 from moetplan.runtime import records
 from moetplan.runtime.cuda_paths import error_flag
@@ -28,9 +29,6 @@ from moetplan.runtime.routers import LocalityRouter, router_for
 from moetplan.runtime.tiers import TieredExperts
 
 log = logging.getLogger("vllm.moetplan")
-
-EXPERT_FORMATS = ("2bit", "unquantized")
-
 
 def tp_rank() -> int:
     try:
@@ -57,17 +55,17 @@ def is_warmup() -> bool:
 
 
 class WorkerRuntime:
-    """Everything one worker process serves its MoE layers with, read from one Plan."""
+    """Everything one worker process serves its MoE layers with, read from one Plan's runtime section
+    (`Plan.runtime`; `plan_path`: the file it came from, beside which the run record goes)."""
 
-    def __init__(self, plan: Any, plan_path: str | None = None, *, rank: int | None = None,
+    def __init__(self, section: RuntimeSection, plan_path: str | None = None, *, rank: int | None = None,
                  in_graphs: bool | None = None):
-        fmt = plan.placement.expert_format
-        if fmt not in EXPERT_FORMATS:
-            raise ConfigError(f"{plan_path or 'plan'}: expert_format '{fmt}' is not one the runtime serves; use one "
-                              f"of {', '.join(EXPERT_FORMATS)}")
-        self.plan, self.plan_path = plan, str(plan_path) if plan_path else None
-        self.section = plan.runtime
-        if self.section.weights == "dummy" and (fmt != "2bit" or self.section.reserve_wanted):
+        if not isinstance(section, RuntimeSection):
+            raise TypeError(f"WorkerRuntime takes a plan's runtime section (Plan.runtime), not {type(section)}")
+        fmt = section.expert_format
+        self.plan_path = str(plan_path) if plan_path else None
+        self.section = section
+        if self.section.knobs.weights == "dummy" and (fmt != "2bit" or self.section.reserve_wanted):
             raise ConfigError(f"{plan_path or 'plan'}: dummy weights are random 2-bit rows with no FP4 reserve; "
                               "re-run `moetplan run --dummy-weights` without --experts unquantized (it plans no "
                               "reserve)")
@@ -77,7 +75,7 @@ class WorkerRuntime:
         self.stats = records.RuntimeStats(decode_batch_tokens=self.section.decode_batch_tokens)
         self.paths = PathLog()
         self.packs = PackResolver(self.section.pack_dir, lambda: self.rank,
-                                  dummy_seed=self.section.seed if self.section.weights == "dummy" else None)
+                                  dummy_seed=self.section.knobs.seed if self.section.knobs.weights == "dummy" else None)
         self.fp4 = ReserveState()
         self.tiered: TieredExperts | None = None
         self.router: LocalityRouter | None = None
@@ -95,7 +93,7 @@ class WorkerRuntime:
             plan = load_json(Plan, path)
         except SchemaError as e:
             raise ConfigError(f"{envs.PLAN.name}: {e}") from None
-        return cls(plan, str(path))
+        return cls(plan.runtime, str(path))
 
     @classmethod
     def from_env(cls) -> "WorkerRuntime":
@@ -161,9 +159,9 @@ class WorkerRuntime:
         residency flag is read at step end rather than after each call (a host sync), and the kernel paths are
         counted on the device (`run_layer`)."""
         if self.in_graphs:
-            policy = dataclasses.replace(self.section.kernels, check_residency=False)
+            policy = dataclasses.replace(self.section.knobs.kernels, check_residency=False)
             return LayerState(**fields, fp4=self.fp4, policy=policy, paths=None)
-        return LayerState(**fields, fp4=self.fp4, policy=self.section.kernels, paths=self.paths)
+        return LayerState(**fields, fp4=self.fp4, policy=self.section.knobs.kernels, paths=self.paths)
 
     def attach_store(self, st: LayerState, rows: torch.Tensor | None) -> TieredExperts:
         """Hand a layer's rows to the worker's tiered store (built at the first forward; None: dummy weights, the
@@ -175,10 +173,10 @@ class WorkerRuntime:
 
     def route(self, key: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts a layer computes: the model's choice, or the plan's router's (runtime/routers.py)."""
-        if self.section.router == "model":
+        if self.section.knobs.router == "model":
             return topk_ids
         if self.router is None:
-            self.router = router_for(self.section, int(topk_ids.shape[1]))
+            self.router = router_for(self.section.knobs, int(topk_ids.shape[1]))
         return self.router.route(key, topk_ids)
 
     def layer_loaded(self, st: LayerState, device: Any, load_s: float) -> None:
@@ -275,14 +273,14 @@ class WorkerRuntime:
 
     def make_record(self) -> Any:
         s = self.section
-        extra: dict[str, Any] = {"tp_rank": self.rank, "worker_pid": os.getpid(), "weights": s.weights,
-                                 "router": s.router}
+        extra: dict[str, Any] = {"tp_rank": self.rank, "worker_pid": os.getpid(), "weights": s.knobs.weights,
+                                 "router": s.knobs.router}
         if self.graph is not None:
             try:
                 extra.update({k: v for k, v in self.graph_summary().items() if not k.startswith("kernel_")})
             except Exception as e:  # a failed device read (at exit, a lost context) must not take the worker down
                 extra["graph_counters_error"] = repr(e)
-        return records.build_run_record(self.plan, self.plan_path, self.stats,
+        return records.build_run_record(s, self.plan_path, self.stats,
                                         store_kpis={**self.store_kpis(), **self.fp4.kpis()}, extra_runtime=extra)
 
     def record_version(self) -> tuple[Any, ...]:
@@ -298,8 +296,8 @@ class WorkerRuntime:
         return (st.moe_calls, st.warmup_calls, st.recompute_calls, st.layers, graph, *self.fp4.version())
 
     def record_path(self) -> str | None:
-        if self.section.record_path:
-            return self.section.record_path
+        if self.section.knobs.record_path:
+            return self.section.knobs.record_path
         return str(records.run_record_path(self.plan_path, self.rank)) if self.plan_path else None
 
     def writer(self) -> records.RecordWriter | None:
@@ -307,7 +305,7 @@ class WorkerRuntime:
             path = self.record_path()
             if path is None:
                 return None
-            self._writer = records.RecordWriter(path, self.make_record, self.section.record_interval_s,
+            self._writer = records.RecordWriter(path, self.make_record, self.section.knobs.record_interval_s,
                                                 version=self.record_version)
             self._writer.start_flusher()
             atexit.register(self._writer.close)
@@ -329,4 +327,4 @@ def process_worker() -> WorkerRuntime:
     return WorkerRuntime.for_process()
 
 
-__all__ = ["EXPERT_FORMATS", "WorkerRuntime", "is_warmup", "process_worker", "tp_rank"]
+__all__ = ["WorkerRuntime", "is_warmup", "process_worker", "tp_rank"]
