@@ -200,6 +200,9 @@ CHECK_MODULES = (
     "vllm.models.deepseek_v4.nvidia.flashmla", "vllm.model_executor.layers.sparse_attn_indexer",
     "vllm.v1.attention.backends.mla.indexer", "vllm.v1.attention.backends.mla.sparse_swa",
     "vllm.third_party.deep_gemm", "cutlass", "cutlass.cute", "quack", "quack.compile_utils", "tilelang",
+    # the serving flags hwdb/serving.yaml gives DeepSeek-V4 (tool / reasoning parser, tokenizer mode)
+    "vllm.tool_parsers.deepseekv4_engine_tool_parser", "vllm.reasoning.deepseek_v4_engine_reasoning_parser",
+    "vllm.tokenizers.deepseek_v4",
 )
 # Packages whose function-level imports the check follows (one level: what those modules import when they load
 # runs anyway), and the folders of other platforms' code, never reached on CUDA.
