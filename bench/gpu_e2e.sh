@@ -25,5 +25,17 @@ logs() {
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv >> "$OUT/e2e_gpu.log" 2>&1
 }
 trap logs EXIT
-python3 bench/e2e_gpu.py --hw bench/results/hw_h200_probe.json --out "$OUT/e2e_h200.json" "$@" 2>&1 \
-  | tee -a "$OUT/e2e_gpu.log"
+# The plan is solved for this machine's probe: the H200's is in bench/results; another GPU is probed here first.
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+case "$gpu" in
+  *H200*) tag=h200 ;;
+  *H100*) tag=h100 ;;
+  *) tag=gpu ;;
+esac
+hw=bench/results/hw_${tag}_probe.json
+if [ ! -e "$hw" ]; then
+  hw=$OUT/hw_${tag}_probe.json
+  python3 -c 'from moetplan.cli import main; main()' probe --quick --out "$hw" 2>&1 | tail -5 | tee -a "$OUT/e2e_gpu.log"
+fi
+echo "GPU: $gpu -> plans for $hw, results in e2e_$tag.json" | tee -a "$OUT/e2e_gpu.log"
+python3 bench/e2e_gpu.py --hw "$hw" --out "$OUT/e2e_$tag.json" "$@" 2>&1 | tee -a "$OUT/e2e_gpu.log"
