@@ -205,8 +205,8 @@ def test_the_host_tier_serves_each_rank_from_its_own_pack_through_a_cache_smalle
     tp1_row_bytes = served["tp1"]["records"][0]["placement"]["expert_row_bytes"]
     for r, x in enumerate(rt):
         assert x["expert_sources"] == [f"pack:{served['packs'][r].name}"]
-        assert x["tier"] == "host" and x["slots"] == CACHE_ROWS
-        assert x["row_bytes"] * 2 == tp1_row_bytes  # half of every expert per rank
+        assert x["tier"] == "host" and x["gpu_expert_cache_slots"] == CACHE_ROWS
+        assert x["expert_row_bytes"] * 2 == tp1_row_bytes  # half of every expert per rank
         assert x["token_hit_rate"] < 1.0 and x["misses_per_step"] > 0  # 20 slots for 32 rows: misses
     # the same routing on both ranks (the router is replicated): the same hits and misses
     assert rt[0]["token_hit_rate"] == rt[1]["token_hit_rate"]

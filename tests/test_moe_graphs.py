@@ -308,7 +308,7 @@ def test_a_replay_that_misses_again_says_the_cache_is_too_small():
     misses = StepMisses(1, E)
     slot_of = torch.full((E,), -1, dtype=torch.int32)
     ids = torch.tensor([[1, 2]], dtype=torch.int32)
-    driver = ReplayDriver(misses, lambda need: 0, cache_slots=3)  # a fetch that brings nothing in
+    driver = ReplayDriver(misses, lambda need: 0, gpu_expert_cache_slots=3)  # a fetch that brings nothing in
     with pytest.raises(ReplayError, match="3 slots") as e:
         driver.step(lambda: misses.record(0, slot_of, ids))
     assert "gpu_expert_cache_gib" in str(e.value) and "moe_graphs=split" in str(e.value)

@@ -104,17 +104,17 @@ class ReplayDriver:
     what a re-run must see as the first pass did (the locality router's draw counter)."""
 
     def __init__(self, misses: StepMisses, fetch: Callable[[Need], int], *, main_layers: int | None = None,
-                 cache_slots: int = 0, observe: Callable[[np.ndarray, np.ndarray, bool], None] | None = None,
+                 gpu_expert_cache_slots: int = 0, observe: Callable[[np.ndarray, np.ndarray, bool], None] | None = None,
                  end_step: Callable[[], None] | None = None, agree: Callable[[bool], bool] | None = None):
         self.misses, self.fetch = misses, fetch
         self.main_layers = main_layers if main_layers is not None else int(misses.used.shape[1])
-        self.cache_slots = cache_slots
+        self.gpu_expert_cache_slots = gpu_expert_cache_slots
         self.observe, self.end_step, self.agree = observe, end_step, agree
         self.counts = ReplayCounts()
         self._fresh = True
 
     def _error(self, why: str) -> ReplayError:
-        size = f"{self.cache_slots} slots" if self.cache_slots else "its slots"
+        size = f"{self.gpu_expert_cache_slots} slots" if self.gpu_expert_cache_slots else "its slots"
         return ReplayError(f"a replayed step missed again ({why}): the step's experts do not fit the expert cache "
                            f"({size}) at once; re-plan with a larger gpu_expert_cache_gib (more "
                            "gpu_expert_cache_slots) or fewer max_num_seqs, or serve with --set moe_graphs=split")

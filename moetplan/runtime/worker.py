@@ -312,8 +312,8 @@ class WorkerRuntime:
             return 0
 
         return ReplayDriver(rec, store.fetch_step if store is not None else no_store, main_layers=self.main_layers,
-                            cache_slots=self.section.gpu_expert_cache_slots, observe=observe, end_step=end_step,
-                            agree=tp_any if self.section.tp > 1 else None)
+                            gpu_expert_cache_slots=self.section.gpu_expert_cache_slots, observe=observe,
+                            end_step=end_step, agree=tp_any if self.section.tp > 1 else None)
 
     # ------------------------------------------------------------------ the op
 
