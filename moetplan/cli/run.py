@@ -126,9 +126,11 @@ def plan_model(model: str, *, box: str | None = None, gpus: str | None = None, h
             except InfeasibleError as e:
                 if not dummy_weights or local_gpu_count() > 0:
                     raise
-                # Too big for this machine's RAM: the default box's plan, which --dry-run shows and run refuses.
-                plan = _solve(spec, None, None, None, ctx, set_, pack_dir)
+                # Too big for this machine's RAM: a GPU box's plan, which --dry-run shows and run refuses.
+                plan = _first_box_that_fits(spec, ctx, set_, pack_dir)
                 plan.warnings.insert(0, f"not served on this machine's CPU backend: {e}")
+        elif dummy_weights and not (box or gpus or hw) and local_gpu_count() == 0:
+            plan = _first_box_that_fits(spec, ctx, set_, pack_dir)  # no GPU here, no CPU kernels for it
         else:
             plan = _solve(spec, box, gpus, hw, ctx, set_, pack_dir)
     if experts:
@@ -151,6 +153,27 @@ def _solve(spec: Any, box: str | None, gpus: str | None, hw: str | None, ctx: in
     plan = solve(spec, profile, _schema.Goals(context=ctx, pinned=parse_set(set_ or []), pack_dir=pack_dir))
     plan.warnings = notes + plan.warnings
     return plan
+
+
+def _first_box_that_fits(spec: Any, ctx: int | None, set_: list[str] | None, pack_dir: str | None) -> Any:
+    """The default box's plan, or the first reference box (smallest total VRAM first) whose plan fits: with no GPU
+    here, `--dummy-weights --dry-run` still shows a launch for a model no single card holds."""
+    from moetplan import hwdb
+
+    default = hwdb.guards()["planner"]["default_box"]
+    boxes = sorted(hwdb.box_ids(), key=lambda b: sum(g.vram_gib for g in hwdb.box_profile(b).gpus))
+    first_error = None
+    for box in [default] + [b for b in boxes if b != default]:
+        try:
+            plan = _solve(spec, box, None, None, ctx, set_, pack_dir)
+        except InfeasibleError as e:
+            first_error = first_error or e
+            continue
+        if box != default:
+            plan.warnings.insert(0, f"the default box '{default}' does not hold {spec.id}; planned for '{box}' "
+                                    "(--box for another)")
+        return plan
+    raise first_error  # type: ignore[misc]
 
 
 def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str,
