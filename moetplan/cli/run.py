@@ -103,8 +103,9 @@ def plan_model(model: str, *, box: str | None = None, gpus: str | None = None, h
             ctx = _parse_tokens(context)
         except ValueError:
             raise UsageError(f"--context {context}: not a token count (e.g. 4096 or 32k)") from None
-    if tiny.is_tiny(model):  # type: ignore[arg-type]
-        ckpt = tiny.ensure_tiny_checkpoint(model)  # type: ignore[arg-type]
+    if tiny.is_tiny(model) or tiny.is_trained(model):  # type: ignore[arg-type]
+        ckpt = (tiny.ensure_tiny_checkpoint(model) if tiny.is_tiny(model)  # type: ignore[arg-type]
+                else trained_checkpoint())
         from moetplan.models import resolve_model
 
         spec = resolve_model(str(ckpt))
@@ -153,6 +154,30 @@ def _solve(spec: Any, box: str | None, gpus: str | None, hw: str | None, ctx: in
     plan = solve(spec, profile, _schema.Goals(context=ctx, pinned=parse_set(set_ or []), pack_dir=pack_dir))
     plan.warnings = notes + plan.warnings
     return plan
+
+
+def trained_checkpoint() -> Path:
+    """The trained tiny MoE's served checkpoint: trained once on first use (a progress bar on stderr), then
+    read from the cache."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from moetplan.models import tiny
+    from moetplan.runtime import quality as Q
+
+    spec = Q.TinyMoeSpec()
+    with Progress(TextColumn("training tiny-moe-py on Python's standard library"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} steps {task.fields[loss]}"), TimeElapsedColumn(),
+                  transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task("train", total=spec.train_steps, loss="")
+
+        def log(line: str) -> None:  # "step N: loss X", every 50 steps
+            step, _, loss = line.removeprefix("step ").partition(": ")
+            if step.isdigit():
+                bar.update(task, completed=int(step) + 1, loss=loss)
+
+        model, tok, info = Q.load_or_train(spec, log=log)
+    return tiny.export_trained(model, tok, info)
 
 
 def _first_box_that_fits(spec: Any, ctx: int | None, set_: list[str] | None, pack_dir: str | None) -> Any:
