@@ -266,8 +266,9 @@ def check_gpus_here(plan: Any) -> None:
 
 def run_command(
     plan_file: Optional[str] = typer.Argument(None, metavar="[PLAN.JSON]", help="plan to serve"),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="plan first: tiny-moe, tiny-moe-mla, tiny-moe-fp8, an hwdb "
-                                        "model id or a checkpoint folder"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="plan first: tiny-moe-py (trained on Python "
+                                        "source on first use), tiny-moe, tiny-moe-mla, tiny-moe-fp8 (random), an "
+                                        "hwdb model id or a checkpoint folder"),
     box: Optional[str] = typer.Option(None, "--box", help="with --model: plan for a reference box"),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="with --model: inline GPUs, e.g. 2xrtx-5090"),
     hw: Optional[str] = typer.Option(None, "--hw", help="with --model: HardwareProfile JSON"),
