@@ -163,3 +163,20 @@ def test_tiny_chat_template_renders_an_agent_loop():
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
     assert "<tool_response>\nsunny\n</tool_response>" in text and '"name": "get_weather"' in text
     assert text.endswith("<|assistant|>\n") and text.count("be brief") == 1
+
+
+@pytest.mark.parametrize("mid", ["glm-5.2", "deepseek-v4-flash", "kimi-k2.7-code"])
+def test_dummy_weights_dry_run_on_a_gpu_less_machine_shows_the_parsers(tmp_path, monkeypatch, mid):
+    """The issue's check: `run --model M --dummy-weights --dry-run` with no --box on a machine without a GPU."""
+    import moetplan.cli.run as run_cli
+    import moetplan.hw.gpus as gpus
+
+    monkeypatch.setenv("MOETPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(run_cli, "local_gpu_count", lambda: 0)
+    monkeypatch.setattr(gpus, "local_gpu_count", lambda: 0)
+    r = CliRunner().invoke(app, ["run", "--model", mid, "--dummy-weights", "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    argv = json.loads(r.output)["argv"]
+    tool, reasoning, mode = TARGETS[mid]
+    assert _flag(argv, "--tool-call-parser") == tool and "--enable-auto-tool-choice" in argv
+    assert _flag(argv, "--reasoning-parser") == reasoning and _flag(argv, "--tokenizer-mode") == mode

@@ -88,7 +88,7 @@ def _cpu_backend_here(model: str) -> bool:
 
     if local_gpu_count() > 0:
         return False
-    if tiny.is_tiny(model):
+    if tiny.is_tiny(model) or tiny.is_trained(model):
         return True
     try:
         return cpu_backend_serves(spec_for_name(model))

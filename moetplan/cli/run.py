@@ -102,8 +102,9 @@ def plan_model(model: str, *, box: str | None = None, gpus: str | None = None, h
             ctx = _parse_tokens(context)
         except ValueError:
             raise UsageError(f"--context {context}: not a token count (e.g. 4096 or 32k)") from None
-    if tiny.is_tiny(model):  # type: ignore[arg-type]
-        ckpt = tiny.ensure_tiny_checkpoint(model)  # type: ignore[arg-type]
+    if tiny.is_tiny(model) or tiny.is_trained(model):  # type: ignore[arg-type]
+        ckpt = (tiny.ensure_tiny_checkpoint(model) if tiny.is_tiny(model)  # type: ignore[arg-type]
+                else trained_checkpoint())
         from moetplan.models import resolve_model
 
         spec = resolve_model(str(ckpt))
@@ -125,9 +126,11 @@ def plan_model(model: str, *, box: str | None = None, gpus: str | None = None, h
             except InfeasibleError as e:
                 if not dummy_weights or local_gpu_count() > 0:
                     raise
-                # Too big for this machine's RAM: the default box's plan, which --dry-run shows and run refuses.
-                plan = _solve(spec, None, None, None, ctx, set_, pack_dir)
+                # Too big for this machine's RAM: a GPU box's plan, which --dry-run shows and run refuses.
+                plan = _first_box_that_fits(spec, ctx, set_, pack_dir)
                 plan.warnings.insert(0, f"not served on this machine's CPU backend: {e}")
+        elif dummy_weights and not (box or gpus or hw) and local_gpu_count() == 0:
+            plan = _first_box_that_fits(spec, ctx, set_, pack_dir)  # no GPU here, no CPU kernels for it
         else:
             plan = _solve(spec, box, gpus, hw, ctx, set_, pack_dir)
     if experts:
@@ -150,6 +153,51 @@ def _solve(spec: Any, box: str | None, gpus: str | None, hw: str | None, ctx: in
     plan = solve(spec, profile, _schema.Goals(context=ctx, pinned=parse_set(set_ or []), pack_dir=pack_dir))
     plan.warnings = notes + plan.warnings
     return plan
+
+
+def trained_checkpoint() -> Path:
+    """The trained tiny MoE's served checkpoint: trained once on first use (a progress bar on stderr), then
+    read from the cache."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from moetplan.models import tiny
+    from moetplan.runtime import quality as Q
+
+    spec = Q.TinyMoeSpec()
+    with Progress(TextColumn("training tiny-moe-py on Python's standard library"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} steps {task.fields[loss]}"), TimeElapsedColumn(),
+                  transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task("train", total=spec.train_steps, loss="")
+
+        def log(line: str) -> None:  # "step N: loss X", every 50 steps
+            step, _, loss = line.removeprefix("step ").partition(": ")
+            if step.isdigit():
+                bar.update(task, completed=int(step) + 1, loss=loss)
+
+        model, tok, info = Q.load_or_train(spec, log=log)
+    return tiny.export_trained(model, tok, info)
+
+
+def _first_box_that_fits(spec: Any, ctx: int | None, set_: list[str] | None, pack_dir: str | None) -> Any:
+    """The default box's plan, or the first reference box (smallest total VRAM first) whose plan fits: with no GPU
+    here, `--dummy-weights --dry-run` still shows a launch for a model no single card holds."""
+    from moetplan import hwdb
+
+    default = hwdb.guards()["planner"]["default_box"]
+    boxes = sorted(hwdb.box_ids(), key=lambda b: sum(g.vram_gib for g in hwdb.box_profile(b).gpus))
+    first_error = None
+    for box in [default] + [b for b in boxes if b != default]:
+        try:
+            plan = _solve(spec, box, None, None, ctx, set_, pack_dir)
+        except InfeasibleError as e:
+            first_error = first_error or e
+            continue
+        if box != default:
+            plan.warnings.insert(0, f"the default box '{default}' does not hold {spec.id}; planned for '{box}' "
+                                    "(--box for another)")
+        return plan
+    raise first_error  # type: ignore[misc]
 
 
 def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str,
@@ -213,8 +261,9 @@ def check_gpus_here(plan: Any) -> None:
 
 def run_command(
     plan_file: Optional[str] = typer.Argument(None, metavar="[PLAN.JSON]", help="plan to serve"),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="plan first: tiny-moe, tiny-moe-mla, tiny-moe-fp8, an hwdb "
-                                        "model id or a checkpoint folder"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="plan first: tiny-moe-py (trained on Python "
+                                        "source on first use), tiny-moe, tiny-moe-mla, tiny-moe-fp8 (random), an "
+                                        "hwdb model id or a checkpoint folder"),
     box: Optional[str] = typer.Option(None, "--box", help="with --model: plan for a reference box"),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="with --model: inline GPUs, e.g. 2xrtx-5090"),
     hw: Optional[str] = typer.Option(None, "--hw", help="with --model: HardwareProfile JSON"),

@@ -25,6 +25,7 @@ DEAD_CHILD_GRACE_S = 5.0
 # /health failing this many checks in a row (one every HEALTH_EVERY_S) while every process is up: a hung server.
 HEALTH_FAILURES = 6
 HEALTH_EVERY_S = 5.0
+WATCH_EVERY_S = 1.0  # how often the tree's processes are checked while serving
 
 
 class _Stop(Exception):
@@ -57,15 +58,17 @@ def _record_restarts(plan_path: Path, restarts: list[dict[str, Any]]) -> None:
 
 def _serve_until_down(server: Any, on_line: Callable[[str], None] | None) -> str:
     """Block while the server serves; return why it stopped serving ("exited", "child died", "unhealthy")."""
-    last_health, fails = time.monotonic(), 0
+    last_health, last_watch, fails = time.monotonic(), 0.0, 0
     server.mark_healthy()
     while server.alive():
         if on_line:
             server.follow(on_line)
-        gone = server.watch()
-        if gone is not None and time.time() - gone[2] > DEAD_CHILD_GRACE_S:
-            return "child died"
         now = time.monotonic()
+        if now - last_watch >= WATCH_EVERY_S:
+            last_watch = now
+            gone = server.watch()
+            if gone is not None and time.time() - gone[2] > DEAD_CHILD_GRACE_S:
+                return "child died"
         if now - last_health >= HEALTH_EVERY_S:
             last_health = now
             if server.healthy(timeout=3.0):

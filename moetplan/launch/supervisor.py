@@ -345,8 +345,13 @@ class Server:
 
     def watch(self) -> tuple[int, str, float] | None:
         """Check the tree once while serving: remembers new processes and the first one of them that is gone
-        (vLLM's API server may outlive its engine for a while, serving errors)."""
-        self.tree_pids()
+        (vLLM's API server may outlive its engine for a while, serving errors). Cheap enough to call every
+        second beside a busy server: the root's descendants only, not a scan of every process's group."""
+        if self.proc is not None:
+            try:
+                self._remember({c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)})
+            except psutil.NoSuchProcess:
+                pass
         if self.first_gone is None:
             for pid, p in self._seen.items():
                 if self.proc is not None and pid == self.proc.pid:

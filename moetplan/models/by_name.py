@@ -37,4 +37,14 @@ def spec_for_name(name_or_path: str) -> ModelSpec:
 
     if tiny.is_tiny(name_or_path):
         return spec_for_tiny(name_or_path)
+    if tiny.is_trained(name_or_path):  # its exported checkpoint, once `moetplan run --model tiny-moe-py` trained it
+        found = sorted(tiny.default_cache_root().glob(f"{tiny.TRAINED_NAME}-*/config.json"))
+        if not found:
+            from moetplan.contract.errors import UsageError
+
+            raise UsageError(f"{name_or_path} is trained on first use: run `moetplan run --model {name_or_path}` "
+                             "once (a few minutes), then plan it")
+        spec = spec_from_config(found[-1].parent)
+        spec.id, spec.name = name_or_path, name_or_path
+        return spec
     return resolve_model(name_or_path)

@@ -382,3 +382,61 @@ def ensure_tiny_checkpoint(name: str, cache_root: str | os.PathLike[str] | None 
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+# --------------------------------------------------------------------------- the trained tiny MoE
+
+# A tiny MoE trained here on the standard library's Python source (the model bench/quality.py measures,
+# moetplan.runtime.quality): its completions look like Python, so a first request says something. Trained once
+# (minutes on a laptop CPU) into the quality cache, then exported here as a served checkpoint.
+TRAINED_NAME = "tiny-moe-py"
+TRAINED_DESCRIPTION = "Qwen3-MoE-style, 4 layers, 16 experts top-2, trained here on Python's standard library"
+
+
+def is_trained(name: str) -> bool:
+    return name == TRAINED_NAME
+
+
+def trained_dir(info: dict[str, Any], cache_root: str | os.PathLike[str] | None = None) -> Path:
+    """Where the served export of a trained model goes: keyed by its training record (spec, steps, losses)."""
+    key = hashlib.sha256(json.dumps({"v": GENERATOR_VERSION, "info": info}, sort_keys=True,
+                                    default=str).encode()).hexdigest()[:12]
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    return root / f"{TRAINED_NAME}-{key}"
+
+
+def export_trained(model: Any, tokenizer: Any, info: dict[str, Any],
+                   cache_root: str | os.PathLike[str] | None = None) -> Path:
+    """A served checkpoint of a trained tiny MoE (transformers model, tokenizers.Tokenizer): bf16 weights, the
+    config keys vLLM reads, a tokenizer with the tool-capable chat template. Written once (temp + rename)."""
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    target = trained_dir(info, cache_root)
+    if (target / "moetplan_tiny.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        model.to(torch.bfloat16).save_pretrained(str(tmp))
+        cfg = model.config
+        # transformers 5 writes num_local_experts; checkpoints (and vLLM's readers) name it num_experts
+        _restore_config_keys(tmp / "config.json", {"num_experts": getattr(cfg, "num_local_experts", None) or
+                                                   getattr(cfg, "num_experts", None),
+                                                   "architectures": ["Qwen3MoeForCausalLM"]})
+        fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|bos|>", eos_token="<|eos|>",
+                                       pad_token="<|pad|>")
+        fast.model_max_length = int(getattr(cfg, "max_position_embeddings", 4096))
+        fast.chat_template = CHAT_TEMPLATE
+        fast.save_pretrained(str(tmp))
+        (tmp / "moetplan_tiny.json").write_text(json.dumps({"name": TRAINED_NAME, "trained": info}, indent=2,
+                                                           default=str) + "\n")
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "moetplan_tiny.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
