@@ -142,6 +142,7 @@ class _GPUEntry(BaseModel):
     sms: int | None = None
     tdp_w: float | None = None
     h2d_pinned_gbps: float | None = None
+    h2d_batched_gbps: float | None = None  # batched expert-sized fetches measured while serving on this card
     source: list[str]
 
 
@@ -251,6 +252,11 @@ def gpu_info(gpu_id: str, index: int = 0) -> GPUInfo:
         sources={"vram_gib": ds, "mem_bw_gbps": ds, "compute_capability": ds, "pcie_gen": ds, "pcie_width": ds,
                  "power_limit_w": ds},
     )
+    if e.get("h2d_batched_gbps") is not None:
+        # What misses reached while serving on some host with this card: the cost model's fetch rate until a probe
+        # of the real host measures its own.
+        info.h2d_batched_gbps = e["h2d_batched_gbps"]
+        info.sources["h2d_batched_gbps"] = "derived"
     if e["h2d_pinned_gbps"] is not None:
         # Measured on some host with this card (hwdb/gpus.yaml), not on this one.
         info.sources["h2d_pinned_gbps"] = "derived"

@@ -403,6 +403,84 @@ def check_serving_name(kind: str, name: str, known: frozenset[str] | None) -> tu
                   "out (upgrade vLLM, or pick another with --{} NAME)".format(kind.replace("_", "-")))
 
 
+# --------------------------------------------------------------------------- the step's forward call (replay)
+
+# Model Runner V1 (GPUModelRunner; the CPU runner subclasses it) calls the model of each step through this one
+# method, inside the step's forward context and before the logits and sampling: read in vLLM 0.26.0 and 0.32.0
+# (same signature: input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs); `self.model` there
+# is vLLM's CUDA-graph wrapper, so a hook around it is outside the captured graph, around its replay. Warm-up,
+# profile and capture runs (`_dummy_run`) call `self.model` directly and do not pass through it.
+FORWARD_HOOK = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward")
+
+
+def _step_tokens(args: tuple, kwargs: dict) -> int:
+    for name, pos in (("input_ids", 0), ("inputs_embeds", 3)):
+        t = kwargs.get(name, args[pos] if len(args) > pos else None)
+        if t is not None and hasattr(t, "shape"):
+            return int(t.shape[0])
+    t = kwargs.get("positions", args[1] if len(args) > 1 else None)
+    return int(t.shape[-1]) if t is not None and hasattr(t, "shape") else 0
+
+
+def install_forward_hook(around: Any, runner_cls: Any = None) -> bool:
+    """Wrap Model Runner V1's per-step forward call once (idempotent): `around(call, tokens, eager)` runs the
+    step (`call()`), may run it again, and returns its output; `eager()` runs it once more with CUDA graphs off
+    (the forward context's runtime mode NONE, so every op's Python runs). False where this vLLM has no such
+    method (outside the supported range): the caller refuses replay plans there."""
+    if runner_cls is None:
+        version = vllm_version()
+        if version is not None and not is_supported(version):
+            return False
+        mod, cls, _ = FORWARD_HOOK
+        try:
+            runner_cls = getattr(importlib.import_module(mod), cls)
+        except (ImportError, AttributeError):
+            return False
+    orig = getattr(runner_cls, FORWARD_HOOK[2], None)
+    if orig is None:
+        return False
+    if getattr(orig, "_moetplan_hook", False):
+        return True
+
+    def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def call() -> Any:
+            return orig(self, *args, **kwargs)
+
+        def eager() -> Any:
+            with eager_forward():
+                return orig(self, *args, **kwargs)
+
+        return around(call, _step_tokens(args, kwargs), eager)
+
+    _model_forward.__wrapped__ = orig  # type: ignore[attr-defined]
+    _model_forward.__doc__ = orig.__doc__
+    _model_forward._moetplan_hook = True  # type: ignore[attr-defined]
+    setattr(runner_cls, FORWARD_HOOK[2], _model_forward)
+    return True
+
+
+class eager_forward:
+    """Within a step's forward context: run the model with CUDA graphs off (vLLM's graph wrappers call their
+    runnable when the context's runtime mode is NONE), restoring the mode after."""
+
+    def __enter__(self) -> "eager_forward":
+        self._ctx = self._mode = None
+        try:
+            from vllm.config import CUDAGraphMode
+            from vllm.forward_context import get_forward_context, is_forward_context_available
+        except ImportError:
+            return self
+        if is_forward_context_available():
+            self._ctx = get_forward_context()
+            self._mode = self._ctx.cudagraph_runtime_mode
+            self._ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._ctx is not None:
+            self._ctx.cudagraph_runtime_mode = self._mode
+
+
 # --------------------------------------------------------------------------- fixes the plugin carries
 
 
@@ -449,7 +527,7 @@ def fix_applies(name: str, version: Version | None, capability: tuple[int, int] 
 __all__ = [
     "ATTENTION_SPLIT_FALLBACK", "FIXES", "Fix", "MOE_FORWARD_OPS", "NATIVE_MEGA_MOE_BACKENDS", "SUPPORTED_MAX",
     "SUPPORTED_MIN", "SUPPORTED_RANGE", "UnsupportedVllm", "attention_split_ops", "check_moe_backend",
-    "check_supported", "cpu_mla_backend", "cpu_routes_in_method", "cpu_select_experts", "finish_dummy_load",
+    "check_supported", "cpu_mla_backend", "eager_forward", "install_forward_hook", "FORWARD_HOOK", "cpu_routes_in_method", "cpu_select_experts", "finish_dummy_load",
     "fix_applies", "installed_vllm", "is_supported", "link_routers", "moe_in_cuda_graphs", "parse_version",
     "POST_LOAD_HOOKS", "read_attention_ops", "vllm_version", "SERVING_FLAGS", "VLLM_NAME_ALTERNATIVES",
     "check_serving_name", "serving_names",

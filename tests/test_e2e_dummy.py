@@ -124,7 +124,8 @@ def test_dummy_weights_serve_the_whole_model_with_no_checkpoint(served, windows)
     assert (rt["weights"], rt["router"], rt["expert_tier"]) == ("dummy", "locality", "host")
     assert rt["expert_sources"] == ["dummy"] and rt["moe_layers"] == plan.model.moe_layers == case.moe_layers
     # the rows are in the tier the plan placed them, at the plan's row size and cache size
-    assert rt["row_bytes"] == plan.placement.expert_row_bytes and rt["slots"] == plan.placement.gpu_expert_cache_slots
+    assert rt["expert_row_bytes"] == plan.placement.expert_row_bytes
+    assert rt["gpu_expert_cache_slots"] == plan.placement.gpu_expert_cache_slots
     assert rt["backing"] == "PinnedHostStore"
 
 

@@ -85,7 +85,20 @@ def test_bad_rows_are_repaired_at_load_and_the_output_is_the_intact_packs(setup,
 def test_rows_that_cannot_be_rewritten_are_refused_with_the_named_error(setup):
     tmp, ckpt = setup["tmp"], setup["ckpt"]
     pack = tmp / "refuse" / setup["good"].name
-    plan = plan_file(tmp, ckpt, "2bit", ".refuse", pack_dir=str(tmp / "refuse"))
+    from moetplan.hw.gpus import local_gpu_count
+
+    if local_gpu_count() == 0:  # the user's path on a GPU-less machine: `plan --pack-dir DIR --out p.json`
+        from typer.testing import CliRunner
+
+        from moetplan.cli import app
+
+        plan = str(tmp / "refuse.plan.json")
+        r = CliRunner().invoke(app, ["plan", "--model", str(ckpt), "--pack-dir", str(tmp / "refuse"),
+                                     "--context", "512", "--out", plan])
+        assert r.exit_code == 0, r.output
+        assert json.loads(Path(plan).read_text())["placement"]["pack_dir"] == str((tmp / "refuse").resolve())
+    else:
+        plan = plan_file(tmp, ckpt, "2bit", ".refuse", pack_dir=str(tmp / "refuse"))
     lock_fd = os.open(pack.with_name(pack.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(lock_fd, fcntl.LOCK_EX)  # as a `moetplan quantize` writing this pack would
     try:

@@ -6,8 +6,13 @@ matches HF transformers through the plugin (the CPU rotary workaround); the serv
 Also: the NVMe tier (pack written at load, served through a small expert cache), a later boot reading that pack,
 and an FP8 checkpoint re-quantized to the same rows as its bf16 twin.
 
-Runtime: one server start plus one offline script that starts six small engines (eager, 1 GiB KV cache),
-about 5-6 minutes on 2 CPU cores.
+Replay (moe_graphs=replay, the default for tiered plans): `moetplan run --model tiny-moe --set expert_tier=host
+--set gpu_expert_cache_gib=<12 rows of 32>` serves through the replay driver around vLLM's forward call and gives
+the resident plan's greedy tokens (the offline engine's), every replay counted in the run record and equal to the
+decode steps whose routing missed.
+
+Runtime: two server starts plus one offline script that starts six small engines (eager, 1 GiB KV cache),
+about 6-8 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
@@ -72,6 +77,35 @@ def _complete(port: int, model: str) -> dict:
 def served_tokens(served):
     doc = _complete(served["port"], served["ready"]["model"])
     return doc
+
+
+TIERED_ROWS = 12  # of tiny-moe's 2 x 16 expert rows; one decode step reads up to 2 x top-4 = 8
+
+
+@pytest.fixture(scope="module")
+def served_tiered(env, checkpoints, tmp_path_factory):
+    """`moetplan run --model tiny-moe` with experts in the host tier behind a 12-row cache: a replay plan."""
+    from moetplan.contract.layout import RowLayout
+    from moetplan.models import resolve_model
+
+    spec = resolve_model(str(checkpoints["tiny-moe"]))
+    row = RowLayout.for_expert(spec.hidden_size, spec.moe_intermediate_size, 1, "2bit").stride
+    gib = (TIERED_ROWS + 0.5) * row / 2**30
+    run_dir = tmp_path_factory.mktemp("run_tiered")
+    port = free_port()
+    proc, ready, events = start_run(["--model", "tiny-moe", "--set", "expert_tier=host", "--set",
+                                     f"gpu_expert_cache_gib={gib:.9f}", "--set", "max_num_seqs=1",
+                                     "--port", str(port), "--run-dir", str(run_dir), "--timeout", "400",
+                                     "--", "--dtype", "float32", "--seed", "0"], env)
+    if ready is None:
+        pytest.fail(f"tiered server did not come up: {events[-3:]}")
+    try:
+        doc = _complete(port, ready["model"])
+        time.sleep(3)  # the worker's flusher writes the record about once a second
+    finally:  # stopped before the next engine starts (2 CPU cores); the worker writes its record on exit
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    return {"ready": ready, "tokens": doc["choices"][0]["token_ids"]}
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +196,32 @@ def test_2bit_experts_are_deterministic_across_runs_tiers_and_packs(offline):
     plans = offline["_plans"]
     ra, rn, rp = _record(plans["2bit"]), _record(plans["nvme"]), _record(plans["from_pack"])
     assert ra.runtime["expert_sources"] == ["float32"] and ra.runtime["token_hit_rate"] == 1.0
-    # which kernel path ran, and why the reference did (on the CPU backend it is the only path)
-    assert set(ra.runtime["kernel_paths"]) == {"reference"} and ra.runtime["kernel_fallbacks"] > 0
-    assert list(ra.runtime["kernel_fallback_reasons"]) == ["cuda: x is on the CPU"]
-    assert rn.runtime["tier"] == "nvme" and rn.runtime["slots"] == 24 and rn.runtime["pack"]
+    # which kernel path ran: on the CPU backend the CPU kernels (named by their ISA), never the reference
+    from moetplan.runtime import cpu_kernels
+
+    assert set(ra.runtime["kernel_paths"]) == {f"cpu:{cpu_kernels.best_isa(cpu_kernels.get_module())}"}
+    assert ra.runtime["kernel_fallbacks"] == 0
+    assert rn.runtime["tier"] == "nvme" and rn.runtime["gpu_expert_cache_slots"] == 24 and rn.runtime["pack"]
     assert 0.0 < rn.runtime["token_hit_rate"] <= 1.0 and rn.runtime["misses_per_step"] is not None
     assert rp.runtime["expert_sources"][0].startswith("pack:")
+
+
+def test_a_tiered_plan_replays_missed_steps_and_gives_the_resident_tokens(served_tiered, offline):
+    from moetplan.contract import Plan, RunRecord, load_json
+
+    plan = load_json(Plan, served_tiered["ready"]["plan"])
+    assert plan.runtime.replays and plan.placement.gpu_expert_cache_slots == TIERED_ROWS
+    assert served_tiered["tokens"] == offline["moetplan_2bit_a"]  # the resident plan's greedy tokens
+    rec = load_json(RunRecord, served_tiered["ready"]["run_record"])
+    rt = rec.runtime
+    rep, decode = rt["replay"], rt["decode"]
+    assert rep["steps"] >= MAX_TOKENS - 1 and rep["replayed_steps"] > 0  # 12 of 32 rows: steps miss
+    # every step whose first pass missed was run again, and no other: the store's counters come from the same
+    # device record, the replays from the driver
+    assert rep["replayed_steps"] == decode["steps"] - round(decode["zero_miss_step_share"] * decode["steps"])
+    assert rep["fetched_rows"] >= decode["misses"] > 0 and rep["fetch_batches"] >= rep["replayed_steps"]
+    assert rt["replay_rate"] == pytest.approx(rep["replayed_steps"] / rep["steps"], abs=1e-6)
+    assert rep["eager_reruns"] == 0  # single-token decode steps: batch fetch and replay
 
 
 def test_fp8_checkpoint_is_requantized_to_the_same_rows_as_bf16(offline):

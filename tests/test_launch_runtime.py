@@ -202,7 +202,7 @@ def test_tiered_store_gives_the_resident_result_through_decode_and_chunked_prefi
         for st, ref in zip(layers, resident):
             assert torch.allclose(st.forward(x, wt, ids), ref.forward(x, wt, ids), atol=1e-5)
     store = w.tiered.store
-    assert store.stats()["slots"] == 6
+    assert store.stats()["gpu_expert_cache_slots"] == 6
     assert type(store.backing).__name__ == {"host": "PinnedHostStore", "nvme": "PackArenaStore"}[tier]
     kp = w.store_kpis()
     assert kp["token_hit_rate"] is not None and 0.0 <= kp["token_hit_rate"] <= 1.0
@@ -481,7 +481,7 @@ def test_method_over_a_quantized_checkpoint_answers_like_its_source(workers):
     plain = vm.method_for(moe, worker=w)
     assert type(plain) is vm.MoetplanMoEMethod and plain.uses_weight_scale_2_pattern() is False
     with pytest.raises(AttributeError):
-        plain.weight_scale_refine
+        _ = plain.weight_scale_refine
 
 
 # --------------------------------------------------------------------------- FP4 reserve and gate glue
@@ -549,7 +549,11 @@ def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_pa
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
     ids, wt = _routing(3, 2, 8)
     before = st.forward(x, wt, ids)  # nothing promoted yet: the 2-bit result
-    assert torch.allclose(before, moe_forward_reference(x, ids, wt, st.rows, st.slot_of, st.layout), atol=1e-5)
+    # the CPU kernels' tolerance (docs/KERNELS.md, "CPU kernels"): relative L2 error <= 2e-4
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return float((a - b).norm() / b.norm()) <= 2e-4
+
+    assert close(before, moe_forward_reference(x, ids, wt, st.rows, st.slot_of, st.layout))
     assert res.stats()["steps"] == 0 and res.c.routings == ids.numel()  # observed (heat), no FP4 routing yet
     hot = int(ids[0, 0])
     assert res.promote_now([(1, hot)]) == [(1, hot)]
@@ -560,17 +564,19 @@ def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_pa
     slot[hot] = 0
     expect = moe_forward_reference(x, ids, wt, st.rows, st.slot_of, st.layout, fp4_pool=fp4_rows[hot:hot + 1],
                                    fp4_slot_of=slot, fp4_layout=fp4)
-    assert torch.allclose(after, expect, atol=1e-5)
+    assert close(after, expect)
     assert not torch.allclose(after, before, atol=1e-6)  # the FP4 row really was used
     st.forward(x, wt, ids, warmup=True)  # profile runs compute but do not heat the reserve
     assert res.c.routings == 2 * ids.numel()
     kp = w.fp4.kpis()
     assert kp["fp4_reserve"]["gate_promotions"] == 1 and kp["fp4_reserve"]["slots"] == 4
     assert "gate" not in kp  # no controller installed
-    # the kernel path log saw every call (CPU: the reference, with the reason)
+    # the kernel path log saw every call (CPU: the CPU kernels, named by their ISA)
+    from moetplan.runtime import cpu_kernels
+
     rec = w.store_kpis()
-    assert rec["kernel_paths"] == {"reference": 3} and rec["kernel_fallbacks"] == 3
-    assert list(rec["kernel_fallback_reasons"]) == ["cuda: x is on the CPU"]
+    assert rec["kernel_paths"] == {f"cpu:{cpu_kernels.best_isa(cpu_kernels.get_module())}": 3}
+    assert rec["kernel_fallbacks"] == 0
 
 
 def test_reserve_is_built_once_a_later_drafter_layer_does_not_replace_it(tmp_path, workers):

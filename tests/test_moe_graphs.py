@@ -153,9 +153,10 @@ def test_a_host_sync_added_to_the_resident_path_fails_the_stand_in(expert_rows, 
 
 
 def test_the_stand_in_sees_the_tiered_paths_host_work(expert_rows, device):
-    """The tiered store reads each step's routed ids on the host: the stand-in catches it (the reason the launch
-    splits the graph at MoE for tiered plans)."""
-    w = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=6).runtime, rank=0, in_graphs=False)
+    """The split path's store reads each step's routed ids on the host: the stand-in catches it (the reason the
+    launch splits the graph at MoE for moe_graphs=split plans)."""
+    w = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=6, moe_graphs="split").runtime, rank=0,
+                      in_graphs=False)
     st = w.layer_state(key=0, moe_index=0, name="l0", fmt="2bit", tier="host", num_experts=E, hidden=H,
                        inter=INTER, first=True, layout=LAYOUT)
     st.store = w.attach_store(st, expert_rows[0].clone())
@@ -218,45 +219,87 @@ def test_counter_keys_beyond_capacity_share_the_last_row():
 # --------------------------------------------------------------------------- tiered: misses found on the device
 
 
+def _tiered_worker(expert_rows, slots: int, seqs: int = 2, in_graphs: bool = True) -> WorkerRuntime:
+    """A replay-mode worker over a host store of `slots` rows; decode steps of up to `seqs` tokens."""
+    w = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=slots, max_num_seqs=seqs).runtime, rank=0,
+                      in_graphs=in_graphs)
+    assert w.section.replays
+    for li, rows in enumerate(expert_rows):
+        st = w.layer_state(key=li, moe_index=li, name=f"l{li}", fmt="2bit", tier="host", num_experts=E, hidden=H,
+                           inter=INTER, first=li == 0, layout=LAYOUT, source="test")
+        st.store = w.attach_store(st, rows.clone())
+        w.layer_loaded(st, "cpu", 0.0)
+    w.main_layers = len(expert_rows)
+    return w
+
+
 def test_a_tiered_step_in_a_graph_replays_after_one_batch_fetch(expert_rows, device, monkeypatch):
-    from moetplan.contract.runtime import KernelPolicy
-    from moetplan.runtime.backing import ArrayRowSource, PinnedHostStore
-    from moetplan.runtime.miss_replay import ReplayDriver, StepMisses, store_fetch
-    from moetplan.runtime.store import ExpertStore
-
-    source = ArrayRowSource(torch.cat(expert_rows).numpy(), 2, E)
-    store = ExpertStore(PinnedHostStore(source, pin=False), 10, device="cpu", prefill_tokens=2)
-    misses, policy = StepMisses(2, E), KernelPolicy(check_residency=False)
-    x, wt, ids = _inputs(20, tokens=2)  # at most 4 experts per layer: a step's 8 fit the 10 slots
+    """The tiered layer through the op, as vLLM's graph holds it: capture-safe (no host sync), computing from the
+    cache as it stands; the driver around the replay reads the record once per step, fetches a missed step's rows
+    in one batch and replays: every step ends with the reference's output."""
+    w = _tiered_worker(expert_rows, slots=10)  # a step's <= 8 experts (2 tokens x top-2 x 2 layers) fit
+    x, wt, ids = _inputs(20, tokens=2)
+    _op(w, 0, x, wt, ids)  # vLLM's eager warm-up: the store is built at the first forward
     outs: list[torch.Tensor] = []
-
-    def step() -> None:  # what the graph holds: every tiered layer computes from the cache as it is
-        outs.clear()
-        for layer in range(2):
-            slot_of = store.residency[layer]
-            misses.record(layer, slot_of, ids)
-            outs.append(ops.moe_forward(x, ids, wt, store.data, slot_of, LAYOUT, policy=policy))
-
-    with NoHostSync(), device.capture(monkeypatch):
-        step()
-    captured = list(outs)
-    misses.take()  # the capture's own run (an empty cache)
-    driver = ReplayDriver(misses, store_fetch(store))
-    routings = [_inputs(s, tokens=2) for s in (21, 22, 21, 23, 23)]
+    with NoHostSync(), device.capture(monkeypatch):  # no host read anywhere in the tiered layer's capture
+        outs += [_op(w, li, x, wt, ids) for li in range(2)]
+    store = w.tiered.store
+    routings = [_inputs(s, tokens=2) for s in (21, 22, 21, 23, 23, 24)]
+    missed_steps = 0
     for nx, nwt, nids in routings:
         x.copy_(nx), wt.copy_(nwt), ids.copy_(nids)
-        replayed = driver.counts.replayed
+        will_miss = any(bool((store.pool.res[li][nids.reshape(-1).long().numpy()] < 0).any()) for li in range(2))
+        missed_steps += will_miss
         counting = NoHostSync(raise_on_sync=False)
         with counting:
-            driver.step(device.replay)
-        if driver.counts.replayed == replayed:  # a zero-miss step: one read of the miss record, nothing else
+            w.forward_step(device.replay, tokens=2)
+        if not will_miss:  # a zero-miss step: one read of the record, nothing else
             assert sum(counting.seen.values()) == 1, counting.seen
-        for layer in range(2):
-            assert torch.allclose(captured[layer], _ref(expert_rows[layer], nx, nwt, nids), atol=1e-4)
-    c = driver.counts.as_dict()
-    assert c["steps"] == 5 and c["fetch_batches"] == c["replayed_steps"]
-    assert 1 <= c["replayed_steps"] <= 3  # the first step misses; a routing seen just before does not
+        for li in range(2):
+            assert torch.allclose(outs[li], _ref(expert_rows[li], nx, nwt, nids), atol=1e-4)
+    c = w.replay.counts.as_dict()
+    assert c["steps"] == 6 and c["replayed_steps"] == missed_steps >= 2  # step 1 misses; a repeat does not
+    assert c["fetch_batches"] == c["replay_passes"] == missed_steps  # independent layers: one pass each
     assert c["fetched_rows"] >= len(set(routings[0][2].reshape(-1).tolist()))
+    kpis = w.store_kpis()
+    assert kpis["replay"]["replayed_steps"] == missed_steps and kpis["replay_rate"] == round(missed_steps / 6, 6)
+    d = store.stats()["decode"]  # the store's counters, fed from the device record
+    assert d["steps"] == 6 and store.decode.steps - store.decode.zero_miss_steps == missed_steps
+    assert store.heat().sum() > 0  # the record heats the cache: no host read per layer
+    w.close()
+
+
+def test_a_replay_runs_until_the_routing_settles_and_matches_the_resident_result(expert_rows, device, monkeypatch):
+    """Layer 1 routes from layer 0's output (as a model does): a first pass that missed in layer 0 routes layer
+    1 from a wrong input, so the replay may miss again there. The driver replays until no layer misses (each pass
+    moves the first missed layer later); the result equals the all-resident computation."""
+    w = _tiered_worker(expert_rows, slots=8)
+    g = torch.Generator().manual_seed(7)
+    router = torch.randn(H, E, generator=g)
+    x, wt, ids = _inputs(30, tokens=2)
+
+    def model(x, wt, ids, op):  # two MoE layers, the second routed by the first's output
+        h = x + op(0, x, wt, ids)
+        w1, i1 = torch.topk(torch.softmax(h @ router, -1), K)
+        return h + op(1, h, w1 / w1.sum(1, keepdim=True), i1.to(torch.int32))
+
+    def tiered(li, a, b, c):
+        return _op(w, li, a, b, c)
+
+    model(x, wt, ids, tiered)  # warm-up
+    with NoHostSync(), device.capture(monkeypatch):
+        out = model(x, wt, ids, tiered)
+    passes = []
+    for seed in (31, 32, 33):
+        nx, nwt, nids = _inputs(seed, tokens=2)
+        x.copy_(nx), wt.copy_(nwt), ids.copy_(nids)
+        before = w.replay.counts.replay_passes if w.replay else 0
+        w.forward_step(device.replay, tokens=2)
+        passes.append(w.replay.counts.replay_passes - before)
+        ref = model(nx, nwt, nids, lambda li, a, b, c: _ref(expert_rows[li], a, b, c))
+        assert torch.allclose(out, ref, atol=1e-3)
+    assert passes[0] >= 1 and max(passes) <= 2  # bounded by the layer count
+    w.close()
 
 
 def test_a_replay_that_misses_again_says_the_cache_is_too_small():
@@ -265,11 +308,63 @@ def test_a_replay_that_misses_again_says_the_cache_is_too_small():
     misses = StepMisses(1, E)
     slot_of = torch.full((E,), -1, dtype=torch.int32)
     ids = torch.tensor([[1, 2]], dtype=torch.int32)
-    driver = ReplayDriver(misses, lambda need: 0)  # a fetch that brings nothing in
-    with pytest.raises(ReplayError, match="gpu_expert_cache_slots"):
+    driver = ReplayDriver(misses, lambda need: 0, gpu_expert_cache_slots=3)  # a fetch that brings nothing in
+    with pytest.raises(ReplayError, match="3 slots") as e:
         driver.step(lambda: misses.record(0, slot_of, ids))
+    assert "gpu_expert_cache_gib" in str(e.value) and "moe_graphs=split" in str(e.value)
     slot_of[:] = 0
     assert driver.step(lambda: misses.record(0, slot_of, ids)) is None and driver.counts.replayed == 1
+
+
+def test_a_batch_the_cache_cannot_hold_is_a_replay_error_not_wrong_tokens(expert_rows):
+    from moetplan.runtime.miss_replay import ReplayError
+
+    w = _tiered_worker(expert_rows, slots=3, in_graphs=False)  # a step of 2 tokens x top-2 needs up to 4
+    x, wt, ids = _inputs(40, tokens=2)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    w.layers[0].forward(x, wt, ids)  # builds the store
+    w.step_rec.clear()
+    with pytest.raises(ReplayError, match="3 slots"):
+        w.forward_step(lambda: w.layers[0].forward(x, wt, ids), tokens=2)
+    w.close()
+
+
+def test_drafter_layers_misses_are_fetched_without_a_replay(expert_rows):
+    """A speculative drafter's MoE layers (after the target's) that miss only weaken drafts the target verifies:
+    their rows come with the next batch, the step is not run again."""
+    w = _tiered_worker(expert_rows, slots=10, in_graphs=False)
+    w.main_layers = 1  # layer 1 stands for the drafter's MoE layer
+    x, wt, ids = _inputs(41, tokens=2)
+    w.layers[0].forward(x, wt, ids)
+    runs = []
+    w.forward_step(lambda: runs.append(w.layers[1].forward(x, wt, ids)), tokens=2)
+    c = w.replay.counts
+    assert len(runs) == 1 and c.replayed == 0 and c.drafter_rows > 0
+    assert (w.tiered.store.pool.res[1][ids.reshape(-1).long().numpy()] >= 0).all()
+    w.close()
+
+
+def test_a_large_step_that_missed_reruns_through_the_per_layer_store(expert_rows):
+    """A step above the decode working set (a prefill chunk) that missed inside a graph re-runs eagerly; the
+    layers then take the per-layer store path, which computes any size in chunks."""
+    w = _tiered_worker(expert_rows, slots=4, in_graphs=False)
+    x, wt, ids = _inputs(42, tokens=6)  # up to 8 experts: more than the 4 slots
+    w.layers[0].forward(x[:2], wt[:2], ids[:2])  # builds the store
+    misses = w.step_rec
+    out: list[torch.Tensor] = []
+
+    def graph_pass() -> torch.Tensor:  # what a piecewise graph of 6 tokens records: the replay path
+        st, store = w.layers[0], w.tiered.store
+        return st._replay_forward(x, wt, ids, {}, store, misses)
+
+    def eager() -> torch.Tensor:
+        out.append(w.layers[0].forward(x, wt, ids))
+        return out[-1]
+
+    got = w.forward_step(graph_pass, tokens=6, eager=eager)
+    assert w.replay.counts.eager_reruns == 1 and len(out) == 1
+    assert torch.allclose(got, _ref(expert_rows[0], x, wt, ids), atol=1e-4)
+    w.close()
 
 
 # --------------------------------------------------------------------------- the split decision
@@ -277,9 +372,12 @@ def test_a_replay_that_misses_again_says_the_cache_is_too_small():
 
 @pytest.mark.parametrize("placement,split", [
     ({}, False),
-    ({"expert_tier": "host", "gpu_expert_cache_slots": 4}, True),
-    ({"expert_tier": "nvme", "gpu_expert_cache_slots": 4}, True),
-    ({"fp4_reserve_slots": 4}, True),
+    ({"expert_tier": "host", "gpu_expert_cache_slots": 4}, False),  # replayed inside the graphs
+    ({"expert_tier": "nvme", "gpu_expert_cache_slots": 4}, False),
+    ({"expert_tier": "host", "gpu_expert_cache_slots": 4, "moe_graphs": "split"}, True),
+    ({"expert_tier": "nvme", "gpu_expert_cache_slots": 4, "moe_graphs": "split"}, True),
+    ({"fp4_reserve_slots": 4}, False),  # heated from the step record, tables synced at step ends
+    ({"fp4_reserve_slots": 4, "moe_graphs": "split"}, True),
     ({"gate": {"enabled": True}}, True),
     ({"expert_format": "unquantized"}, True),
 ])
@@ -293,7 +391,10 @@ def test_the_worker_counts_on_the_device_exactly_when_vllm_captures_its_moe(monk
     w.new_moe_index()
     assert w.in_graphs is True and w.layer_state(key=0, moe_index=0, name="l", fmt="2bit", tier="resident",
                                                  num_experts=E, hidden=H, inter=INTER).policy.check_residency is False
-    tiered = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4).runtime, rank=0)
+    replay = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4).runtime, rank=0)
+    replay.new_moe_index()
+    assert replay.in_graphs is True
+    tiered = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4, moe_graphs="split").runtime, rank=0)
     with pytest.raises(ConfigError, match="moetplan run") as e:
         tiered.new_moe_index()
     assert "expert_tier host" in str(e.value) and "vllm::moe_forward" in str(e.value)
@@ -349,16 +450,22 @@ def _compilation(plan: schema.Plan) -> dict | None:
     return json.loads(argv[argv.index("--compilation-config") + 1]) if "--compilation-config" in argv else None
 
 
-def test_the_launch_splits_at_moe_for_tiered_plans_only(gpu_plan):
+def test_the_launch_splits_at_moe_for_split_plans_only(gpu_plan):
+    from moetplan.launch.command import build_launch
+
     resident = _with(gpu_plan, expert_tier="resident", fp4_reserve_slots=0, gpu_expert_cache_slots=0)
     assert _compilation(resident) is None  # vLLM's defaults: FULL_AND_PIECEWISE, split at attention only
     for tier in ("host", "nvme"):
-        comp = _compilation(_with(gpu_plan, expert_tier=tier, gpu_expert_cache_slots=64))
+        replay = _with(gpu_plan, expert_tier=tier, gpu_expert_cache_slots=64, fp4_reserve_slots=0)
+        assert _compilation(replay) is None  # tiered layers inside the graphs: no MoE splitting op
+        assert build_launch(replay).env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # the runner the driver wraps
+        comp = _compilation(_with(gpu_plan, expert_tier=tier, gpu_expert_cache_slots=64, moe_graphs="split"))
         assert comp is not None and comp["cudagraph_mode"] == "PIECEWISE"
         assert set(vllm_compat.MOE_FORWARD_OPS) <= set(comp["splitting_ops"])
         assert set(vllm_compat.attention_split_ops()) <= set(comp["splitting_ops"])
         assert not any(op.startswith("moetplan::") for op in comp["splitting_ops"])
-    reserve = _compilation(_with(resident, fp4_reserve_slots=16))
+    assert _compilation(_with(resident, fp4_reserve_slots=16)) is None  # the reserve inside the graphs too
+    reserve = _compilation(_with(resident, fp4_reserve_slots=16, moe_graphs="split"))
     assert reserve is not None and "vllm::moe_forward" in reserve["splitting_ops"]
 
 
@@ -366,7 +473,7 @@ def test_vllm_resolves_the_tiered_launch_to_moe_outside_graphs(gpu_plan):
     pytest.importorskip("vllm")
     from vllm.config import CompilationConfig
 
-    comp = _compilation(_with(gpu_plan, expert_tier="host", gpu_expert_cache_slots=64))
+    comp = _compilation(_with(gpu_plan, expert_tier="host", gpu_expert_cache_slots=64, moe_graphs="split"))
     cc = CompilationConfig(**comp, mode=3)
     cc.set_splitting_ops_for_v1("naive")
     assert not vllm_compat.moe_in_cuda_graphs(SimpleNamespace(compilation_config=cc), cuda=True)
@@ -396,3 +503,78 @@ def test_a_capture_the_kernels_refuse_is_a_clear_error_not_a_reference_run(exper
     x, wt, ids = _inputs(4)
     with pytest.raises(ops.UsageError, match="enforce-eager"):
         ops.moe_forward(x.as_subclass(OnGpu), ids, wt, expert_rows[0], torch.arange(E, dtype=torch.int32), LAYOUT)
+
+
+@pytest.mark.parametrize("graphs,split", [("replay", False), ("split", True)])
+def test_a_tiered_plans_dry_run_launch_keeps_vllms_graphs_unless_split(tmp_path, graphs, split):
+    """`moetplan run --dry-run` of the 32 GB-card case (DeepSeek-V4-Flash, host tier, no FP4 reserve: a reserve
+    still splits): replay keeps vLLM's default compilation config (no MoE splitting op, no --compilation-config);
+    --set moe_graphs=split is the fallback."""
+    from typer.testing import CliRunner
+
+    from moetplan.cli import app
+
+    res = CliRunner().invoke(app, ["run", "--model", "deepseek-v4-flash", "--box", "rtx-5090x1", "--dry-run",
+                                   "--json", "--run-dir", str(tmp_path), "--set", "expert_tier=host",
+                                   "--set", "fp4_reserve_gib=0", "--set", f"moe_graphs={graphs}"])
+    assert res.exit_code == 0, res.output
+    argv = json.loads(res.output)["argv"]
+    assert ("--compilation-config" in argv) == split
+    assert not any(op in " ".join(argv) for op in vllm_compat.MOE_FORWARD_OPS) or split
+    plan = schema.Plan.model_validate_json((tmp_path / "plan.json").read_text())
+    assert plan.placement.moe_graphs == graphs and plan.runtime.replays == (not split)
+    assert (plan.prediction.replay_rate is not None) == (not split)
+
+
+def test_moe_graphs_takes_only_its_values():
+    from moetplan.contract.errors import UsageError
+    from moetplan.plan.solver import parse_set
+
+    assert parse_set(["moe_graphs=split"]) == {"moe_graphs": "split"}
+    with pytest.raises(UsageError, match="replay, split"):
+        parse_set(["moe_graphs=eager"])
+
+
+def test_tensor_parallel_ranks_replay_together():
+    """Another rank missed (the agreed flag says so): this rank runs the forward again with it, fetching nothing,
+    so every rank's all-reduces pair up."""
+    from moetplan.runtime.miss_replay import ReplayDriver, StepMisses
+
+    misses = StepMisses(1, E)
+    slot_of = torch.zeros(E, dtype=torch.int32)  # everything resident here
+    ids = torch.tensor([[1, 2]], dtype=torch.int32)
+    votes = iter([True, False])  # the first pass missed on another rank, the replay on none
+    fetched = []
+    driver = ReplayDriver(misses, lambda need: fetched.append(need) or 0, agree=lambda local: next(votes) or local)
+    runs = []
+    driver.step(lambda: runs.append(misses.record(0, slot_of, ids)))
+    assert len(runs) == 2 and driver.counts.replayed == 1 and not fetched
+
+
+def test_a_pack_backed_store_keeps_its_heat_and_restarts_warm(expert_rows, tmp_path):
+    """runtime/heat.py in serving: the NVMe tier's store saves its heat beside the pack (the record-fed heat of
+    replayed steps) and the next worker preloads the hot rows."""
+    def worker() -> WorkerRuntime:
+        w = WorkerRuntime(_plan(expert_tier="nvme", gpu_expert_cache_slots=10, max_num_seqs=2, pack_dir=str(tmp_path)).runtime,
+                          rank=0, in_graphs=False)
+        for li, rows in enumerate(expert_rows):
+            st = w.layer_state(key=li, moe_index=li, name=f"l{li}", fmt="2bit", tier="nvme", num_experts=E, hidden=H,
+                               inter=INTER, first=li == 0, layout=LAYOUT, source="test")
+            st.store = w.attach_store(st, rows.clone())
+            w.layer_loaded(st, "cpu", 0.0)
+        w.main_layers = 2
+        return w
+
+    w = worker()
+    x, wt, ids = _inputs(50, tokens=2)
+    w.layers[0].forward(x, wt, ids)  # the first forward builds the store (and writes the pack)
+    for _ in range(3):
+        w.forward_step(lambda: [w.layers[li].forward(x, wt, ids) for li in range(2)], tokens=2)
+    keeper = w.tiered.heat_keeper
+    assert keeper is not None and keeper.save().exists()
+    w.close()
+    again = worker()
+    again.layers[0].forward(x, wt, ids)
+    hot = set(ids.reshape(-1).tolist())
+    assert {e for e in hot if again.tiered.store.pool.res[1][e] >= 0} == hot  # layer 1 preloaded, never routed yet
+    again.close()

@@ -329,3 +329,47 @@ def test_reserve_on_gpu_background_and_gate_paths():
         r.check()
     finally:
         r.close()
+
+
+# --------------------------------------------------------------------------- inside CUDA graphs
+
+
+def _heat(r: FP4Reserve, layer: int, experts: list[int], n: int = 50) -> None:
+    counts = np.zeros((L, E), dtype=np.int64)
+    counts[layer, experts] = n
+    r.begin_step()
+    r.observe_counts(counts)  # the step's routings from the device record, read once at step end
+    r.sync_graph_tables()
+    r.end_step()
+
+
+def test_inside_graphs_the_op_reads_fixed_tables_that_change_only_at_step_ends():
+    """A captured graph keeps the table tensor it captured: promotions reach it in place at the next step end, and
+    a slot evicted meanwhile is not refilled until the step after that sync has finished."""
+    r = FP4Reserve(source(), 2, layout=LAY4, background=False, hysteresis=0.0)
+    r.use_graph_tables()
+    table = r.op_args(0)["fp4_slot_of"]
+    _heat(r, 0, [1, 2])
+    assert r.maintain() == 2 and r.c.routings == 100
+    assert r.op_args(0)["fp4_slot_of"] is table and (table < 0).all()  # published, not yet seen by a graph
+    x, ids = x_and_ids(seed=4, experts=[1, 2])
+    before = run(x, ids, reserve=r)
+    assert torch.equal(before, run(x, ids))  # 2-bit rows until the step end
+    _heat(r, 0, [1, 2])
+    assert r.op_args(0)["fp4_slot_of"] is table and sorted(np.flatnonzero(table.numpy() >= 0).tolist()) == [1, 2]
+    assert not torch.allclose(run(x, ids, reserve=r), before)  # the FP4 rows now
+    slots = {e: int(table[e]) for e in (1, 2)}
+    rows = {e: r.pool.data[s].clone() for e, s in slots.items()}
+    for _ in range(3):  # another pair turns hot: 1 and 2 are evicted, their slots retired
+        _heat(r, 0, [5, 6], n=500)
+        r.maintain()
+        if (table[[5, 6]] >= 0).all():
+            break
+        live = {e for e in (1, 2) if int(table[e]) >= 0}  # what a graph running now would read
+        for e in live:
+            assert torch.equal(r.pool.data[slots[e]], rows[e]), "a slot a graph table still maps was refilled"
+    _heat(r, 0, [5, 6], n=500)
+    r.maintain()
+    _heat(r, 0, [5, 6], n=500)
+    assert (table[[5, 6]] >= 0).all() and (table[[1, 2]] < 0).all()
+    r.close()

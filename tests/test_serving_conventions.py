@@ -155,7 +155,8 @@ def test_tiny_chat_template_renders_an_agent_loop():
     env.filters["tojson"] = json.dumps
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather in Rome?"},
             {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     text = env.from_string(CHAT_TEMPLATE).render(messages=msgs, tools=tools, add_generation_prompt=True)

@@ -39,7 +39,7 @@ def plan_cmd(
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="a Jinja chat template file"),
 ) -> None:
     """Solve the placement, predict tok/s and name the bottleneck."""
-    from moetplan.contract import Goals, InfeasibleError, save_json
+    from moetplan.contract import Goals, InfeasibleError
     from moetplan.hw.resolve import resolve_hardware
     from moetplan.launch.command import build_launch
     from moetplan.models.by_name import spec_for_name

@@ -17,7 +17,7 @@ from moetplan.launch.run import serve
 from moetplan.plan.cpu_backend import CPU_UNSERVED_ATTENTION, cpu_backend_serves, plan_for_cpu
 
 # What a CPU-backend plan can be pinned to (plan/cpu_backend.py: experts resident, or a RAM cache over a host store).
-CPU_PINS = ("context", "max_num_seqs", "expert_tier", "gpu_expert_cache_gib")
+CPU_PINS = ("context", "max_num_seqs", "expert_tier", "gpu_expert_cache_gib", "moe_graphs", "tp")
 
 
 def set_expert_format(plan: Any, expert_format: str) -> None:
@@ -160,6 +160,8 @@ def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str
         from moetplan.plan.solver import parse_set
 
         pins = parse_set(set_ or [])
+        from moetplan.hw.host import query_host  # the probe's cores and DRAM rate price the CPU step
+
         unknown = set(pins) - set(CPU_PINS)
         if unknown:
             raise UsageError(f"--set {', '.join(sorted(unknown))}: a CPU-backend plan takes only "
@@ -167,7 +169,9 @@ def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str
         return plan_for_cpu(spec, context=pins.get("context", ctx), expert_format=experts,
                             max_num_seqs=pins.get("max_num_seqs", 4), expert_tier=pins.get("expert_tier", "resident"),
                             gpu_expert_cache_gib=pins.get("gpu_expert_cache_gib"),
-                            pack_dir=str(Path(pack_dir).expanduser().resolve()) if pack_dir else None)
+                            pack_dir=str(Path(pack_dir).expanduser().resolve()) if pack_dir else None,
+                            tp=pins.get("tp", 1), moe_graphs=pins.get("moe_graphs", "replay"),
+                            host=query_host(measure=True, try_cuda=False).info)
     return _solve(spec, None, None, None, ctx, set_, pack_dir)
 
 
@@ -290,7 +294,7 @@ def run_command(
             print(json.dumps({"event": "error", "error": str(e), "exit_code": e.exit_code}))
         else:
             err.print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(e.exit_code)
+        raise typer.Exit(e.exit_code) from None
     if rc:
         raise typer.Exit(rc)
 

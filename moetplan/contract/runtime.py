@@ -24,6 +24,8 @@ from moetplan.contract.vocab import (
     WEIGHT_SOURCES,
     DecodeKernel,
     DecodeRing,
+    MOE_GRAPHS,
+    MoeGraphs,
     ExpertFormat,
     ExpertTier,
     PrefillKernel,
@@ -43,6 +45,8 @@ class KernelPolicy:
 
     # Use the CUDA kernels where they apply (False: the torch reference everywhere, for checking a kernel).
     cuda: bool = True
+    # Use the CPU kernels (csrc/cpu/) for steps whose x is on the CPU (False: the torch reference there).
+    cpu: bool = True
     # Small (decode) steps: "auto" = rowdot up to rowdot_max_tokens tokens, else gemv; "rowdot" = CUDA-core row
     # streaming; "gemv" = mma.sync streaming stages; "mma" = the scan-mode tiles.
     decode: DecodeKernel = "auto"
@@ -151,6 +155,7 @@ class RuntimeSection(_Frozen):
     mtp: int = 0
     decode_batch_tokens: int = 1  # the most tokens a decode step carries: max_num_seqs x (1 + MTP depth)
     knobs: RuntimeKnobs = Field(default_factory=RuntimeKnobs)
+    moe_graphs: MoeGraphs = "replay"
     # The run record's identity: the plan's model and its placement as plan.json holds it (`moetplan diff` lines
     # the two up).
     model_id: str | None = None
@@ -170,6 +175,17 @@ class RuntimeSection(_Frozen):
         return self.fp4_reserve_slots > 0
 
     @property
+    def records_steps(self) -> bool:
+        """MoE layers inside vLLM's graphs record each step's routings on the device, read once at step end (the
+        tiered store's misses and heat, the FP4 reserve's heat) by the replay driver around the forward call."""
+        return self.moe_split_reason is None and (self.expert_tier != "resident" or self.reserve_wanted)
+
+    @property
+    def replays(self) -> bool:
+        """Tiered layers run inside vLLM's graphs and a step that missed is run again (runtime/miss_replay.py)."""
+        return self.records_steps and self.expert_tier != "resident"
+
+    @property
     def moe_split_reason(self) -> str | None:
         """Why the MoE layers must run outside CUDA graphs (the launch splits vLLM's piecewise graph at them and
         captures no full graphs), or None: the op is capture-safe and vLLM records it inside its graphs.
@@ -178,13 +194,13 @@ class RuntimeSection(_Frozen):
         call, which a graph replay would skip."""
         if self.expert_format == "unquantized":
             return "unquantized experts run on the torch reference, which groups each call's pairs on the host"
-        if self.expert_tier != "resident":
-            return (f"expert_tier {self.expert_tier}: the expert store learns each step's routed experts on the "
-                    "host and fetches the missing rows before the layer computes")
-        if self.reserve_wanted:
-            return "the FP4 reserve heats experts from each step's routed ids on the host"
         if self.gate.enabled:
             return "the confidence gate re-runs a step's forward from Python"
+        if self.moe_graphs == "split" and self.expert_tier != "resident":
+            return (f"expert_tier {self.expert_tier} with moe_graphs=split: the expert store learns each step's routed "
+                    "experts on the host and fetches the missing rows before the layer computes")
+        if self.moe_graphs == "split" and self.reserve_wanted:
+            return "the FP4 reserve with moe_graphs=split: it heats experts from each layer's routed ids on the host"
         return None
 
 
@@ -200,5 +216,6 @@ def runtime_section(placement: Any, knobs: RuntimeKnobs, model_id: str | None = 
         model_id=model_id, record_placement=p.model_dump(mode="json"))
 
 
-__all__ = ["DECODE_KERNELS", "DECODE_RINGS", "Gate", "KernelPolicy", "PREFILL_KERNELS", "PROMOTERS", "ROUTERS",
+__all__ = ["DECODE_KERNELS", "DECODE_RINGS", "Gate", "KernelPolicy", "MOE_GRAPHS", "MoeGraphs", "PREFILL_KERNELS",
+           "PROMOTERS", "ROUTERS",
            "RuntimeKnobs", "RuntimeSection", "WEIGHT_SOURCES", "runtime_section"]

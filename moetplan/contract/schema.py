@@ -18,7 +18,7 @@ from moetplan.contract.errors import UsageError
 from moetplan.contract.runtime import Gate, RuntimeKnobs, RuntimeSection, runtime_section
 from moetplan.contract.sizing import rows_in
 from moetplan.contract.units import GIB, parse_tokens
-from moetplan.contract.vocab import ExpertFormat, ExpertTier, Objective, ValueSource
+from moetplan.contract.vocab import ExpertFormat, ExpertTier, MoeGraphs, Objective, ValueSource
 
 SCHEMA_VERSION = "1.0"
 
@@ -168,6 +168,8 @@ class Placement(_Model):
     kv_tokens: int = Field(0, description="Tokens the KV pool holds (what vLLM prints as 'GPU KV cache size')")
     kv_cache_clamped: bool = Field(False, description="kv_cache_gib is given to vLLM (--kv-cache-memory-bytes) "
                                                       "instead of being what gpu_memory_utilization leaves")
+    kv_cache_memory_bytes: int = Field(0, ge=0, description="vLLM's --kv-cache-memory-bytes: the KV pool per rank, "
+                                       "clamped (0 = vLLM sizes it from gpu_memory_utilization)")
     context: Tokens = Field(4096, ge=1, description="max_model_len")
     mtp: int = Field(0, ge=0, description="Speculative tokens per step (MTP depth)")
     mtp_acceptance: float = Field(1.0, ge=0, description="Mean tokens emitted per decode step")
@@ -182,6 +184,9 @@ class Placement(_Model):
         "2bit", description="Routed experts as the runtime stores them; 'unquantized' keeps the checkpoint's "
         "(for checking the path against stock vLLM)")
     gate: Gate = Field(default_factory=Gate)
+    moe_graphs: MoeGraphs = Field("replay", description="Tiered experts inside vLLM's CUDA graphs, a step that "
+                                  "missed fetched in one batch and run again ('replay'), or outside them with the "
+                                  "store on the host per layer ('split', the measured fallback)")
 
     @model_validator(mode="before")
     @classmethod
@@ -241,12 +246,12 @@ class Placement(_Model):
 
 
 # Knob names accepted by --set (the issue fixes these names): Placement fields, the GiB sizes that become rows
-# (SIZE_KNOBS), and the KNOB_FIELDS below. kv_cache_gib clamps the KV pool (vLLM's --kv-cache-memory-bytes).
+# (SIZE_KNOBS), and the KNOB_FIELDS below. kv_cache_memory_bytes clamps the KV pool (vLLM's --kv-cache-memory-bytes).
 # Each knob's type, allowed values and bounds are its field's (`parse_knob`): a new knob is a field and a name here.
 PINNABLE_KNOBS: tuple[str, ...] = (
     "tp", "pp", "expert_tier", "gpu_expert_cache_gib", "fp4_reserve_gib", "host_arena_gib", "kv_dtype",
-    "context", "mtp", "mtp_acceptance", "max_num_seqs", "concurrency", "gpu_memory_utilization",
-    "gate_tau", "max_num_batched_tokens", "kv_cache_gib",
+    "context", "mtp", "mtp_acceptance", "max_num_seqs", "concurrency", "gpu_memory_utilization", "moe_graphs",
+    "gate_tau", "max_num_batched_tokens", "kv_cache_memory_bytes",
 )
 # --set names that are not a Placement field's own name: (model, field) they are typed by.
 KNOB_FIELDS: dict[str, tuple[type[BaseModel], str]] = {"gate_tau": (Gate, "tau")}
@@ -349,6 +354,8 @@ class Prediction(_Model):
     token_hit_rate: float | None = None
     zero_miss_step_share: float | None = None
     misses_per_step: float | None = None
+    replay_rate: float | None = Field(None, description="Decode steps run twice (they missed and were replayed after "
+                                      "one batch fetch), per step; tiered plans with moe_graphs=replay")
     gate_fire_share: float | None = None
     notes: list[str] = Field(default_factory=list)
 

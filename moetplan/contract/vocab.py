@@ -32,6 +32,10 @@ DecodeRing = Literal["cp.async", "tma"]  # KernelPolicy.decode_ring; None there 
 RowFormat = Literal["2bit", "fp4"]
 # How quantization treats a tensor's exact zeros (runtime.format).
 ZeroMode = Literal["auto", "signed", "balanced"]
+# How a tiered plan's MoE layers meet vLLM's CUDA graphs: "replay" (inside the graphs; a step that missed is fetched
+# in one batch and run again) or "split" (outside them, the store on the host per layer: the measured fallback).
+# docs/CUDA_GRAPHS.md.
+MoeGraphs = Literal["replay", "split"]
 
 EXPERT_TIERS: tuple[ExpertTier, ...] = get_args(ExpertTier)
 EXPERT_FORMATS: tuple[ExpertFormat, ...] = get_args(ExpertFormat)
@@ -45,6 +49,7 @@ PREFILL_KERNELS: tuple[PrefillKernel, ...] = get_args(PrefillKernel)
 DECODE_RINGS: tuple[DecodeRing | None, ...] = (None, *get_args(DecodeRing))
 ROW_FORMATS: tuple[RowFormat, ...] = get_args(RowFormat)
 ZERO_MODES: tuple[ZeroMode, ...] = get_args(ZeroMode)
+MOE_GRAPHS: tuple[MoeGraphs, ...] = get_args(MoeGraphs)
 
 
 def check_choice(what: str, value: Any, allowed: tuple[Any, ...], why: str = "") -> None:
@@ -56,7 +61,9 @@ def check_choice(what: str, value: Any, allowed: tuple[Any, ...], why: str = "")
 
 __all__ = [
     "DECODE_KERNELS", "DECODE_RINGS", "DecodeKernel", "DecodeRing", "EXPERT_FORMATS", "EXPERT_TIERS", "ExpertFormat",
+    "MOE_GRAPHS", "MoeGraphs",
     "ExpertTier", "OBJECTIVES", "Objective", "PREFILL_KERNELS", "PROMOTERS", "PrefillKernel", "Promoter", "ROUTERS",
-    "ROW_FORMATS", "Router", "RowFormat", "VALUE_SOURCES", "ValueSource", "WEIGHT_SOURCES", "WeightSource", "ZERO_MODES", "ZeroMode",
+    "ROW_FORMATS", "Router", "RowFormat", "VALUE_SOURCES", "ValueSource", "WEIGHT_SOURCES", "WeightSource",
+    "ZERO_MODES", "ZeroMode",
     "check_choice",
 ]

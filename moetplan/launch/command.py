@@ -9,6 +9,7 @@ what it reads from there (the checkpoint folder and the served name).
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +123,36 @@ def cpu_mla_backend(plan: Plan, extra_args: list[str] | None) -> list[str]:
     return [] if dtype in _BF16_NAMES else ["--attention-backend", backend]
 
 
+def numa_nodes() -> int:
+    """NUMA nodes this machine shows (1 where it says nothing)."""
+    try:
+        return max(1, sum(1 for n in os.listdir("/sys/devices/system/node") if n[4:].isdigit() and n[:4] == "node"))
+    except OSError:
+        return 1
+
+
+def cpu_thread_binding(tp: int, cores: list[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers: this process's cores split into `tp` contiguous groups
+    ("0|1" on 2 cores). vLLM's default ("auto", kept where there are as many NUMA nodes as workers) binds rank r to
+    NUMA node r and refuses TP > the node count (ompmultiprocessing.py: "Not enough allowed NUMA nodes to bind
+    threads"), so a one-node machine (every small VM) runs TP only with explicit lists."""
+    if cores is None:
+        try:
+            cores = sorted(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = list(range(os.cpu_count() or 1))
+    if len(cores) < tp:
+        raise UsageError(f"tp={tp} on the CPU backend binds each worker to its own cores; this process may use "
+                         f"{len(cores)} core(s) ({', '.join(map(str, cores))}): plan tp={len(cores)} or fewer")
+    per, extra = divmod(len(cores), tp)
+    groups, start = [], 0
+    for r in range(tp):
+        n = per + (1 if r < extra else 0)
+        groups.append(",".join(str(c) for c in cores[start:start + n]))
+        start += n
+    return "|".join(groups)
+
+
 def compilation_config(plan: Plan) -> dict[str, Any] | None:
     """vLLM's compilation config for a CUDA plan, or None for vLLM's own (FULL_AND_PIECEWISE graphs, split at
     attention only), which records the MoE op inside both kinds of graph: the resident tier's op is capture-safe.
@@ -167,8 +198,11 @@ def build_launch(
         # NUMA node 0 unless told, which on small VMs refuses to start.
         argv += ["--enforce-eager"] + cpu_mla_backend(plan, extra_args)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(p.kv_cache_gib or 1))))
+        if p.tp > 1 and numa_nodes() < p.tp:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(int(p.tp))
     else:
         argv += ["--gpu-memory-utilization", f"{p.gpu_memory_utilization:.3f}".rstrip("0").rstrip(".")]
+        argv += ["--kv-cache-memory-bytes", str(int(p.kv_cache_memory_bytes))] if p.kv_cache_memory_bytes else []
         spec = speculative_config(plan)
         if spec:
             argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
@@ -184,6 +218,9 @@ def build_launch(
         if p.expert_tier != "resident":
             # The expert store allocates its slot pool itself; keep the caching allocator from fragmenting it.
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if plan.runtime.records_steps:
+        # The replay driver wraps Model Runner V1's forward call (vllm_compat.install_forward_hook); V2 has none.
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if plan.runtime_knobs.weights == "dummy":
         # A config-only folder (models/dummy_config.py): vLLM's random dense weights, the plugin's random rows.
         argv += ["--load-format", "dummy"]

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from moetplan.contract import RunRecord, run_record_path
 from moetplan.contract.io import atomic_write_text
-from moetplan.launch.command import build_launch, is_cpu_plan
+from moetplan.launch.command import build_launch, is_cpu_plan, served_name
 
 # A tree whose engine or worker is gone is given this long to exit by itself (vLLM's API server notices and
 # shuts down) before moetplan stops it.
@@ -58,6 +58,7 @@ def _record_restarts(plan_path: Path, restarts: list[dict[str, Any]]) -> None:
 def _serve_until_down(server: Any, on_line: Callable[[str], None] | None) -> str:
     """Block while the server serves; return why it stopped serving ("exited", "child died", "unhealthy")."""
     last_health, fails = time.monotonic(), 0
+    server.mark_healthy()
     while server.alive():
         if on_line:
             server.follow(on_line)
@@ -67,7 +68,11 @@ def _serve_until_down(server: Any, on_line: Callable[[str], None] | None) -> str
         now = time.monotonic()
         if now - last_health >= HEALTH_EVERY_S:
             last_health = now
-            fails = 0 if server.healthy(timeout=3.0) else fails + 1
+            if server.healthy(timeout=3.0):
+                fails = 0
+                server.mark_healthy()
+            else:
+                fails += 1
             if fails >= HEALTH_FAILURES:
                 return "unhealthy"
         time.sleep(0.5)
@@ -116,7 +121,7 @@ def serve(plan: Any, plan_path: Path, *, host: str, port: int, show_logs: bool, 
                     raise  # the first start: the plan cannot load, a restart would fail the same way
                 waited = None
             if waited is not None:
-                models = server.served_models() or [launch.served_model_name]
+                models = server.served_models() or [launch.served_model_name or served_name(plan)]
                 info = {"event": "ready", "endpoint": server.url + "/v1", "model": models[0], "pid": server.pid,
                         "pids": sorted(server.tree_pids()), "startup_s": round(waited, 2), "plan": str(plan_path),
                         "run_record": str(record_path), "log": str(log_path), "restarts": len(restart_times)}

@@ -144,8 +144,10 @@ _NOISE = re.compile(r"nanobind|leaked \d+ (?:instances|types|functions)|leaked s
                     r"Application shutdown|Terminated|SIGTERM|KeyboardInterrupt", re.I)
 _ERROR_LINE = re.compile(r"\bERROR\b|\bCRITICAL\b|Fatal Python error|Segmentation fault|core dumped|"
                          r"CUDA error|out of memory|OutOfMemory|\bKilled\b|died", re.I)
-_TRACEBACK = re.compile(r"^\s*(?:\S+\s+)?(?:\(\S+ pid=\d+\)\s*)?Traceback \(most recent call last\)")
-_EXC_LINE = re.compile(r"^\s*(?:\S+\s+)?(?:\(\S+ pid=\d+\)\s*)?[A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b(?::|$)")
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
+# The exception line that closes a traceback ("torch.OutOfMemoryError: ...", "...EngineDeadError: ..."), after
+# whatever prefix the logger put before it.
+_EXC_LINE = re.compile(r"(?:^|[\s\]])[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b(?::|\s*$)")
 
 
 def root_cause(lines: list[str], limit: int = 8) -> list[str]:
@@ -154,7 +156,8 @@ def root_cause(lines: list[str], limit: int = 8) -> list[str]:
     stopping)."""
     for i, ln in enumerate(lines):
         if _TRACEBACK.search(ln):
-            end = next((j for j in range(i + 1, len(lines)) if _EXC_LINE.search(lines[j])), None)
+            end = next((j for j in range(i + 1, len(lines))
+                        if _EXC_LINE.search(lines[j]) and 'File "' not in lines[j]), None)
             if end is not None:
                 body = lines[i:end + 1]
                 return body[:2] + (["  ..."] if len(body) > limit else []) + body[max(2, len(body) - limit + 3):]
@@ -198,7 +201,8 @@ class RestartPolicy:
 
 
 _TITLE = re.compile(r"VLLM::(\w+)")
-_LOGGED_EXIT = re.compile(r"(EngineCore\w*|Worker\w*)'?\s*:\s*(-?\d+)|(?:proc|process) (\S+) died with exit code (-?\d+)")
+_LOGGED_EXIT = re.compile(r"(EngineCore\w*|Worker\w*)'?\s*:\s*(-?\d+)|"
+                          r"(?:proc|process) (\S+) died with exit code (-?\d+)")
 
 
 def _how(code: int | None) -> str:
@@ -223,6 +227,7 @@ class LogFollower:
         self._pos = 0
         self._partial = ""
         self.tail: deque[str] = deque(maxlen=keep)
+        self.count = 0  # lines read so far
 
     def skip_to_end(self) -> None:
         try:
@@ -245,6 +250,7 @@ class LogFollower:
         self._partial = lines.pop()
         lines = [ln for ln in lines if ln.strip()]
         self.tail.extend(lines)
+        self.count += len(lines)
         return lines
 
 
@@ -271,6 +277,7 @@ class Server:
         self.runtime_error: str | None = None  # the first moetplan error line a worker logged
         self._titles: dict[int, str] = {}  # pid -> vLLM's process title (VLLM::EngineCore ...) or its command
         self.first_gone: tuple[int, str, float] | None = None  # (pid, title, when) of the first child seen gone
+        self._healthy_mark = 0  # log lines read when /health last answered 200
 
     @property
     def url(self) -> str:
@@ -352,10 +359,19 @@ class Server:
                     break
         return self.first_gone
 
+    def mark_healthy(self) -> None:
+        """The server answered /health: errors logged before now did not stop it (a failed request's traceback)."""
+        self.follow()
+        self._healthy_mark = self.log.count
+
     def death(self) -> Death:
-        """What stopped the tree (call after it stopped serving): the first process gone, how, and why."""
+        """What stopped the tree (call after it stopped serving): the first process gone, how, and why (from the
+        lines logged since it last answered /health)."""
         self.follow()
         tail = list(self.log.tail)
+        since = self.log.count - self._healthy_mark
+        if 0 < since < len(tail):
+            tail = tail[-since:]
         root_code = self.proc.returncode if self.proc is not None else None
         if self.first_gone is not None:
             pid, name, at = self.first_gone

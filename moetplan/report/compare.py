@@ -20,6 +20,7 @@ COMPARED_METRICS: tuple[tuple[str, str], ...] = (
     ("token_hit_rate", "share"),
     ("zero_miss_step_share", "share"),
     ("misses_per_step", "experts"),
+    ("replay_rate", "share"),
     ("gate_fire_share", "share"),
 )
 

@@ -11,9 +11,9 @@ from moetplan.report.plan_view import hardware_line
 
 PLACEMENT_FIELDS = ("tp", "pp", "expert_tier", "gpu_expert_cache_gib", "gpu_expert_cache_slots", "fp4_reserve_gib",
                     "host_arena_gib", "kv_dtype", "kv_cache_gib", "context", "mtp", "mtp_acceptance", "max_num_seqs",
-                    "concurrency", "max_num_batched_tokens", "gpu_memory_utilization")
+                    "concurrency", "max_num_batched_tokens", "gpu_memory_utilization", "moe_graphs")
 PREDICTION_FIELDS = ("decode_tok_s", "aggregate_tok_s", "prefill_tok_s", "ttft_ms", "bottleneck", "token_hit_rate",
-                     "zero_miss_step_share", "misses_per_step")
+                     "zero_miss_step_share", "misses_per_step", "replay_rate")
 
 
 @dataclass

@@ -122,7 +122,8 @@ def prediction_panel(pred: Prediction) -> Panel:
     ]
     if pred.zero_miss_step_share is not None:
         lines.append(f"token hit rate {pred.token_hit_rate:.1%}, steps with zero misses "
-                     f"{pred.zero_miss_step_share:.0%}, misses/step {pred.misses_per_step:.1f}")
+                     f"{pred.zero_miss_step_share:.0%}, misses/step {pred.misses_per_step:.1f}"
+                     + (f", replayed steps {pred.replay_rate:.0%}" if pred.replay_rate is not None else ""))
     return Panel("\n".join(lines), title="Prediction", expand=False)
 
 

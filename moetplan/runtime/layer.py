@@ -10,6 +10,7 @@ import torch
 
 from moetplan.contract.layout import RowLayout
 from moetplan.contract.runtime import KernelPolicy
+from moetplan.runtime.graph_counters import capturing
 from moetplan.runtime.ops import PathLog, moe_forward
 from moetplan.runtime.reference import moe_reference
 
@@ -41,6 +42,9 @@ class LayerState:
     fp4: Any = None  # reserve_build.ReserveState of the worker
     policy: KernelPolicy = field(default_factory=KernelPolicy)
     paths: PathLog | None = None
+    # Inside graphs (section.records_steps): (device) -> the worker's StepMisses, the step's device record of
+    # routings and misses that the replay driver reads once at step end; None: per-layer host bookkeeping.
+    record: Any = None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 warmup: bool = False, paths: Any = None) -> torch.Tensor:
@@ -57,6 +61,10 @@ class LayerState:
             return moe_reference(x, topk_ids, topk_weights, lambda e, _fp4: (w13[e], w2[e]), self.swiglu_limit)
         fp4 = self.fp4_args(topk_ids, warmup)
         if self.store is None:
+            if self.record is not None and fp4:  # the FP4 reserve heats from the step's record
+                rec = self.record(x.device)
+                if not rec.eager:
+                    rec.record(self.moe_index, self.slot_of, topk_ids)
             return self._op(x, topk_ids, topk_weights, self.rows, self.slot_of, fp4, paths)
         return self._store_forward(x, topk_weights, topk_ids, fp4)
 
@@ -66,7 +74,7 @@ class LayerState:
         res = self.fp4.reserve if self.fp4 is not None else None
         if res is None or self.moe_index >= res.num_layers:
             return {}
-        if not warmup:
+        if not warmup and self.record is None:  # recorded steps heat it at step end, from the device record
             res.observe(self.moe_index, topk_ids)
         return res.op_args(self.moe_index)
 
@@ -74,6 +82,25 @@ class LayerState:
             fp4: dict[str, Any], paths: Any = None) -> torch.Tensor:
         return moe_forward(x, ids, wts, pool, slot_of, self.layout, swiglu_limit=self.swiglu_limit, policy=self.policy,
                            paths=self.paths if paths is None else paths, **fp4)
+
+    def _replay_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        fp4: dict[str, Any], store: Any, misses: Any) -> torch.Tensor:
+        """Inside a graph (replay mode): compute from the cache as it stands and record, on the device, what the
+        call routed to and what had no slot; the driver fetches and re-runs a step that missed. Capture-safe on
+        the kernels (a pair without a row contributes zeros and sets the flag, read with the counters); the torch
+        reference (CPU) gets the same zeros by weight 0 on a resident expert."""
+        layer = self.moe_index
+        slot_of = store.residency[layer]
+        misses.record(layer, slot_of, topk_ids)
+        if x.is_cuda or capturing():
+            return self._op(x, topk_ids, topk_weights, store.data, slot_of, fp4)
+        miss = slot_of.index_select(0, topk_ids.reshape(-1).long()).view(topk_ids.shape) < 0
+        if bool(miss.any()):  # CPU: no graph, a host read is free of a sync
+            if bool(miss.all()):
+                return torch.zeros_like(x)
+            topk_ids = torch.where(miss, topk_ids[~miss][0], topk_ids)
+            topk_weights = torch.where(miss, torch.zeros_like(topk_weights), topk_weights)
+        return self._op(x, topk_ids, topk_weights, store.data, slot_of, fp4)
 
     def _store_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        fp4: dict[str, Any]) -> torch.Tensor:
@@ -87,6 +114,10 @@ class LayerState:
 
         store = self.store.get()
         layer = self.moe_index
+        misses = self.record(x.device) if self.record is not None else None
+        if misses is not None and not misses.eager and (
+                x.shape[0] <= store.prefill_tokens or capturing()):
+            return self._replay_forward(x, topk_weights, topk_ids, fp4, store, misses)
         if x.shape[0] <= store.prefill_tokens:  # decode: the step's working set fits (the planner's guard)
             try:
                 store.ensure(layer, topk_ids)

@@ -10,6 +10,10 @@ The model-loader hook: the confidence gate wraps the loaded model's forward / co
 needs the model object, which the MoE method never sees. vLLM's model runners (GPU and CPU) get the model from
 `BaseModelLoader.load_model` in the worker process; wrapping that method hands the finished model to the worker
 its MoE methods hold (`WorkerRuntime.after_model_loaded`), which does nothing unless the plan enables a gate.
+
+The runner hook (`prepare_replay`, plans with moe_graphs=replay): Model Runner V1 calls each step's model through
+one method (`vllm_compat.install_forward_hook`); wrapping it puts the replay driver around the graph replay, before
+sampling (runtime/miss_replay.py, docs/CUDA_GRAPHS.md).
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ def install_load_hook(loader_cls: Any = None) -> bool:
 def register() -> None:
     global _DONE
     if _DONE:
+        prepare_replay()  # a later engine of this process may serve another plan (offline scripts)
         return
     from moetplan import vllm_compat
     from moetplan.runtime import cpu_amx
@@ -72,4 +77,39 @@ def register() -> None:
     if apply_rotary_fix():
         log.debug("moetplan: CPU rotary-embedding fallback for 3-D / strided q,k installed")
     install_load_hook()
+    prepare_replay()
     _DONE = True
+
+
+def _plan_replays() -> bool:
+    """Whether MOETPLAN_PLAN names a plan whose steps run through the replay driver (read cheaply: a broken plan is reported by the
+    worker, which reads it properly)."""
+    from moetplan.contract import Plan, envs, load_json
+
+    path = envs.get(envs.PLAN)
+    if not path:
+        return False
+    try:
+        return bool(load_json(Plan, path).runtime.records_steps)
+    except Exception:
+        return False
+
+
+def prepare_replay() -> bool:
+    """For a plan whose steps the driver runs (tiered or FP4 reserve, moe_graphs=replay): ask vLLM for Model Runner V1 (the runner whose forward call the driver
+    wraps; a user's explicit VLLM_USE_V2_MODEL_RUNNER is kept, and the worker refuses V2 with the fix) and wrap
+    that call in this process (`WorkerRuntime.forward_step`). Nothing for other plans."""
+    import os
+
+    if not _plan_replays():
+        return False
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    from moetplan import vllm_compat
+    from moetplan.runtime import worker
+
+    worker.FORWARD_HOOKED = vllm_compat.install_forward_hook(worker.around_forward)
+    if not worker.FORWARD_HOOKED:
+        log.warning("moetplan: this vLLM has no Model Runner V1 forward call to wrap; a replay plan cannot run here "
+                    "(re-plan with --set moe_graphs=split)")
+        return False
+    return True

@@ -106,6 +106,10 @@ class FP4Reserve:
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self.idle_poll_s = float(idle_poll_s)
         self._thread: threading.Thread | None = None
+        # Inside CUDA graphs (`use_graph_tables`): the op reads one table per layer at a fixed address, updated in
+        # place at step ends (`sync_graph_tables`) instead of swapped; None: the swapped `_rows`.
+        self._graph_rows: list[torch.Tensor] | None = None
+        self._graph_dirty: set[int] = set()
         if background:
             self.start()
 
@@ -122,7 +126,44 @@ class FP4Reserve:
 
     def op_args(self, layer: int) -> dict[str, Any]:
         """The keyword arguments of ops.moe_forward that route resident experts to their FP4 rows."""
-        return {"fp4_pool": self.pool.data, "fp4_slot_of": self._rows[layer], "fp4_layout": self.layout}
+        rows = self._graph_rows[layer] if self._graph_rows is not None else self._rows[layer]
+        return {"fp4_pool": self.pool.data, "fp4_slot_of": rows, "fp4_layout": self.layout}
+
+    # ------------------------------------------------------------------ inside CUDA graphs
+
+    def use_graph_tables(self) -> None:
+        """Serve the op from per-layer tables at fixed addresses (a captured graph keeps reading the tensor it
+        captured), brought up to date at each step end by `sync_graph_tables`. A slot evicted meanwhile stays
+        retired until the step after the next sync has finished (`_evict_locked`), so no graph reads a slot the
+        promoter refills. Call before any capture."""
+        with self._lock:
+            if self._graph_rows is None:
+                self._graph_rows = [self._device_row(self._host_rows[l]) for l in range(self.num_layers)]
+                self._graph_dirty.clear()
+
+    def sync_graph_tables(self) -> int:
+        """At a step end (the step's kernels done: the replay driver has read its record): copy the tables the
+        promoter published since the last sync into the graph tables, in place, on the compute stream, ahead of
+        the next step's kernels. Returns the layers updated."""
+        with self._lock:
+            if self._graph_rows is None or not self._graph_dirty:
+                return 0
+            dirty, self._graph_dirty = sorted(self._graph_dirty), set()
+            for l in dirty:
+                self._graph_rows[l].copy_(torch.from_numpy(self._host_rows[l]))
+            return len(dirty)
+
+    def observe_counts(self, routings: np.ndarray) -> None:
+        """A whole step's routings [layers, experts] (from the device record, read once at step end) instead of
+        one `observe` per layer: the heat and the FP4 routing counts of that step."""
+        with self._lock:
+            if not self._heat_on:
+                return
+            n = min(self.num_layers, routings.shape[0])
+            r = routings[:n].astype(np.float64)
+            self.score[:n] += self._inc * r
+            self.c.routings += int(routings[:n].sum())
+            self.c.fp4_routings += int(sum(routings[l][self._host_rows[l] >= 0].sum() for l in range(n)))
 
     def resident(self) -> set[Key]:
         with self._lock:
@@ -265,7 +306,9 @@ class FP4Reserve:
     def _evict_locked(self, slot: int, changed: set[int]) -> None:
         layer, _ = self.pool.evict(slot)
         changed.add(layer)
-        self._retired.append((slot, self._started))
+        # Graph tables learn of the eviction at the next sync, which the step running now may not see: keep the
+        # slot until the step after it has finished too.
+        self._retired.append((slot, self._started + (1 if self._graph_rows is not None else 0)))
         self.c.evictions += 1
 
     def _victims_locked(self, exclude: set[Key]) -> list[tuple[float, int]]:
@@ -286,6 +329,7 @@ class FP4Reserve:
                 self._old_rows.append((self._rows[l], self._started))
             self._rows[l] = self._device_row(self.pool.res[l])  # the swap: a new tensor, never the old one edited
             self._host_rows[l] = self.pool.res[l].copy()
+            self._graph_dirty.add(l)
         self.pool.publish()  # keeps the pool's own table in step (nobody reads it; the op reads _rows)
 
     # ------------------------------------------------------------------ reading rows

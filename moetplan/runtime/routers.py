@@ -108,6 +108,15 @@ class LocalityRouter:
         h = splitmix64(idx * 131 + (self.seed * 1_000_003 + layer))
         return _shr(h, 11).to(torch.float64) * (1.0 / (1 << 53))
 
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The draw counters as they stand (device copies, no host read): a step run again (the replay driver)
+        restores them so it draws what its first run drew."""
+        return {dev: c.clone() for dev, c in self._counters.items()}
+
+    def restore(self, snap: dict[str, torch.Tensor]) -> None:
+        for dev, c in snap.items():
+            self._counters[dev].copy_(c)  # in place: captured graphs hold the counter's address
+
     def route(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """New ids [T, k] (same dtype and device as the model's); the model's weights are kept."""
         n, k = topk_ids.shape

@@ -119,6 +119,12 @@ class ExpertStore:
         """Close the current step (its pins end) and open a new one. Called implicitly when the layer restarts."""
         self._close_step()
 
+    def close_open_step(self) -> None:
+        """Close a step left open (calls of the per-layer path before a replay-driven step), else nothing: a step
+        boundary the layers did not mark (the replay driver's steps begin here)."""
+        if self._step_open:
+            self._close_step()
+
     def _close_step(self) -> None:
         if self._step_open:
             c = self.prefill if self._step_prefill else self.decode
@@ -384,7 +390,9 @@ class ExpertStore:
     def _fetch_into(self, layer: int, experts: np.ndarray, slots: Sequence[int]) -> None:
         """Read `experts` of `layer` from the backing store and copy them into `slots`: one batch, unless the
         backing cannot hold that many rows at once (an arena smaller than the batch), then arena-sized batches."""
-        keys = [(layer, int(e)) for e in experts]
+        self._fetch_keys([(layer, int(e)) for e in experts], slots)
+
+    def _fetch_keys(self, keys: list[Key], slots: Sequence[int]) -> None:
         slots = [int(s) for s in slots]
         for s, (l, e) in zip(slots, keys):
             self.pool.assign(s, l, e)
@@ -449,6 +457,58 @@ class ExpertStore:
             torch.cuda.synchronize(self.device)
         self._resolve_timings(wait=True)
 
+    # ------------------------------------------------------------------ replay (runtime/miss_replay.py)
+
+    def observe_step(self, routings: np.ndarray, missed: np.ndarray, prefill: bool = False) -> None:
+        """A step whose layers computed from the cache as it stood (inside a CUDA graph), told from its device
+        record at step end: routings [layers, experts] and missed (bool, same shape). Counts it as `ensure`
+        would have, call by call, and feeds the decode heat. The step stays open for `fetch_step`."""
+        c = self.prefill if prefill else self.decode
+        used_layers = np.flatnonzero(routings.any(axis=1))
+        if not used_layers.size:
+            return
+        self._step_open = True
+        self._step_prefill |= prefill
+        for layer in used_layers.tolist():
+            r, m = routings[layer], missed[layer]
+            c.calls += 1
+            total = int(r.sum())
+            c.routings += total
+            c.routing_hits += total - int(r[m].sum())
+            n_miss = int(m.sum())
+            if n_miss:
+                c.misses += n_miss
+                self._step_missed = True
+            if not prefill:
+                self.score[layer] += self._inc * r
+            slots = self.pool.res[layer][np.flatnonzero(r)]
+            self._last_use[slots[slots >= 0]] = self._step_id
+
+    def fetch_step(self, need: dict[int, np.ndarray]) -> int:
+        """Make every listed expert resident for this step, in one batch: the resident ones are pinned first (a
+        replay needs them too), slots are chosen for the missing ones across all layers (coldest unpinned rows
+        evicted), then one backing fetch and one copy submission. Pins last until the step closes (`begin_step`),
+        so nothing else evicts them; a later batch of the same step (the replay's routing moved) replaces them:
+        `need` is the whole step as its last pass routed it. Raises StoreCapacityError when the step's rows do not
+        fit. Returns the rows fetched."""
+        self._pin_step[self._pin_step == self._step_id] = -1
+        missing: list[Key] = []
+        for layer, ids in sorted(need.items()):
+            if not 0 <= layer < self.num_layers:
+                raise UsageError(f"layer {layer} is outside 0..{self.num_layers - 1} (MoE layers of the pack)")
+            ids = np.asarray(ids, dtype=np.int64)
+            slots = self.pool.res[layer][ids]
+            self._pin_step[slots[slots >= 0]] = self._step_id
+            missing += [(layer, int(e)) for e in ids[slots < 0]]
+        if not missing:
+            return 0
+        self._step_open = True
+        targets = self._choose_slots(missing[0][0], len(missing), False)
+        self._fetch_keys(missing, targets)
+        self._pin_step[np.asarray(targets, dtype=np.int64)] = self._step_id
+        self.pool.publish()
+        return len(missing)
+
     # ------------------------------------------------------------------ heat
 
     def heat(self) -> np.ndarray:
@@ -506,9 +566,9 @@ class ExpertStore:
             "name": self.name,
             "tier": self.backing.tier,
             "backing": type(self.backing).__name__,
-            "slots": self.pool.num_slots,
-            "slots_used": self.pool.used,
-            "row_bytes": self.stride,
+            "gpu_expert_cache_slots": self.pool.num_slots,  # the plan's knob, by its name
+            "gpu_expert_cache_slots_used": self.pool.used,
+            "expert_row_bytes": self.stride,
             "token_hit_rate": d["token_hit_rate"],
             "zero_miss_step_share": d["zero_miss_step_share"],
             "misses_per_step": d["misses_per_step"],
@@ -542,7 +602,8 @@ class ExpertStore:
         return (
             f"{self.name}[{s['tier']}] steps={s['decode']['steps']} hit={pct(s['token_hit_rate'])} "
             f"zero-miss={pct(s['zero_miss_step_share'])} miss/step={num(s['misses_per_step'])} "
-            f"slots={s['slots_used']}/{s['slots']} h2d={num(s['h2d_gbps'], '.1f')}GB/s "
+            f"slots={s['gpu_expert_cache_slots_used']}/{s['gpu_expert_cache_slots']} "
+            f"h2d={num(s['h2d_gbps'], '.1f')}GB/s "
             f"nvme={s['bytes_fetched']['nvme'] / GB:.2f}GB@{num(s['nvme_read_gbps'], '.2f')}GB/s "
             f"arena-hit={pct(s['arena_hit_rate'])}"
         )

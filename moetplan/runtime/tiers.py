@@ -2,6 +2,7 @@
 tiered store over all its MoE layers (`TieredExperts`) when experts are not resident."""
 from __future__ import annotations
 
+import atexit
 import logging
 from typing import Any, Callable
 
@@ -64,6 +65,7 @@ class TieredExperts:
         self.store: ExpertStore | None = None
         self.pack_path: str | None = None
         self.dummy = False
+        self.heat_keeper: Any = None
 
     def add(self, moe_index: int, rows: torch.Tensor | None, layout: RowLayout, num_experts: int = 0) -> None:
         """A layer's rows; None: dummy weights, the rows are generated into the backing at build time."""
@@ -101,8 +103,20 @@ class TieredExperts:
         route_store_log()
         # KPI line in the server log every 30 s (hit rate, zero-miss steps, misses per step, transfer rates)
         store = expert_store(s, source, device=device, prefill_tokens=s.decode_batch_tokens, kpi_every_s=30.0)
-        log.info("moetplan: store %s tier=%s gpu_expert_cache_slots=%d layers=%d experts=%d",
-                 type(store.backing).__name__, s.expert_tier, s.gpu_expert_cache_slots, L, E)
+        log.info("moetplan: store %s tier=%s gpu_expert_cache_slots=%d layers=%d experts=%d%s",
+                 type(store.backing).__name__, s.expert_tier, s.gpu_expert_cache_slots, L, E,
+                 " (graph replay)" if s.replays else "")
+        if self.pack_path:
+            # A pack-backed store restarts warm: its heat is saved beside the pack (every 5 min, on the step
+            # boundary) and preloaded on the next start (runtime/heat.py).
+            from moetplan.runtime.heat import HeatKeeper, restore_heat
+
+            try:
+                restore_heat(store, progress=False)
+                self.heat_keeper = HeatKeeper(store).attach()
+                atexit.register(self.heat_keeper.save)
+            except Exception as e:  # heat is an optimisation, never a reason to refuse to start
+                log.warning("moetplan: expert heat not restored/kept: %r", e)
         return store
 
 

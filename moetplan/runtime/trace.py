@@ -5,8 +5,8 @@ A trace is the routed expert ids of every decode step: int [steps, layers, token
 drifting, layer-correlated preference per token stream, sampled top-k without replacement (Gumbel top-k).
 
 `replay(trace, gpu_expert_cache_slots)` runs it through a real `ExpertStore` on the CPU (tiny rows, so only the
-policy costs) and returns the Plan's KPIs; `replay_curve` does it for several cache sizes, so the cost model's coverage curves can
-be checked against the store's actual policy. `moetplan replay --help` (or `python -m moetplan.runtime.trace`) for the command line.
+policy costs) and returns the Plan's KPIs; `replay_curve` does it for several cache sizes, so the cost model's
+coverage curves can be checked against the store's actual policy. `moetplan replay --help` (or `python -m moetplan.runtime.trace`) for the command line.
 """
 from __future__ import annotations
 

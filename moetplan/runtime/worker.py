@@ -22,6 +22,7 @@ from moetplan.runtime import records
 from moetplan.runtime.cuda_paths import error_flag
 from moetplan.runtime.graph_counters import CallPaths, GraphCounters, capturing
 from moetplan.runtime.layer import LayerState
+from moetplan.runtime.miss_replay import ReplayDriver, StepMisses
 from moetplan.runtime.ops import PathLog
 from moetplan.runtime.pack_resolve import PackResolver
 from moetplan.runtime.reserve_build import ReserveState
@@ -31,12 +32,27 @@ from moetplan.runtime.tiers import TieredExperts
 log = logging.getLogger("vllm.moetplan")
 
 def tp_rank() -> int:
+    r = _vllm_tp_rank()
+    return 0 if r is None else r
+
+
+def _vllm_tp_rank() -> int | None:
+    """This process's TP rank, or None while vLLM has no TP group (before it is built, after it is torn down)."""
     try:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
     except Exception:
-        return 0
+        return None
+
+
+def tp_any(flag: bool) -> bool:
+    """True when `flag` is True on any tensor-parallel rank (one 1-element all-reduce in vLLM's TP group)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=group.device)
+    return bool(int(group.all_reduce(t).item()) > 0)
 
 
 def is_warmup() -> bool:
@@ -84,6 +100,11 @@ class WorkerRuntime:
         # layer). Then the op runs capture-safe and counts on the device (`graph`).
         self.in_graphs = in_graphs
         self.graph: GraphCounters | None = None
+        # Replay mode (section.replays): the driver around vLLM's forward call, built at the first step that
+        # has a store; the target model's MoE layer count (later ones are a drafter's), known once it loaded.
+        self.replay: ReplayDriver | None = None
+        self.main_layers: int | None = None
+        self.step_rec: StepMisses | None = None  # the step's device record (section.records_steps)
 
     @classmethod
     def from_plan_file(cls, path: str | os.PathLike[str]) -> "WorkerRuntime":
@@ -116,7 +137,14 @@ class WorkerRuntime:
 
     @property
     def rank(self) -> int:
-        return tp_rank() if self._rank is None else self._rank
+        # Kept once vLLM knows it: the run record's last write (atexit) comes after vLLM has torn its TP group
+        # down, and rank 1 would then name itself rank 0.
+        if self._rank is None:
+            r = _vllm_tp_rank()
+            if r is None:
+                return 0
+            self._rank = r
+        return self._rank
 
     # One per process: a copy of a config (or a pickle sent to another process) means that process's worker.
     def __deepcopy__(self, memo: dict) -> "WorkerRuntime":
@@ -158,10 +186,23 @@ class WorkerRuntime:
         """A layer's state wired to this worker's reserve, kernel policy and path log. Inside CUDA graphs the
         residency flag is read at step end rather than after each call (a host sync), and the kernel paths are
         counted on the device (`run_layer`)."""
+        # In replay mode a pair without a row is expected (zeros, the step re-runs): the flag is no error there.
+        policy = self.section.knobs.kernels
+        if self.in_graphs or self.section.replays:
+            policy = dataclasses.replace(policy, check_residency=False)
+        if self.section.records_steps:
+            experts = int(fields["num_experts"])
+            fields["record"] = lambda device: self.step_record(device, experts)
         if self.in_graphs:
-            policy = dataclasses.replace(self.section.knobs.kernels, check_residency=False)
             return LayerState(**fields, fp4=self.fp4, policy=policy, paths=None)
-        return LayerState(**fields, fp4=self.fp4, policy=self.section.knobs.kernels, paths=self.paths)
+        return LayerState(**fields, fp4=self.fp4, policy=policy, paths=self.paths)
+
+    def step_record(self, device: Any, num_experts: int) -> StepMisses:
+        """The step's device record over every MoE layer, allocated at the first forward (vLLM's eager warm-up,
+        before any capture, after every layer loaded): graphs keep its address."""
+        if self.step_rec is None:
+            self.step_rec = StepMisses(max(self.moe_layers_created, len(self.layers)), num_experts, device=device)
+        return self.step_rec
 
     def attach_store(self, st: LayerState, rows: torch.Tensor | None) -> TieredExperts:
         """Hand a layer's rows to the worker's tiered store (built at the first forward; None: dummy weights, the
@@ -195,14 +236,84 @@ class WorkerRuntime:
             # the last MoE layer of this worker: the reserve spans them all (built once: a speculative drafter's
             # MoE layers, loaded later, are not in it)
             self.fp4.build(s, self.packs, self.layers[0], len(self.layers), device, f"fp4_reserve.rank{self.rank}")
+            if s.records_steps and self.fp4.reserve is not None:
+                self.fp4.reserve.use_graph_tables()  # before any capture
         self.stats.layers = len(self.layers)
         self.stats.load_s += load_s
 
     def after_model_loaded(self, model: Any, vllm_config: Any = None) -> Any:
-        """The plugin's model-loader hook: install the plan's confidence gate on the loaded model."""
+        """The plugin's model-loader hook: install the plan's confidence gate on the loaded model; in replay mode
+        check that vLLM will call the forward through the hook the driver sits in."""
         if not self.layers:
             return model
+        if self.main_layers is None:  # the target model loads first; a speculative drafter's layers come after
+            self.main_layers = len(self.layers)
+            if self.section.records_steps:
+                self._check_replayable(vllm_config)
         return self.fp4.install_gate(self.section, model, vllm_config)
+
+    def _check_replayable(self, vllm_config: Any) -> None:
+        if vllm_config is None:
+            return
+        fix = (f"serve with --set moe_graphs=split (`moetplan run {self.plan_path or 'plan.json'} --set "
+               "moe_graphs=split`)")
+        if not FORWARD_HOOKED:
+            raise ConfigError("this tiered plan re-runs a step that missed (moe_graphs=replay), but the moetplan "
+                              "plugin could not wrap this vLLM's forward call (runtime/plugin.py: prepare_replay), "
+                              "so a miss would go unanswered; " + fix)
+        if getattr(vllm_config, "use_v2_model_runner", False):
+            raise ConfigError("this tiered plan re-runs a step that missed (moe_graphs=replay) through Model Runner "
+                              "V1's forward call, and vLLM chose Model Runner V2: start the server with "
+                              f"VLLM_USE_V2_MODEL_RUNNER=0 (`moetplan run` sets it), or {fix}")
+        mc = getattr(vllm_config, "model_config", None)
+        if mc is not None and (getattr(mc, "is_hybrid", False) or getattr(mc, "is_attention_free", False)):
+            raise ConfigError(f"{getattr(mc, 'model', 'this model')} keeps recurrent state (Mamba / linear "
+                              "attention) that a step updates in place, so a step cannot be run twice; " + fix)
+
+    # ------------------------------------------------------------------ the step (replay mode)
+
+    def forward_step(self, call: Any, tokens: int, eager: Any = None) -> Any:
+        """vLLM's forward call of one step (the plugin's runner hook), run through the replay driver when this
+        plan records its steps (vLLM's first forwards, before the record and the store exist, run as they are)."""
+        rec = self.step_rec
+        if not self.section.records_steps or rec is None:
+            return call()
+        store = self.tiered.store if self.tiered is not None else None
+        if self.section.replays and store is None:
+            return call()
+        reserve = self.fp4.reserve
+        if self.replay is None:
+            self.replay = self._driver(rec, store, reserve)
+        router = self.router
+        snap = router.snapshot() if router is not None else None
+        restore = (lambda: router.restore(snap)) if router is not None else None
+        if store is not None:
+            store.close_open_step()
+        if reserve is not None:
+            reserve.begin_step()
+        large = tokens > (store.prefill_tokens if store is not None else self.section.decode_batch_tokens)
+        return self.replay.step(call, large=large, eager=eager, before_rerun=restore)
+
+    def _driver(self, rec: StepMisses, store: Any, reserve: Any) -> ReplayDriver:
+        def observe(routings: Any, missed: Any, large: bool) -> None:
+            if store is not None:
+                store.observe_step(routings, missed, large)
+            if reserve is not None:
+                reserve.observe_counts(routings)
+
+        def end_step() -> None:
+            if store is not None:
+                store.begin_step()
+            if reserve is not None:
+                reserve.sync_graph_tables()
+                reserve.end_step()
+
+        def no_store(need: Any) -> int:  # resident rows never miss
+            return 0
+
+        return ReplayDriver(rec, store.fetch_step if store is not None else no_store, main_layers=self.main_layers,
+                            gpu_expert_cache_slots=self.section.gpu_expert_cache_slots, observe=observe,
+                            end_step=end_step, agree=tp_any if self.section.tp > 1 else None)
 
     # ------------------------------------------------------------------ the op
 
@@ -254,6 +365,12 @@ class WorkerRuntime:
                 out["graph_counters_error"] = repr(e)
         if self.tiered is not None and self.tiered.pack_path:
             out["pack"] = self.tiered.pack_path
+        if self.replay is not None:
+            counts = self.replay.counts.as_dict()
+            out["replay"] = counts  # steps, replayed steps, passes, fetched rows, batches
+            out["replay_rate"] = counts["replay_rate"]
+        elif self.section.records_steps:
+            out["replay"] = {"steps": 0, "note": "no step has run through the replay driver yet"}
         if layers and all(st.store is None for st in layers):
             # Every routed expert is in the device pool: every routing is a hit, no step waits on a fetch.
             out.update(token_hit_rate=1.0, misses_per_step=0.0, zero_miss_step_share=1.0)
@@ -293,7 +410,8 @@ class WorkerRuntime:
                 graph = self.graph.version()
             except Exception as e:  # the flusher thread must outlive a failed read
                 graph = repr(e)
-        return (st.moe_calls, st.warmup_calls, st.recompute_calls, st.layers, graph, *self.fp4.version())
+        steps = self.replay.counts.steps if self.replay is not None else 0
+        return (st.moe_calls, st.warmup_calls, st.recompute_calls, st.layers, graph, steps, *self.fp4.version())
 
     def record_path(self) -> str | None:
         if self.section.knobs.record_path:
@@ -319,6 +437,8 @@ class WorkerRuntime:
 
 
 _PROCESS: WorkerRuntime | None = None
+# Set by the plugin once vLLM's per-step forward call runs through `around_forward` in this process.
+FORWARD_HOOKED = False
 _PROCESS_LOCK = threading.Lock()
 
 
@@ -327,4 +447,13 @@ def process_worker() -> WorkerRuntime:
     return WorkerRuntime.for_process()
 
 
-__all__ = ["WorkerRuntime", "is_warmup", "process_worker", "tp_rank"]
+def around_forward(call: Any, tokens: int, eager: Any = None) -> Any:
+    """The plugin's runner hook: one step's forward call, through this process's worker when it serves a
+    moetplan model (a process without one, or another model, runs the call as it is)."""
+    w = _PROCESS
+    if w is None:
+        return call()
+    return w.forward_step(call, tokens, eager)
+
+
+__all__ = ["WorkerRuntime", "around_forward", "is_warmup", "process_worker", "tp_rank"]
