@@ -264,8 +264,8 @@ def gpu_info(gpu_id: str, index: int = 0) -> GPUInfo:
         rate = link_h2d_gbps(e["pcie_gen"], e["pcie_lanes"])
         if rate is not None:
             info.h2d_pinned_gbps = rate
-            info.sources["h2d_pinned_gbps"] = (f"derived (PCIe gen{e['pcie_gen']} x{e['pcie_lanes'] or 16}: "
-                                               "hwdb/calibration/links.yaml)")
+            # The link's typical rate (hwdb/calibration/links.yaml); sources take the ValueSource words only.
+            info.sources["h2d_pinned_gbps"] = "derived"
     return info
 
 

@@ -97,3 +97,14 @@ def test_transfer_rates_on_a_real_gpu(tmp_path):
         for k in ("h2d_pinned_gbps", "h2d_pageable_gbps", "h2d_batched_gbps", "d2d_gbps"):
             assert getattr(g, k) and getattr(g, k) > 0 and g.sources[k] == "measured"
         assert g.d2d_gbps > g.h2d_pinned_gbps  # device memory beats any host link
+
+
+def test_every_hwdb_gpu_gives_a_profile_that_validates():
+    """A card whose pinned PCIe rate comes from the link table wrote a prose note into `sources` (a ValueSource
+    word), and the probe's profile failed to load on an H100 (2026-12-06)."""
+    from moetplan import hwdb
+    from moetplan.contract import GPUInfo
+
+    for gpu_id in hwdb.gpu_ids():
+        info = hwdb.gpu_info(gpu_id)
+        GPUInfo.model_validate(info.model_dump())
