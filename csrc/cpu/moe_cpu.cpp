@@ -61,11 +61,18 @@ constexpr int TMAX = 4;  // tokens per pass over a row (registers: 2 int + 1 flo
 struct Act {  // one activation vector prepared for one format and one chunk width
   const int8_t* hi;
   const int8_t* lo;
-  const float* corr;  // per dword: OFF * (254 * sum hi + sum lo)
-  const float* dsc;   // per dword: d / 254 of its block
+  const float* corr;   // per dword: OFF * (254 * sum hi + sum lo)
+  const float* dsc;    // per dword: d / 254 of its block
+  const float* corrb;  // per block of 32 (the paired chunks): OFF * (254 * sum hi + sum lo)
+  const float* dscb;   // per block: d / 254
 };
 
-inline int vmax_of(int isa) { return isa == ISA_AVX512 ? 64 : isa == ISA_AVX2 ? 32 : 8; }
+// Widest chunk of code bytes per ISA and format. V = 128 is the AVX-512 2-bit "paired" chunk: its two 64-byte
+// halves hold the first and second 8 code bytes of each of 16 blocks, so one dword of both halves covers one
+// whole block and the per-block float work runs once per 512 weights instead of per 256.
+inline int vmax_of(int isa, int fmt) {
+  return isa == ISA_AVX512 ? (fmt == FMT_2BIT ? 128 : 64) : isa == ISA_AVX2 ? 32 : 8;
+}
 
 // The chunk sequence of a K-long row: chunks of Vmax code bytes while they fit, then at most one of each
 // smaller width down to 8. K is a multiple of WPB*8 (FORMAT.md: a multiple of 32 weights).
@@ -81,7 +88,8 @@ template <typename Fn> inline void for_chunks(int K, int wpb, int vmax, Fn&& fn)
 // ------------------------------------------------------------------------------------------ activations
 
 template <int FMT>
-void prep_act(const float* x, int K, int vmax, int8_t* hi, int8_t* lo, float* corr, float* dsc, int8_t* tmp) {
+void prep_act(const float* x, int K, int vmax, int8_t* hi, int8_t* lo, float* corr, float* dsc, float* corrb,
+              float* dscb, int8_t* tmp) {
   constexpr int WPB = F<FMT>::WPB, DW = 4 * WPB;  // weights per dword
   int8_t* qh = tmp;
   int8_t* ql = tmp + K;
@@ -99,6 +107,13 @@ void prep_act(const float* x, int K, int vmax, int8_t* hi, int8_t* lo, float* co
       ql[b * 32 + i] = (int8_t)l;
     }
     for (int g = b * 32 / DW; g < (b + 1) * 32 / DW; ++g) dsc[g] = d / 254.f;
+    dscb[b] = d / 254.f;
+    int sh = 0, sl = 0;
+    for (int i = 0; i < 32; ++i) {
+      sh += qh[b * 32 + i];
+      sl += ql[b * 32 + i];
+    }
+    corrb[b] = (float)(F<FMT>::OFF * (254 * sh + sl));
   }
   for (int g = 0; g < K / DW; ++g) {
     int sh = 0, sl = 0;
@@ -111,8 +126,10 @@ void prep_act(const float* x, int K, int vmax, int8_t* hi, int8_t* lo, float* co
   for_chunks(K, WPB, vmax, [&](int pos, int V) {
     for (int s = 0; s < WPB; ++s)
       for (int j = 0; j < V; ++j) {
-        hi[pos + s * V + j] = qh[pos + WPB * j + s];
-        lo[pos + s * V + j] = ql[pos + WPB * j + s];
+        // paired chunk (V = 128): vector byte j < 64 is code byte 8*(j/4) + j%4, j >= 64 the 4 bytes after it
+        const int cb = V == 128 ? 8 * ((j % 64) / 4) + 4 * (j / 64) + j % 4 : j;
+        hi[pos + s * V + j] = qh[pos + WPB * cb + s];
+        lo[pos + s * V + j] = ql[pos + WPB * cb + s];
       }
   });
 }
@@ -229,8 +246,43 @@ MOETCPU_AVX512 void row_avx512(const uint8_t* q, const uint8_t* sc, int K, const
   const __m512i ebias = _mm512_set1_epi32(127 - f::EXPADJ);
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-  const int main = (K / (WPB * V)) * (WPB * V);
-  for (int pos = 0; pos < main; pos += WPB * V) {
+  int start = 0;
+  if constexpr (FMT == FMT_2BIT) {  // paired chunks of 128 code bytes (vmax_of): one float epilogue per block
+    const __m512i ieven = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i iodd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    start = (K / 512) * 512;
+    for (int pos = 0; pos < start; pos += 512) {
+      const __m512i q0 = _mm512_loadu_si512((const void*)(q + pos / 4));
+      const __m512i q1 = _mm512_loadu_si512((const void*)(q + pos / 4 + 64));
+      const __m512i qa = _mm512_permutex2var_epi32(q0, ieven, q1), qb = _mm512_permutex2var_epi32(q0, iodd, q1);
+      __m512i wa[4], wb[4];
+      wa[0] = _mm512_permutexvar_epi8(qa, vlut);
+      wb[0] = _mm512_permutexvar_epi8(qb, vlut);
+      for (int s = 1; s < 4; ++s) {
+        wa[s] = _mm512_permutexvar_epi8(_mm512_srli_epi16(qa, 2 * s), vlut);
+        wb[s] = _mm512_permutexvar_epi8(_mm512_srli_epi16(qb, 2 * s), vlut);
+      }
+      // 2^(b-127) straight from the exponent field (b = 0 gives 0, as on the GPU)
+      const __m512 pw = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + pos / 32))), 23));
+      for (int t = 0; t < NT; ++t) {
+        __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
+        const int8_t* xh = a[t].hi + pos;
+        const int8_t* xl = a[t].lo + pos;
+        for (int s = 0; s < 4; ++s) {
+          h = _mm512_dpbusd_epi32(h, wa[s], _mm512_loadu_si512((const void*)(xh + s * 128)));
+          h = _mm512_dpbusd_epi32(h, wb[s], _mm512_loadu_si512((const void*)(xh + s * 128 + 64)));
+          l = _mm512_dpbusd_epi32(l, wa[s], _mm512_loadu_si512((const void*)(xl + s * 128)));
+          l = _mm512_dpbusd_epi32(l, wb[s], _mm512_loadu_si512((const void*)(xl + s * 128 + 64)));
+        }
+        __m512 lf = _mm512_sub_ps(_mm512_cvtepi32_ps(l), _mm512_loadu_ps(a[t].corrb + pos / 32));
+        __m512 fv = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(h), c254, lf), pw);
+        acc[t] = _mm512_fmadd_ps(fv, _mm512_loadu_ps(a[t].dscb + pos / 32), acc[t]);
+      }
+    }
+  }
+  const int main = start + ((K - start) / (WPB * V)) * (WPB * V);
+  for (int pos = start; pos < main; pos += WPB * V) {
     const __m512i qv = _mm512_loadu_si512((const void*)(q + pos / WPB));
     __m512i w[WPB];
     w[0] = _mm512_permutexvar_epi8(qv, vlut);
@@ -308,29 +360,36 @@ std::string isa_name(int isa) { return isa == ISA_AVX512 ? "avx512" : isa == ISA
 // Prepared activations of N vectors of length K for one format: planes [N, K], per-dword arrays [N, K/DW].
 struct ActBuf {
   std::vector<int8_t> hi, lo;
-  std::vector<float> corr, dsc;
-  int K = 0, ndw = 0;
+  std::vector<float> corr, dsc, corrb, dscb;
+  int K = 0, ndw = 0, nb = 0;
   void prepare(const float* x, int64_t n, int K_, int fmt, int vmax) {
     K = K_;
     int dw = fmt == FMT_2BIT ? 16 : 8;
     ndw = K / dw;
+    nb = K / 32;
     hi.resize(n * K);
     lo.resize(n * K);
     corr.resize(n * ndw);
     dsc.resize(n * ndw);
+    corrb.resize(n * nb);
+    dscb.resize(n * nb);
     // a decode step's few vectors are prepared inline: entering a parallel region costs a wake-up of every
     // thread (and, on a loaded machine, a time slice when one is descheduled)
     at::parallel_for(0, n, std::max<int64_t>(16, 65536 / std::max(K, 1)), [&](int64_t b, int64_t e) {
       std::vector<int8_t> tmp(2 * (size_t)K);
       for (int64_t i = b; i < e; ++i) {
         if (fmt == FMT_2BIT)
-          prep_act<FMT_2BIT>(x + i * K, K, vmax, &hi[i * K], &lo[i * K], &corr[i * ndw], &dsc[i * ndw], tmp.data());
+          prep_act<FMT_2BIT>(x + i * K, K, vmax, &hi[i * K], &lo[i * K], &corr[i * ndw], &dsc[i * ndw],
+                             &corrb[i * nb], &dscb[i * nb], tmp.data());
         else
-          prep_act<FMT_FP4>(x + i * K, K, vmax, &hi[i * K], &lo[i * K], &corr[i * ndw], &dsc[i * ndw], tmp.data());
+          prep_act<FMT_FP4>(x + i * K, K, vmax, &hi[i * K], &lo[i * K], &corr[i * ndw], &dsc[i * ndw],
+                            &corrb[i * nb], &dscb[i * nb], tmp.data());
       }
     });
   }
-  Act at(int64_t i) const { return {&hi[i * K], &lo[i * K], &corr[i * ndw], &dsc[i * ndw]}; }
+  Act at(int64_t i) const {
+    return {&hi[i * K], &lo[i * K], &corr[i * ndw], &dsc[i * ndw], &corrb[i * nb], &dscb[i * nb]};
+  }
 };
 
 struct Group {  // the pairs of one (expert, format)
@@ -358,7 +417,6 @@ torch::Tensor moe_forward_cpu(torch::Tensor x, torch::Tensor topk_ids, torch::Te
   const uint8_t* pool2 = pool.data_ptr<uint8_t>();
   const uint8_t* pool4 = has4 ? fp4_pool.data_ptr<uint8_t>() : nullptr;
   const int64_t stride2 = pool.size(1), stride4 = has4 ? fp4_pool.size(1) : 0;
-  const int vmax = vmax_of((int)isa);
   const bool clamp = !std::isnan(limit);
   const float lim = (float)limit;
 
@@ -387,8 +445,8 @@ torch::Tensor moe_forward_cpu(torch::Tensor x, torch::Tensor topk_ids, torch::Te
   }
 
   ActBuf ax2, ax4;
-  if (any2) ax2.prepare(xp, T, (int)H, FMT_2BIT, vmax);
-  if (any4) ax4.prepare(xp, T, (int)H, FMT_FP4, vmax);
+  if (any2) ax2.prepare(xp, T, (int)H, FMT_2BIT, vmax_of((int)isa, FMT_2BIT));
+  if (any4) ax4.prepare(xp, T, (int)H, FMT_FP4, vmax_of((int)isa, FMT_FP4));
 
   // stage 1: act[p, r] = silu(gate_r . x) * (up_r . x) for every pair, units = (group, block of RB rows)
   std::vector<float> act((size_t)P * Ir);
@@ -427,8 +485,8 @@ torch::Tensor moe_forward_cpu(torch::Tensor x, torch::Tensor topk_ids, torch::Te
 
   // stage 2: y[p, h] = w2_h . act[p]
   ActBuf aa2, aa4;
-  if (any2) aa2.prepare(act.data(), P, (int)Ir, FMT_2BIT, vmax);
-  if (any4) aa4.prepare(act.data(), P, (int)Ir, FMT_FP4, vmax);
+  if (any2) aa2.prepare(act.data(), P, (int)Ir, FMT_2BIT, vmax_of((int)isa, FMT_2BIT));
+  if (any4) aa4.prepare(act.data(), P, (int)Ir, FMT_FP4, vmax_of((int)isa, FMT_FP4));
   std::vector<float> y((size_t)P * H);
   const int64_t nrb2 = (H + 2 * RB - 1) / (2 * RB);
   at::parallel_for(0, (int64_t)groups.size() * nrb2, 1, [&](int64_t ub, int64_t ue) {
@@ -476,7 +534,7 @@ torch::Tensor moe_forward_cpu(torch::Tensor x, torch::Tensor topk_ids, torch::Te
 torch::Tensor rows_dot(torch::Tensor codes, torch::Tensor scales, torch::Tensor x, int64_t fmt, int64_t isa) {
   const int64_t R = codes.size(0), N = x.size(0), K = x.size(1);
   ActBuf ab;
-  ab.prepare(x.data_ptr<float>(), N, (int)K, (int)fmt, vmax_of((int)isa));
+  ab.prepare(x.data_ptr<float>(), N, (int)K, (int)fmt, vmax_of((int)isa, (int)fmt));
   torch::Tensor out = torch::empty({N, R}, x.options());
   float* op = out.data_ptr<float>();
   const uint8_t* q = codes.data_ptr<uint8_t>();
