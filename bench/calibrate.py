@@ -5,11 +5,13 @@
     .venv/bin/python bench/calibrate.py --check    # evaluate the checked-in constants only (no fit, no LOO)
     .venv/bin/python bench/calibrate.py --no-loo   # fit and in-sample figures only
 
-Data: hwdb/calibration/vllm_moet_measurements.csv (rows r01..) and vllm_moet_measurements_more.csv (m01..).
+Data: hwdb/calibration/vllm_moet_measurements.csv (rows r01..), vllm_moet_measurements_more.csv (m01..) and
+vllm_moet_measurements_facts.csv (f01..: figures FACTS.md states in prose, with their recipe's knobs).
 Fit: regularised least squares of the relative step-time error over all rows, every fitted factor pulled toward
 its physics prior (hwdb/calibration/priors.yaml; `fit: false` factors stay there), stream_overlap scanned.
 Leave-one-out: each row is predicted by a fit on all the other rows (a row's decode and prefill leave together);
-the leave-one-out median over the decode and aggregate figures is the number that counts.
+the leave-one-out median over the decode and aggregate figures is the number that counts, reported per expert tier
+(resident / host / nvme) as well, with the worst row named.
 """
 from __future__ import annotations
 
@@ -60,16 +62,44 @@ def _stats(rs: list[RowResult]) -> dict[str, float | int | None]:
 
 
 def summary(results: list[RowResult], meas: list[Measurement]) -> dict:
+    """Median and worst |error| over the decode and aggregate figures, and the same per expert tier (so a tiered
+    regression cannot hide in a good median), per group, per model; the worst row named."""
     by_row = {m.row_id: m for m in meas}
+    checks = [r for r in results if by_row[r.row_id].check]
+    results = [r for r in results if not by_row[r.row_id].check]
     dec = [r for r in results if r.metric != "prefill_tok_s"]
     groups: dict[str, list[RowResult]] = {}
     models: dict[str, list[RowResult]] = {}
+    tiers: dict[str, list[RowResult]] = {}
     for r in dec:
         groups.setdefault(_group(by_row[r.row_id]), []).append(r)
         models.setdefault(by_row[r.row_id].model.id, []).append(r)
+        tiers.setdefault(by_row[r.row_id].placement.expert_tier, []).append(r)
+    tiered = [r for r in dec if by_row[r.row_id].placement.expert_tier != "resident"]
+    worst = max(dec, key=lambda r: abs(r.error)) if dec else None
     return {"decode_and_aggregate": _stats(dec), "prefill": _stats([r for r in results if r.metric == "prefill_tok_s"]),
+            "by_tier": {k: _stats(tiers.get(k, [])) for k in ("resident", "host", "nvme")},
+            "tiered": _stats(tiered),
+            "worst_row": None if worst is None else {"row": worst.row_id, "configuration": worst.label,
+                                                     "error": round(worst.error, 4)},
             "by_group": {k: _stats(v) for k, v in sorted(groups.items())},
-            "by_model": {k: _stats(v) for k, v in sorted(models.items())}}
+            "by_model": {k: _stats(v) for k, v in sorted(models.items())},
+            "check_rows": {r.row_id: {"configuration": r.label, "measured": r.measured, "predicted": round(r.predicted, 2),
+                                      "error": round(r.error, 4)} for r in checks}}
+
+
+def _print_tiers(title: str, summ: dict) -> None:
+    print(f"\n{title}: median / worst |error| of decode and aggregate tok/s")
+    rows = [("all", summ["decode_and_aggregate"]), *summ["by_tier"].items(), ("tiered (host + nvme)", summ["tiered"])]
+    for name, st in rows:
+        if st["rows"]:
+            print(f"  {name:22s} {st['rows']:3d} rows  {st['median_abs_error']:7.1%}  {st['max_abs_error']:7.1%}")
+    if summ["worst_row"]:
+        w = summ["worst_row"]
+        print(f"  worst row: {w['row']} {w['configuration']} ({w['error']:+.1%})")
+    for rid, c in summ["check_rows"].items():
+        print(f"  check row (never fitted): {rid} {c['configuration']}: {c['measured']:g} vs {c['predicted']:g} "
+              f"({c['error']:+.1%})")
 
 
 def _print(title: str, results: list[RowResult]) -> None:
@@ -112,6 +142,8 @@ def main() -> int:
             "in_sample_max_abs_error": report_summary["in_sample"]["decode_and_aggregate"]["max_abs_error"],
             **({"leave_one_out_median_abs_error": report_summary["leave_one_out"]["decode_and_aggregate"][
                 "median_abs_error"],
+                "leave_one_out_tiered_median_abs_error": report_summary["leave_one_out"]["tiered"][
+                "median_abs_error"],
                 "leave_one_out_max_abs_error": report_summary["leave_one_out"]["decode_and_aggregate"][
                 "max_abs_error"]} if loo else {}),
         }})
@@ -119,8 +151,9 @@ def main() -> int:
     _print("in sample (fitted on every row)", insample)
     if loo:
         _print("leave-one-out (each row predicted by a fit without it)", loo)
-    print()
-    print(json.dumps(report_summary, indent=2))
+    _print_tiers("in sample", report_summary["in_sample"])
+    if loo:
+        _print_tiers("leave-one-out", report_summary["leave_one_out"])
 
     loo_by = {(r.row_id, r.metric): r for r in loo}
     report = {

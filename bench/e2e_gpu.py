@@ -6,16 +6,16 @@ Cases (`--cases`, in order, each its own server):
   mtp        the same with MTP (depth 1) on
   consumer   the GPU limited to a 32 GB card (gpu_memory_utilization), the 2-bit base pinned in host RAM, the GPU
              an expert cache over PCIe, the locality router (popularity = the model's published coverage curve);
-             one stream: tok/s, token hit rate and zero-miss steps next to the plan's (the plan's moe_graphs
-             default: replay)
-  replay     the consumer case with moe_graphs=replay: tiered layers inside vLLM's graphs, a step that missed
-             fetched in one batch and run again (runtime/miss_replay.py); rows also carry the replay rate
-  split      the consumer case with moe_graphs=split: MoE split out of the graphs, the store per layer on the host
-  (`--cases replay,split`: the pair side by side in one call; both record greedy tokens of one prompt, and the
-  result's `token_check` says whether replay's equal split's, which computes every layer from resident rows)
+             one stream: tok/s, token hit rate and zero-miss steps next to the plan's. MoE layers split out of
+             vLLM's graphs (`split`; pinned as moe_graphs=split where the knob exists)
+  consumer_replay  the same with moe_graphs=replay (tiered layers inside the graphs, a missing step re-run):
+             only where the Plan schema has the knob
 Each case: the plan solved for `--hw` (a probe of this machine) with that case's pins, served with dummy weights,
 benched (decode tok/s at 1 stream, the batch curve at the others), stopped. The result file is rewritten after
-every case, so a run cut short keeps what it measured; `--deadline-s` skips the cases that cannot finish.
+every case, so a run cut short keeps what it measured; `--deadline-s` skips the cases that cannot finish; a case
+whose server fails to start is retried with --enforce-eager when `--fallback-eager` and time allow (its rows say
+eager). With MTP, vLLM's spec-decode counters give the measured acceptance, and the plan is also solved at that
+acceptance (dummy weights draft at whatever rate random weights give). `--dry-run`: plans and predictions only.
 
 Stock vLLM on the same model: its own weights (MXFP4 experts + FP8 dense) are sized from hwdb and compared with
 the GPU's memory; it is served only where they fit.
@@ -44,29 +44,35 @@ CASES: dict[str, dict[str, Any]] = {
     "resident": {"tier": "resident", "pins": {"expert_tier": "resident", "mtp": 0}, "router": "locality"},
     "mtp": {"tier": "resident", "pins": {"expert_tier": "resident", "mtp": 1}, "router": "locality"},
     "consumer": {"tier": "host", "pins": {"expert_tier": "host", "mtp": 0, "max_num_seqs": 1}, "router": "locality",
-                 "streams": (1,)},
-    "replay": {"tier": "host", "pins": {"expert_tier": "host", "mtp": 0, "max_num_seqs": 1, "moe_graphs": "replay"},
-               "router": "locality", "streams": (1,)},
-    "split": {"tier": "host", "pins": {"expert_tier": "host", "mtp": 0, "max_num_seqs": 1, "moe_graphs": "split"},
-              "router": "locality", "streams": (1,)},
+                 "streams": (1,), "moe_graphs": "split", "card_gib": CONSUMER_CARD_GIB},
+    # A host tier whose cache holds most experts (the issue's 60 of 72.6 GiB; on a smaller card what leaves 30 GiB
+    # for the dense weights, KV cache and activations).
+    "host_large": {"tier": "host", "pins": {"expert_tier": "host", "mtp": 0, "max_num_seqs": 1}, "router": "locality",
+                   "streams": (1,), "moe_graphs": "split", "cache_gib": 60.0, "label": "large-cache"},
+    "consumer_replay": {"tier": "host", "pins": {"expert_tier": "host", "mtp": 0, "max_num_seqs": 1},
+                        "router": "locality", "streams": (1,), "moe_graphs": "replay",
+                        "card_gib": CONSUMER_CARD_GIB},
 }
-CONSUMER_CASES = ("consumer", "replay", "split")
-TOKEN_PROMPT = "The expert cache of a mixture-of-experts model on one consumer GPU"
-TOKEN_COUNT = 32
 
 
-def greedy_tokens(url: str, model: str) -> list[int] | str:
-    """Greedy token ids of one fixed prompt (the cases' outputs compared token for token)."""
-    import httpx
+def case_pins(case: dict[str, Any], hw: Any = None) -> dict[str, Any]:
+    """The case's pins; `moe_graphs` only where the Plan schema has that knob (split is then the only mode)."""
+    from moetplan.contract import PINNABLE_KNOBS
 
-    try:
-        r = httpx.post(f"{url.rstrip('/')}/completions", timeout=600, json={
-            "model": model, "prompt": TOKEN_PROMPT, "max_tokens": TOKEN_COUNT, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True})
-        r.raise_for_status()
-        return list(r.json()["choices"][0]["token_ids"])
-    except Exception as e:  # noqa: BLE001 - the speed numbers still count
-        return f"{type(e).__name__}: {e}"
+    pins = dict(case["pins"])
+    if case.get("cache_gib") and hw is not None:
+        pins["gpu_expert_cache_gib"] = round(min(case["cache_gib"], hw.gpus[0].vram_gib - 30.0), 1)
+    if case.get("moe_graphs") and "moe_graphs" in PINNABLE_KNOBS:
+        pins["moe_graphs"] = case["moe_graphs"]
+    return pins
+
+
+def case_unsupported(case: dict[str, Any]) -> str | None:
+    from moetplan.contract import PINNABLE_KNOBS
+
+    if case.get("moe_graphs") == "replay" and "moe_graphs" not in PINNABLE_KNOBS:
+        return "this tree has no moe_graphs knob: tiered plans run split (replay not built here)"
+    return None
 
 
 def _profile(hw_path: str):
@@ -83,7 +89,7 @@ def make_plan(model: str, hw: Any, case: dict[str, Any], context: int, max_seqs:
     from moetplan.plan.solver import solve
 
     spec = hwdb.model_spec(model)
-    pins = {**COMMON_PINS, "context": context, "max_num_seqs": max_seqs, **case["pins"]}
+    pins = {**COMMON_PINS, "context": context, "max_num_seqs": max_seqs, **case_pins(case, hw)}
     if card_gib is not None:
         pins["gpu_memory_utilization"] = round(card_gib / hw.gpus[0].vram_gib, 4)
     plan = solve(spec, hw, Goals(context=context, pinned=pins))
@@ -95,7 +101,7 @@ def make_plan(model: str, hw: Any, case: dict[str, Any], context: int, max_seqs:
 
 
 def predictions(model: str, hw: Any, case: dict[str, Any], context: int, max_seqs: int, card_gib: float | None,
-                streams: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+                streams: tuple[int, ...], extra_pins: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
     """The plan's prediction at each stream count (the same pins, the planner told the concurrency)."""
     from moetplan import hwdb
     from moetplan.contract import Goals
@@ -104,14 +110,15 @@ def predictions(model: str, hw: Any, case: dict[str, Any], context: int, max_seq
     spec = hwdb.model_spec(model)
     out = {}
     for n in streams:
-        pins = {**COMMON_PINS, "context": context, "max_num_seqs": max_seqs, **case["pins"]}
+        pins = {**COMMON_PINS, "context": context, "max_num_seqs": max_seqs, **case_pins(case, hw),
+                **(extra_pins or {})}
         if card_gib is not None:
             pins["gpu_memory_utilization"] = round(card_gib / hw.gpus[0].vram_gib, 4)
         p = solve(spec, hw, Goals(context=context, concurrency=n, pinned=pins)).prediction
         out[n] = {"decode_tok_s": p.decode_tok_s, "aggregate_tok_s": p.aggregate_tok_s, "step_ms": p.step_ms,
                   "bottleneck": p.bottleneck, "token_hit_rate": p.token_hit_rate,
-                  "zero_miss_step_share": p.zero_miss_step_share, "replay_rate": p.replay_rate,
-                  "terms": [t.model_dump() for t in p.terms]}
+                  "zero_miss_step_share": p.zero_miss_step_share,
+                  "terms": [t.model_dump(mode="json") for t in p.terms]}
     return out
 
 
@@ -133,23 +140,43 @@ def stock_fit(model: str, hw: Any) -> dict[str, Any]:
             "hwdb_params_total_b": e.get("params_total_b") if isinstance(e, dict) else None}
 
 
+def spec_decode_counters(url: str) -> dict[str, float]:
+    """vLLM's speculative-decoding counters from /metrics (drafts, draft tokens, accepted tokens)."""
+    import httpx
+
+    try:
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=5.0).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_num_") and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0].removeprefix("vllm:spec_decode_").removesuffix("_total")
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return out
+
+
 def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any, root: Path,
-             deadline: float) -> dict[str, Any]:
+             deadline: float, vllm_args: str) -> dict[str, Any]:
     from moetplan.bench.phases import run_bench
     from moetplan.launch.harness import RunFailed, RunProcess
 
     streams = tuple(case.get("streams") or args.streams)
-    card = CONSUMER_CARD_GIB if name in CONSUMER_CASES else None
-    folder = root / name
+    card = case.get("card_gib")
+    folder = root / (name + ("-eager" if "--enforce-eager" in vllm_args else ""))
     t0 = time.monotonic()
     plan_path, plan = make_plan(args.model, hw, case, args.context, max(streams), card, folder)
     res: dict[str, Any] = {"plan": str(plan_path), "placement": plan.placement.model_dump(mode="json"),
-                           "prediction_served_plan": plan.prediction.model_dump(mode="json")}
+                           "prediction_served_plan": plan.prediction.model_dump(mode="json"),
+                           "runtime_section": plan.runtime.model_dump(mode="json")}
     res["predicted"] = predictions(args.model, hw, case, args.context, max(streams), card, streams)
     port = 8100 + len(list(root.iterdir()))
     left = deadline - time.monotonic()
-    extra = ["--", *args.vllm_args.split()] if args.vllm_args else []
-    res["vllm_extra_args"] = args.vllm_args or None
+    extra = ["--", *vllm_args.split()] if vllm_args else []
+    res["vllm_extra_args"] = vllm_args or None
     run = RunProcess([str(plan_path), "--port", str(port), "--timeout", str(int(max(left - 30, 60))), *extra],
                      log_path=folder / "events.log").start()
     try:
@@ -164,9 +191,21 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any,
         res["errors"] = rec.errors
         res["notes"] = rec.notes
         res["ready"] = {k: ready.get(k) for k in ("endpoint", "model", "startup_s")}
-        res["greedy_tokens"] = greedy_tokens(run.url, ready.get("model") or plan.launch.served_model_name)
+        if case["pins"].get("mtp"):
+            sd = spec_decode_counters(run.url)
+            res["spec_decode"] = sd
+            if sd.get("num_draft_tokens"):
+                acc = sd.get("num_accepted_tokens", 0.0) / sd["num_draft_tokens"]
+                res["measured_mtp_acceptance"] = round(acc, 4)
+                try:
+                    res["predicted_at_measured_acceptance"] = predictions(
+                        args.model, hw, case, args.context, max(streams), card, streams,
+                        {"mtp_acceptance": round(min(max(acc, 0.0), 1.0), 4)})
+                except Exception as e:  # noqa: BLE001 - the measurement stands without it
+                    res["predicted_at_measured_acceptance"] = f"{type(e).__name__}: {e}"
     except RunFailed as e:
         res["error"] = str(e)[-2000:]
+        res["ready_failed"] = not res.get("startup_s")
     finally:
         res["stopped"] = {k: v for k, v in run.stop().items() if k in ("leftover", "leftover_killed", "returncode")}
         res["wall_s"] = round(time.monotonic() - t0, 1)
@@ -178,15 +217,22 @@ def case_rows(name: str, case: dict[str, Any], res: dict[str, Any], model: str) 
     rows = []
     m = res.get("measured") or {}
     curve = {int(k): v for k, v in (m.get("batch_curve") or {}).items()}
+    eager = "--enforce-eager" in (res.get("vllm_extra_args") or "")
+    mode = case.get("moe_graphs") if case["tier"] != "resident" else None
+    at_acc = res.get("predicted_at_measured_acceptance")
     for n, pred in sorted((res.get("predicted") or {}).items()):
         n = int(n)
         measured = m.get("decode_tok_s") if n == 1 else curve.get(n)
+        why = None
+        if measured is None:
+            why = (res.get("error") or "; ".join(res.get("errors") or []) or "not measured")[-600:]
         rows.append({
-            "case": f"{model} {case['tier']}{' mtp1' if case['pins'].get('mtp') else ''}"
-                    f"{' eager' if '--enforce-eager' in (res.get('vllm_extra_args') or '') else ''}"
-                    f"{' 32GB-card' if name in CONSUMER_CASES else ''}"
-                    f"{' ' + name if name in ('replay', 'split') else ''} {n} stream{'s' if n > 1 else ''}",
+            "case": f"{model} {case['tier']}{f' {mode}' if mode else ''}{' mtp1' if case['pins'].get('mtp') else ''}"
+                    f"{' eager' if eager else ''}"
+                    f"{' 32GB-card' if case.get('card_gib') else ''}{' ' + case['label'] if case.get('label') else ''}"
+                    f" {n} stream{'s' if n > 1 else ''}",
             "streams": n,
+            "cuda_graphs": not eager,
             "predicted_decode_tok_s": pred["decode_tok_s"] if n == 1 else pred["aggregate_tok_s"],
             "measured_decode_tok_s": measured,
             "measured_is": "single-stream decode tok/s" if n == 1 else "aggregate decode tok/s over the streams",
@@ -195,11 +241,13 @@ def case_rows(name: str, case: dict[str, Any], res: dict[str, Any], model: str) 
             **({"predicted_token_hit_rate": pred.get("token_hit_rate"),
                 "predicted_zero_miss_step_share": pred.get("zero_miss_step_share"),
                 "measured_token_hit_rate": (res.get("runtime") or {}).get("token_hit_rate"),
-                "measured_zero_miss_step_share": (res.get("runtime") or {}).get("zero_miss_step_share"),
-                "predicted_replay_rate": pred.get("replay_rate"),
-                "measured_replay_rate": (res.get("runtime") or {}).get("replay_rate"),
-                "measured_replay": (res.get("runtime") or {}).get("replay")}
-               if name in CONSUMER_CASES else {}),
+                "measured_zero_miss_step_share": (res.get("runtime") or {}).get("zero_miss_step_share")}
+               if case["tier"] != "resident" else {}),
+            **({"measured_mtp_acceptance": res.get("measured_mtp_acceptance"),
+                "predicted_decode_tok_s_at_measured_acceptance":
+                    (at_acc[n]["decode_tok_s"] if n == 1 else at_acc[n]["aggregate_tok_s"])}
+               if isinstance(at_acc, dict) and n in at_acc else {}),
+            **({"not_measured_because": why} if why else {}),
         })
     return rows
 
@@ -220,6 +268,9 @@ def main() -> int:
     ap.add_argument("--min-case-s", type=float, default=200.0, help="a case needs at least this long to start")
     ap.add_argument("--vllm-args", default="", help="extra vLLM arguments for every server (e.g. --enforce-eager: "
                     "then the case names say eager)")
+    ap.add_argument("--fallback-eager", action="store_true",
+                    help="a case whose server did not start is retried with --enforce-eager if time allows")
+    ap.add_argument("--dry-run", action="store_true", help="plans and predictions only (no server)")
     args = ap.parse_args()
     args.streams = tuple(int(s) for s in args.streams.split(",") if s)
     start = time.monotonic()
@@ -240,25 +291,47 @@ def main() -> int:
                                         f"{doc['stock_vllm']}")
     args.work.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out, doc)
-    for name in [c for c in args.cases.split(",") if c]:
-        if deadline - time.monotonic() < args.min_case_s:
-            doc["skipped"][name] = f"not started: {deadline - time.monotonic():.0f} s left of the call's budget"
-            continue
-        try:
-            res = run_case(name, CASES[name], args, hw, args.work, deadline)
-        except Exception as e:  # noqa: BLE001 - the other cases still run
-            res = {"error": f"{type(e).__name__}: {e}"}
-        doc["runs"][name] = res
-        doc["cases"] += case_rows(name, CASES[name], res, args.model)
+    names = [c for c in args.cases.split(",") if c]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}: choose from {', '.join(CASES)}")
+    if args.dry_run:
+        for name in names:
+            case = CASES[name]
+            streams = tuple(case.get("streams") or args.streams)
+            doc["runs"][name] = {"predicted": predictions(args.model, hw, case, args.context, max(streams),
+                                                          case.get("card_gib"), streams),
+                                 "pins": case_pins(case, hw), "error": "dry run: not served"}
+            doc["cases"] += case_rows(name, case, doc["runs"][name], args.model)
         atomic_write_json(args.out, doc)
-        print(json.dumps({"case": name, "rows": case_rows(name, CASES[name], res, args.model),
-                          "error": res.get("error")}, default=str)[:3000], flush=True)
-        toks = {c: doc["runs"].get(c, {}).get("greedy_tokens") for c in ("replay", "split")}
-        if all(isinstance(t, list) for t in toks.values()):
-            doc["token_check"] = {"replay_equals_split": toks["replay"] == toks["split"],
-                                  "first_difference": next((i for i, (a, b) in enumerate(zip(*toks.values()))
-                                                            if a != b), None), "tokens": TOKEN_COUNT}
+        for row in doc["cases"]:
+            print(f"{row['case']:<60} predicted {row['predicted_decode_tok_s']:8.1f}")
+        return 0
+    for name in names:
+        case = CASES[name]
+        why_not = case_unsupported(case)
+        if why_not:
+            doc["skipped"][name] = why_not
             atomic_write_json(args.out, doc)
+            continue
+        attempts = [args.vllm_args] + (["--enforce-eager " + args.vllm_args]
+                                       if args.fallback_eager and "--enforce-eager" not in args.vllm_args else [])
+        for vllm_args in attempts:
+            if deadline - time.monotonic() < args.min_case_s:
+                doc["skipped"][name] = f"not started: {deadline - time.monotonic():.0f} s left of the call's budget"
+                break
+            try:
+                res = run_case(name, case, args, hw, args.work, deadline, vllm_args.strip())
+            except Exception as e:  # noqa: BLE001 - the other cases still run
+                res = {"error": f"{type(e).__name__}: {e}", "vllm_extra_args": vllm_args.strip() or None}
+            key = name + ("-eager" if "--enforce-eager" in vllm_args else "")
+            doc["runs"][key] = res
+            doc["cases"] += case_rows(name, case, res, args.model)
+            atomic_write_json(args.out, doc)
+            print(json.dumps({"case": key, "rows": case_rows(name, case, res, args.model),
+                              "error": res.get("error")}, default=str)[:3000], flush=True)
+            if not res.get("ready_failed"):
+                break  # measured, or failed after it started: an eager retry would not tell more
     return 0
 
 

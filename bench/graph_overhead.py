@@ -94,7 +94,7 @@ def resident_host_us(spec: Any, tokens: int, in_graphs: bool, iters: int) -> dic
     # The op's host work does not depend on the row size; a small row keeps the stand-in pool small.
     H, E, k = 256, int(spec.n_routed_experts), int(spec.top_k)
     layout = RowLayout.for_expert(H, 256, 1, "2bit")
-    w = WorkerRuntime(_plan(spec, tokens), rank=0, in_graphs=in_graphs)
+    w = WorkerRuntime(_plan(spec, tokens).runtime, rank=0, in_graphs=in_graphs)
     for li in range(2):
         st = w.layer_state(key=li, moe_index=li, name=f"l{li}", fmt="2bit", tier="resident", num_experts=E,
                            hidden=H, inter=256, first=li == 0, layout=layout, source="bench")

@@ -170,7 +170,7 @@ def read_bandwidth(quick: bool) -> dict[str, Any]:
     n_bytes = (4 if quick else 8) * GIB
     buf = torch.rand(n_bytes // 4, device="cuda", dtype=torch.float32)
     out = torch.empty((), device="cuda")
-    t = time_events(lambda: torch.sum(buf, dim=0, out=out), reps=10)
+    t = time_events(lambda: torch.sum(buf, dim=0, out=out), reps=10)  # noqa: F821 (runs before the del below)
     big = {"bytes": n_bytes, **t, "gbps": n_bytes / (t["median_ms"] * 1e-3) / 1e9}
     # Graph of back-to-back 40 MiB slice sums: the access pattern of a decode step (many medium reads).
     sl = 40 * MIB // 4
@@ -179,7 +179,7 @@ def read_bandwidth(quick: bool) -> dict[str, Any]:
 
     def slices():
         for i in range(nsl):
-            torch.sum(buf[i * sl:(i + 1) * sl], dim=0, out=outs[i])
+            torch.sum(buf[i * sl:(i + 1) * sl], dim=0, out=outs[i])  # noqa: F821 (runs before the del below)
 
     g = capture(slices)
     t2 = time_events(g.replay, reps=10)
@@ -293,7 +293,7 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
 
     def ref_layers():
         for li in range(nref):
-            d = layers[li]
+            d = layers[li]  # noqa: F821 (runs before the del below)
             moe_forward_reference(x, d["ids"], d["w"], d["pool"], d["slot_of"], lay, out=outs[li])
 
     tr = time_events(ref_layers, reps=2, warmup=1)
@@ -310,7 +310,7 @@ def decode_case(m: dict[str, Any], T: int, ref_gbps: float, gen: torch.Generator
 
     def naive_step():
         for li in range(L):
-            d = bl[li % nb]
+            d = bl[li % nb]  # noqa: F821 (runs before the del below)
             w13 = d["w13"][d["idx"]]  # [T, k, 2I, H]
             h = torch.einsum("th,tkih->tki", x, w13)
             a = torch.nn.functional.silu(h[..., :I]) * h[..., I:]

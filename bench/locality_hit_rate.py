@@ -36,11 +36,11 @@ def one(model: str, cache_gib: float, steps: int, warmup: int, seqs: int, prompt
     hw = HardwareProfile(source="probe:host", host=HostInfo(ram_gib=64.0), description="vLLM CPU backend")
     pred = predict(spec, hw, placement)
     knobs = RuntimeKnobs(weights="dummy", router="locality", router_popularity=tuple(expert_popularity(spec)))
-    s = runtime_section(placement, knobs).model_copy(update={"row_bytes": 0})  # small rows: same slots, routing
+    s = runtime_section(placement, knobs).model_copy(update={"expert_row_bytes": 0})  # small rows: same slots, routing
     lay = RowLayout.for_expert(32, 32, 1, "2bit")
     store = expert_store(s, RandomRowSource(lay, spec.moe_layers, spec.n_routed_experts), device="cpu", pin=False,
                          prefill_tokens=s.decode_batch_tokens)
-    router = router_for(s, spec.top_k)
+    router = router_for(s.knobs, spec.top_k)
     t0 = time.perf_counter()
     for layer in range(spec.moe_layers):  # the prompt: pins only its own rows, feeds no decode heat
         ids = router.route(layer, torch.zeros(prompt, spec.top_k, dtype=torch.int64))
@@ -55,8 +55,9 @@ def one(model: str, cache_gib: float, steps: int, warmup: int, seqs: int, prompt
         for layer in range(spec.moe_layers):
             store.ensure(layer, router.route(layer, z))
     k = store.stats()
-    return {"model": model, "cache_gib": cache_gib, "cache_slots": s.cache_slots,
-            "cached_share": round(s.cache_slots / (spec.moe_layers * spec.n_routed_experts), 4), "seqs": seqs,
+    return {"model": model, "cache_gib": cache_gib, "cache_slots": s.gpu_expert_cache_slots,
+            "cached_share": round(s.gpu_expert_cache_slots / (spec.moe_layers * spec.n_routed_experts), 4),
+            "seqs": seqs,
             "predicted": {"token_hit_rate": pred.token_hit_rate, "misses_per_step": pred.misses_per_step,
                           "zero_miss_step_share": pred.zero_miss_step_share},
             "first_steps": None if cold is None else {"steps": warmup, "token_hit_rate": cold["token_hit_rate"]},

@@ -142,6 +142,7 @@ class _GPUEntry(BaseModel):
     sms: int | None = None
     tdp_w: float | None = None
     h2d_pinned_gbps: float | None = None
+    h2d_batched_gbps: float | None = None  # batched expert-sized fetches measured while serving on this card
     source: list[str]
 
 
@@ -251,6 +252,11 @@ def gpu_info(gpu_id: str, index: int = 0) -> GPUInfo:
         sources={"vram_gib": ds, "mem_bw_gbps": ds, "compute_capability": ds, "pcie_gen": ds, "pcie_width": ds,
                  "power_limit_w": ds},
     )
+    if e.get("h2d_batched_gbps") is not None:
+        # What misses reached while serving on some host with this card: the cost model's fetch rate until a probe
+        # of the real host measures its own.
+        info.h2d_batched_gbps = e["h2d_batched_gbps"]
+        info.sources["h2d_batched_gbps"] = "derived"
     if e["h2d_pinned_gbps"] is not None:
         # Measured on some host with this card (hwdb/gpus.yaml), not on this one.
         info.sources["h2d_pinned_gbps"] = "derived"
@@ -598,3 +604,63 @@ def table(name: str) -> Any:
     """Another hwdb/ file, parsed (cached until it changes); its reader checks its shape (engine_support.yaml:
     plan/support.py)."""
     return _read_yaml(hwdb_dir() / name)
+
+
+# --------------------------------------------------------------------------- serving conventions
+
+SERVING_KEYS = ("tool_call_parser", "reasoning_parser", "tokenizer_mode", "chat_template")
+
+
+class _ServingEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    tokenizer_mode: str | None = None
+    chat_template: str | None = None
+
+
+def _serving_table() -> tuple[Path, dict[str, dict[str, _ServingEntry]]]:
+    path = hwdb_dir() / "serving.yaml"
+    key = ("serving", str(path), path.stat().st_mtime_ns if path.exists() else 0)
+    if key in _cache:
+        return _cache[key]
+    data = _read_yaml(path)
+    if not isinstance(data, dict) or not data.get("source"):
+        raise ConfigError(f"{path}: expected sections 'models' and 'architectures' and a 'source' list")
+    out: dict[str, dict[str, _ServingEntry]] = {}
+    for section in ("models", "architectures"):
+        sec = data.get(section) or {}
+        if not isinstance(sec, dict):
+            raise ConfigError(f"{path}: section '{section}' must map names to serving entries")
+        out[section] = {}
+        for name, entry in sec.items():
+            try:
+                out[section][str(name)] = _ServingEntry.model_validate(entry or {})
+            except ValidationError as e:
+                raise _validation_error(path, f"{section}.{name}", e) from None
+    _cache[key] = (path, out)
+    return path, out
+
+
+def serving_conventions(model_id: str | None, vllm_arch: str | None = None) -> tuple[dict[str, str | None], str]:
+    """(tool_call_parser / reasoning_parser / tokenizer_mode / chat_template, where they came from) for a model:
+    its own entry (hwdb id, alias or tiny model name), else its vLLM architecture's, else none (all None)."""
+    _, table_ = _serving_table()
+    entry, source = None, "none known (no hwdb/serving.yaml entry for this model or architecture)"
+    if model_id:
+        mid = model_id if model_id in table_["models"] else None
+        if mid is None:
+            try:
+                mid = _resolve_model(model_id)
+            except (UsageError, ConfigError):
+                mid = None
+        if mid is not None and mid in table_["models"]:
+            entry, source = table_["models"][mid], f"hwdb/serving.yaml models.{mid}"
+    if entry is None and vllm_arch and vllm_arch in table_["architectures"]:
+        entry, source = table_["architectures"][vllm_arch], f"hwdb/serving.yaml architectures.{vllm_arch}"
+    values = entry.model_dump() if entry is not None else {k: None for k in SERVING_KEYS}
+    return values, source
+
+
+def serving_model_ids() -> list[str]:
+    return sorted(_serving_table()[1]["models"])

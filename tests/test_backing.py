@@ -139,7 +139,6 @@ def test_bad_inputs_name_the_problem(rows, pack_file, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_buffers_are_page_locked_and_aligned():
     buf = host_buffer(3, S + 4096, pin=True, what="test")  # not a power of two: locked exactly, not rounded up
     assert buf.is_pinned() and buf.data_ptr() % 4096 == 0 and buf.shape == (3, S + 4096)

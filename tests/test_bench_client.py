@@ -43,7 +43,7 @@ def test_healthy_server_gives_every_metric_and_probe(tmp_path: Path) -> None:
     # the fake counts one token per word, so usage-calibrated prompts land exactly on their targets
     assert m["prefill_prompt_tokens"] == {"128": 128, "512": 512}
     assert m["prefill_len"] == 512 and m["prefill_tok_s"] == m["prefill_by_len"]["512"]
-    assert m["token_count_source"] == "usage" and m["prompt_count_source"] == "usage"
+    assert m["token_count_source"] == "usage" and m["prompt_count_source"] == "tokenize"
     assert m["tokens_per_event"] == 1.0
     assert rec.probes["needle"] == {"256": "PASS"}
     assert rec.probes["arithmetic"]["result"] == "PASS" and rec.probes["arithmetic"]["passed"] == 5
@@ -79,7 +79,7 @@ def test_multi_token_events_are_counted_by_usage_not_events() -> None:
 
 
 def test_server_without_usage_falls_back_to_events_and_says_so() -> None:
-    with fake(modes={"no_usage"}) as srv:
+    with fake(modes={"no_usage"}, tokenize=False) as srv:
         rec = run_bench(srv.url, **FAST)
     assert rec.errors == []
     assert rec.measured["token_count_source"].startswith("events")
@@ -192,9 +192,32 @@ def test_default_lengths_are_fitted_to_the_served_context() -> None:
     assert any("to fit the server's max_model_len 1000" in n for n in rec.notes)
 
 
-def test_bunched_events_are_an_error_in_the_record_not_a_rate() -> None:
-    """A proxy that holds the stream and releases it at once: event times say nothing about decode."""
+def test_bunched_events_are_timed_from_the_servers_histogram_and_the_record_says_so() -> None:
+    """Events bunched on the way (a proxy, a loaded client): decode comes from vLLM's inter-token histogram."""
     with fake(modes={"bunched"}) as srv:
+        rec = run_bench(srv.url, prompt_lens=(64,), concurrency=(1,), runs=2, max_tokens=48, needle_lens=(),
+                        probes=False, timeout=5.0)
+    assert not any(e.startswith("decode_tok_s") for e in rec.errors), rec.errors
+    assert rec.measured["decode_timing"] == "server inter-token histogram"
+    assert 450 < rec.measured["decode_tok_s"] < 550  # the fake's 500
+    assert any("timed by the server inter-token histogram" in n for n in rec.notes)
+
+
+def test_prompts_sized_by_the_servers_tokenizer_never_pass_the_context() -> None:
+    """Lengths fitted to max_model_len and prompts sized with /tokenize: no request over the context (the
+    fake's tokens are words; the bench's first guess of tokens per word is 1, which /tokenize corrects)."""
+    with fake(max_model_len=1000) as srv:
+        rec = run_bench(srv.url, concurrency=(1,), runs=1, max_tokens=16, probes=False, timeout=5.0)
+        sent = [r for r in srv.requests if "prompt" in r]
+    assert rec.errors == [] and rec.measured["prompt_count_source"] == "tokenize"
+    assert max(len(r["prompt"].split()) + int(r["max_tokens"]) for r in sent) <= 1000
+    top = max(rec.measured["prefill_prompt_tokens"].values())
+    assert 0.9 * int(999 * 0.95) <= top <= int(999 * 0.95)
+
+
+def test_bunched_events_without_server_timings_are_an_error_in_the_record_not_a_rate() -> None:
+    """A proxy that holds the stream and releases it at once, a server with no histograms: no decode rate."""
+    with fake(modes={"bunched"}, histograms=False) as srv:
         rec = run_bench(srv.url, prompt_lens=(64,), concurrency=(1,), runs=2, max_tokens=48, needle_lens=(),
                         probes=False, timeout=5.0)
     assert "decode_tok_s" not in rec.measured

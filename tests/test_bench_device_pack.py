@@ -118,3 +118,66 @@ def test_import_scan_sorts_imports_by_when_they_run():
     assert got.conditional == {"flashinfer"}
     assert got.optional == {"xxhash", "qutlass"}
     assert got.lazy == {"tilelang"}
+
+
+def test_dependency_wheels_travel_as_installed_less_what_sm90_never_opens(tmp_path):
+    import tarfile
+    import zipfile
+
+    whl = tmp_path / "z3_solver-4.15.4.0-py3-none-manylinux_2_17_x86_64.whl"
+    with zipfile.ZipFile(whl, "w") as zf:
+        zf.writestr("z3/__init__.py", "x = 1\n")
+        zf.writestr("z3/lib/libz3.so", b"\x7fELF lib")
+        zf.writestr("z3/lib/libz3.so.4.15", b"\x7fELF lib")  # the same library again
+        zf.writestr("z3_solver-4.15.4.0.data/data/bin/z3", b"\x7fELF binary")  # a script dir: not installed
+        zf.writestr("z3_solver-4.15.4.0.data/platlib/z3_extra.py", "y = 2\n")  # installed at the top
+        zf.writestr("z3_solver-4.15.4.0.dist-info/METADATA", "Name: z3-solver\nVersion: 4.15.4.0\n")
+    out = device_pack.repack_wheel(whl, tmp_path)
+    assert out.name == "z3_solver-4.15.4.0-py3-none-manylinux_2_17_x86_64.tar.xz"
+    with tarfile.open(out) as tar:
+        assert sorted(tar.getnames()) == ["z3/__init__.py", "z3/lib/libz3.so", "z3_extra.py",
+                                          "z3_solver-4.15.4.0.dist-info/METADATA"]
+        assert tar.extractfile("z3_extra.py").read() == b"y = 2\n"
+
+
+def test_an_archive_over_the_budget_travels_as_parts_that_join_back(tmp_path):
+    work = tmp_path / "w"
+    work.mkdir()
+    data = bytes(range(256)) * 4096 * 11  # 11 MiB
+    big = tmp_path / "libs.tar.xz"
+    big.write_bytes(data)
+    small = tmp_path / "small.tar.xz"
+    small.write_bytes(b"s" * 1000)
+    budget = 4 * device_pack.MiB
+    items = device_pack.split_oversize([device_pack.Item(big, "ds4"), device_pack.Item(small, "core")], budget, work)
+    names = [i.path.name for i in items]
+    assert names == ["libs.tar.xz.part1-of-3", "libs.tar.xz.part2-of-3", "libs.tar.xz.part3-of-3", "small.tar.xz"]
+    assert [i.size for i in items[:3]] == [budget, budget, len(data) - 2 * budget]
+    assert all(i.group == "ds4" for i in items[:3])
+    assert b"".join(i.path.read_bytes() for i in items[:3]) == data
+    m = device_pack.PART_RE.match(names[1])
+    assert (m["name"], m["k"], m["n"]) == ("libs.tar.xz", "2", "3")
+    pieces = device_pack.fill(items, budget)
+    assert all(p.size <= budget for p in pieces) and len(pieces) == 3  # the 3 MiB tail shares a piece with small
+
+
+def test_install_check_follows_deepseek_v4s_function_level_imports(tmp_path):
+    import vllm_imports as vi
+
+    pkg = tmp_path / "vllm" / "models" / "deepseek_v4"
+    for d in ("", "nvidia", "nvidia/ops", "amd"):
+        (pkg / d).mkdir(parents=True, exist_ok=True)
+        (pkg / d / "__init__.py").write_text("")
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    (tmp_path / "vllm" / "models" / "__init__.py").write_text("")
+    (pkg / "compressor.py").write_text(
+        "import torch\n"
+        "def forward(self):\n"
+        "    if cuda:\n"
+        "        from .nvidia.ops.sparse_attn_compress_cutedsl import compress\n"
+        "    import quack.compile_utils\n"
+        "    from aiter import x\n")
+    (pkg / "amd" / "model.py").write_text("def f():\n    import aiter_only_here\n")
+    got = vi.function_imports(vi.Tree(tmp_path), "vllm.models.deepseek_v4")
+    assert got == {"vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl": "vllm.models.deepseek_v4.compressor",
+                   "quack.compile_utils": "vllm.models.deepseek_v4.compressor"}

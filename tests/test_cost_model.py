@@ -127,7 +127,12 @@ def test_miss_bytes_double_when_link_halves():
     # Per-layer fetch overheads are link time too (vLLM-Moet: its slower-linked 5090 pays 2x per miss).
     assert s.parts["link.fetch_overhead_mib"] == pytest.approx(2 * f.parts["link.fetch_overhead_mib"])
     # The replay of a missing step does not depend on the link.
-    assert s.parts["family.miss_replay_factor"] == pytest.approx(f.parts["family.miss_replay_factor"])
+    from moetplan.cost_model.terms import MISS_REPLAY
+
+    fr = next(t for t in fast.terms if t.name == MISS_REPLAY)
+    sr = next(t for t in slow.terms if t.name == MISS_REPLAY)
+    assert sr.parts["family.miss_replay_factor"] == pytest.approx(fr.parts["family.miss_replay_factor"])
+    assert "family.miss_replay_factor" not in s.parts
 
 
 def test_a_missing_step_replays_its_graph_once_per_factor():
@@ -136,9 +141,49 @@ def test_a_missing_step_replays_its_graph_once_per_factor():
     model, hw = toy_model(), toy_hw()
     step = decode_step(model, hw, Placement.for_model(model, expert_tier="host", gpu_expert_cache_gib=0.05), CAL)
     graph = sum(ms for t, ms in step.term_ms(CAL, hw) if t.name in GRAPH_TERMS)
-    miss = next(t for t in step.terms if t.name == MISS_HOST)
-    assert miss.parts["family.miss_replay_factor"] == pytest.approx(step.miss.p_step_miss * graph)
-    assert "family.eager_layer_us" not in miss.parts
+    from moetplan.cost_model.terms import MISS_REPLAY
+
+    replay = next(t for t in step.terms if t.name == MISS_REPLAY)
+    assert replay.parts["family.miss_replay_factor"] == pytest.approx(step.miss.p_step_miss * graph)
+    assert "family.eager_layer_us" not in replay.parts
+
+
+def test_the_tiered_graph_mode_is_one_named_term():
+    """Replay (vLLM-Moet's design) pays one read per step; split pays host work on every MoE layer, miss or not."""
+    from moetplan.contract.errors import UsageError
+    from moetplan.cost_model.terms import MOE_GRAPH, moe_graph_overhead
+
+    model, hw = toy_model(), toy_hw()
+    pl = Placement.for_model(model, expert_tier="host", gpu_expert_cache_gib=0.05)
+    replay = decode_step(model, hw, pl, CAL)
+    split = decode_step(model, hw, pl, CAL, moe_graphs="split")
+    r, s = term(replay, MOE_GRAPH), term(split, MOE_GRAPH)
+    assert moe_graph_overhead(model, pl, "split").parts == {"family.moe_split_us": float(model.moe_layers)}
+    assert s == pytest.approx(model.moe_layers * CAL.family(hw).moe_split_us / 1e3)
+    assert r == pytest.approx(CAL.family(hw).tiered_step_us / 1e3) and s > r
+    assert predict(model, hw, pl, CAL, moe_graphs="split").decode_tok_s < predict(model, hw, pl, CAL).decode_tok_s
+    assert not any(t.name == MOE_GRAPH for t in decode_step(model, hw, Placement(), CAL).terms)  # resident
+    with pytest.raises(UsageError):
+        moe_graph_overhead(model, pl, "eager")
+
+
+def test_nvme_pack_reads_overlap_the_link_copies():
+    """The slower of the pack path and the link path sets the fetch: an arena holding every missing row costs what the
+    host tier costs, a slow drive behind a small arena costs more, and a fast one no more than the link path."""
+    from moetplan.cost_model.terms import MISS_NVME
+
+    model = toy_model()
+    host = Placement.for_model(model, expert_tier="host", gpu_expert_cache_gib=0.05)
+    small = Placement.for_model(model, expert_tier="nvme", gpu_expert_cache_gib=0.05, host_arena_gib=0.05)
+    whole = Placement.for_model(model, expert_tier="nvme", gpu_expert_cache_gib=0.05, host_arena_gib=64.0)
+    fast_drive, slow_drive = toy_hw(), toy_hw()
+    fast_drive.storage.rand_read_gbps, slow_drive.storage.rand_read_gbps = 1000.0, 0.05
+    host_ms = term(decode_step(model, slow_drive, host, CAL), MISS_HOST)
+    assert term(decode_step(model, slow_drive, whole, CAL), MISS_NVME) == pytest.approx(host_ms)
+    slow = decode_step(model, slow_drive, small, CAL)
+    assert "link.nvme_read_eff" in next(t for t in slow.terms if t.name == MISS_NVME).parts
+    assert term(slow, MISS_NVME) > 2 * host_ms
+    assert host_ms <= term(decode_step(model, fast_drive, small, CAL), MISS_NVME) < term(slow, MISS_NVME)
 
 
 def test_per_sequence_cost_grows_with_streams():
@@ -322,15 +367,14 @@ def test_zero_rates_and_dense_models_are_usage_errors():
 
 
 def test_a_tiered_step_predicts_its_replays_from_the_zero_miss_share():
-    """moe_graphs=replay: graph step + P(miss) x (batch fetch + graph step) + one read (cost_model/replay.py);
-    the plan carries the replay rate next to the zero-miss share; split has no replay term."""
+    """moe_graphs=replay: graph step + P(miss) x (batch fetch + graph step) + one read (terms: MOE_GRAPH, the fetch,
+    MISS_REPLAY); the plan carries the replay rate next to the zero-miss share; split has no replay term."""
     from moetplan import hwdb
     from moetplan.contract import Placement
     from moetplan.cost_model import predict
     from moetplan.cost_model.calibration import load_calibration
     from moetplan.cost_model.coverage import curve_for
-    from moetplan.cost_model.replay import replay_cost
-    from moetplan.cost_model.terms import MISS_HOST, decode_step
+    from moetplan.cost_model.terms import GRAPH_TERMS, MISS_REPLAY, decode_step
 
     ds4, hw = hwdb.model_spec("deepseek-v4-flash"), hwdb.box_profile("rtx-5090x1")
     pl = Placement.for_model(ds4, expert_tier="host", gpu_expert_cache_gib=14, context=32768, mtp=0)
@@ -339,9 +383,32 @@ def test_a_tiered_step_predicts_its_replays_from_the_zero_miss_share():
     assert rep.replay_rate == pytest.approx(1 - rep.zero_miss_step_share, abs=1e-6) and 0 < rep.replay_rate < 1
     assert split.replay_rate is None and split.zero_miss_step_share == rep.zero_miss_step_share
     calib = load_calibration(hw)
-    step = decode_step(ds4, hw, pl, calib, 1, curve_for(ds4, calib.routing))
-    term = next(t for t in step.terms if t.name == MISS_HOST)
-    rc = replay_cost(step.miss, 10.0, 50.0)
-    assert rc.parts["family.miss_replay_factor"] == pytest.approx(step.miss.p_step_miss * 10.0)
-    assert rc.parts["link.fetch_overhead_mib"] > 0 and "replay" in term.note
-    assert term.parts["family.miss_replay_factor"] > 0  # the re-run of the graph, at P(step misses)
+    curve = curve_for(ds4, calib.routing)
+    step = decode_step(ds4, hw, pl, calib, 1, curve)
+    term = next(t for t in step.terms if t.name == MISS_REPLAY)
+    graph = sum(t.ms(calib, hw) for t in step.terms if t.name in GRAPH_TERMS)
+    assert term.parts["family.miss_replay_factor"] == pytest.approx(step.miss.p_step_miss * graph)
+    split_step = decode_step(ds4, hw, pl.model_copy(update={"moe_graphs": "split"}), calib, 1, curve)
+    assert not any(t.name == MISS_REPLAY for t in split_step.terms)
+
+
+def test_a_cpu_step_is_priced_from_what_it_does():
+    """vLLM's CPU backend: the engine's step, each layer's eager ops, each routed expert's calls (the expert path),
+    and the bytes at the probe's DRAM rate; a slower DRAM costs only the byte terms."""
+    from moetplan.cost_model.calibration import load_calibration
+    from moetplan.cost_model.terms import CPU_EXPERT_CALLS, EXPERTS
+
+    cal = load_calibration(user=False)
+    model = toy_model()
+    fast = HardwareProfile(gpus=[], host=HostInfo(ram_gib=64, cores=8, dram_gbps=40.0))
+    slow = HardwareProfile(gpus=[], host=HostInfo(ram_gib=64, cores=8, dram_gbps=10.0))
+    a, b = decode_step(model, fast, Placement(), cal), decode_step(model, slow, Placement(), cal)
+    calls = next(t for t in a.terms if t.name == CPU_EXPERT_CALLS)
+    assert calls.parts == {"family.expert_call_us": pytest.approx(a.union_per_layer * model.moe_layers)}
+    assert cal.family(fast).expert_call_us > 0 and cal.family(toy_hw()).expert_call_us == 0
+    assert not any(t.name == CPU_EXPERT_CALLS for t in decode_step(model, toy_hw(), Placement(), cal).terms)
+    ms = {t.name: x for t, x in a.term_ms(cal, fast)}
+    ms_slow = {t.name: x for t, x in b.term_ms(cal, slow)}
+    assert ms_slow[CPU_EXPERT_CALLS] == pytest.approx(ms[CPU_EXPERT_CALLS])
+    if "compute-bound" not in next(t for t in a.terms if t.name == EXPERTS).note:
+        assert ms_slow[EXPERTS] == pytest.approx(4 * ms[EXPERTS])

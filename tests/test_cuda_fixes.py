@@ -244,7 +244,7 @@ def test_the_fixes_find_their_targets_in_the_installed_vllm(monkeypatch):
             modules[name] = importlib.import_module(name)
         except ModuleNotFoundError:  # DeepSeek-V4.1 arrived after 0.27
             continue
-    for name, mod in modules.items():
+    for mod in modules.values():
         monkeypatch.setattr(mod, cf.RECIPE_FN, getattr(mod, cf.RECIPE_FN))
     assert cf.sm90_o_proj_recipe(modules)
     assert all(getattr(m, cf.RECIPE_FN)._moetplan_sm90 for m in modules.values())

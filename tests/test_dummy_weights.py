@@ -1,5 +1,6 @@
 """--dummy-weights: config.json + tokenizer written from hwdb, the locality router, random 2-bit rows in their tier,
-and the CLI's answers to bad input (no vLLM server here; tests/test_e2e_dummy.py serves qwen3-30b-a3b)."""
+and the CLI's answers to bad input (no vLLM server here; tests/test_e2e_dummy.py serves a toy hwdb model and, in
+the slow tier, qwen3-30b-a3b)."""
 from __future__ import annotations
 
 import json
@@ -186,16 +187,16 @@ def test_dummy_plan_knobs_launch_and_locality(tmp_path, monkeypatch):
                                          "context=1024"], dummy_weights=True, run_dir=str(tmp_path / "run"))
     assert written and path.is_file()
     k = schema.load_json(schema.Plan, path).runtime
-    assert (k.weights, k.router, k.tier) == ("dummy", "locality", "host")
-    assert k.router_popularity == pytest.approx(expert_popularity(plan.model))
-    assert k.cache_slots == int(2 * 2**30 // k.row_bytes) and plan.prediction.token_hit_rate > 0.8
+    assert (k.knobs.weights, k.knobs.router, k.expert_tier) == ("dummy", "locality", "host")
+    assert k.knobs.router_popularity == pytest.approx(expert_popularity(plan.model))
+    assert k.gpu_expert_cache_slots == int(2 * 2**30 // k.expert_row_bytes) and plan.prediction.token_hit_rate > 0.8
     from moetplan.launch.command import build_launch
 
     launch = build_launch(plan, str(path))
     assert launch.argv[launch.argv.index("--load-format") + 1] == "dummy"
     assert is_dummy_model_dir(launch.model_path) and launch.env["HF_HUB_OFFLINE"] == "1"
     plan2, _, _ = _resolve(dummy_weights=True, router="model", run_dir=str(tmp_path / "run2"))
-    assert plan2.runtime.router == "model" and plan2.runtime.tier == "resident"
+    assert plan2.runtime.knobs.router == "model" and plan2.runtime.expert_tier == "resident"
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -275,9 +276,10 @@ def test_dummy_rows_land_in_their_tier_and_nothing_is_loaded_or_quantized(tier, 
     monkeypatch.setattr(vllm_method, "source_expert_weights", never)
     monkeypatch.setattr("moetplan.runtime.format.pack_expert_row", never)
     spec = resolve_model("qwen3-30b-a3b")
-    plan = plan_for_cpu(spec, context=512, max_num_seqs=1, expert_tier=tier, cache_gib=0.2 if tier == "host" else None)
+    plan = plan_for_cpu(spec, context=512, max_num_seqs=1, expert_tier=tier,
+                        gpu_expert_cache_gib=0.2 if tier == "host" else None)
     plan.runtime_knobs = plan.runtime_knobs.model_copy(update={"weights": "dummy", "router": "model"})
-    worker = WorkerRuntime(plan, rank=0)
+    worker = WorkerRuntime(plan.runtime, rank=0)
     mc = ModelConfig(model=str(ensure_dummy_model(spec, dummy_root)), max_model_len=512)
     vc = VllmConfig(model_config=mc)
     vc.quant_config = vllm_config.MoetplanConfig(worker=worker)
@@ -314,8 +316,9 @@ def test_nvme_tier_writes_the_random_rows_into_a_pack_once(tmp_path, dummy_root)
 
     folder = ensure_dummy_model(resolve_model("qwen3-30b-a3b"), dummy_root)
     lay = RowLayout.for_expert(64, 64, 1, "2bit")
-    section = RuntimeSection(tier="nvme", cache_slots=8, arena_rows=4, row_bytes=lay.stride,
-                             pack_dir=str(tmp_path), weights="dummy", seed=5)
+    section = RuntimeSection(expert_tier="nvme", gpu_expert_cache_slots=8, host_arena_rows=4,
+                             expert_row_bytes=lay.stride, pack_dir=str(tmp_path),
+                             knobs=schema.RuntimeKnobs(weights="dummy", seed=5))
 
     def build():
         packs = PackResolver(str(tmp_path), lambda: 0, dummy_seed=5)

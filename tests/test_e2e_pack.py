@@ -37,11 +37,9 @@ def _flip(path: Path, rows: list[int], stride: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, e2e_env):
     tmp = tmp_path_factory.mktemp("e2e_pack")
-    env = {**os.environ, "MOETPLAN_CACHE_DIR": str(tmp / "cache"), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    os.environ["MOETPLAN_CACHE_DIR"] = env["MOETPLAN_CACHE_DIR"]
+    env = e2e_env
     from moetplan.models.tiny import ensure_tiny_checkpoint
     from moetplan.runtime.packs import Pack
     from moetplan.runtime.quantize_ckpt import quantize_checkpoint
@@ -87,7 +85,20 @@ def test_bad_rows_are_repaired_at_load_and_the_output_is_the_intact_packs(setup,
 def test_rows_that_cannot_be_rewritten_are_refused_with_the_named_error(setup):
     tmp, ckpt = setup["tmp"], setup["ckpt"]
     pack = tmp / "refuse" / setup["good"].name
-    plan = plan_file(tmp, ckpt, "2bit", ".refuse", pack_dir=str(tmp / "refuse"))
+    from moetplan.hw.gpus import local_gpu_count
+
+    if local_gpu_count() == 0:  # the user's path on a GPU-less machine: `plan --pack-dir DIR --out p.json`
+        from typer.testing import CliRunner
+
+        from moetplan.cli import app
+
+        plan = str(tmp / "refuse.plan.json")
+        r = CliRunner().invoke(app, ["plan", "--model", str(ckpt), "--pack-dir", str(tmp / "refuse"),
+                                     "--context", "512", "--out", plan])
+        assert r.exit_code == 0, r.output
+        assert json.loads(Path(plan).read_text())["placement"]["pack_dir"] == str((tmp / "refuse").resolve())
+    else:
+        plan = plan_file(tmp, ckpt, "2bit", ".refuse", pack_dir=str(tmp / "refuse"))
     lock_fd = os.open(pack.with_name(pack.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(lock_fd, fcntl.LOCK_EX)  # as a `moetplan quantize` writing this pack would
     try:

@@ -14,7 +14,6 @@ About 3-4 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -29,12 +28,9 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, e2e_env):
     tmp = tmp_path_factory.mktemp("reserve")
-    cache = tmp / "cache"
-    env = {**os.environ, "MOETPLAN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
-    os.environ["MOETPLAN_CACHE_DIR"] = str(cache)
+    env = e2e_env
     from moetplan.models.tiny import ensure_tiny_checkpoint
 
     ckpt = ensure_tiny_checkpoint("tiny-moe")

@@ -288,7 +288,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.vllm
-def test_wrap_vllm_model_in_a_real_engine(tmp_path, monkeypatch):
+def test_wrap_vllm_model_in_a_real_engine(tmp_path, e2e_env):
     """tau=1 fires on every decode step; the MoE here is vLLM's own (unquantized), so the recompute must give the
     same tokens: proves the forward re-entry (saved forward context, KV rewrite) and the router capture work."""
     import json
@@ -297,10 +297,7 @@ def test_wrap_vllm_model_in_a_real_engine(tmp_path, monkeypatch):
     import sys
 
     pytest.importorskip("vllm")
-    cache = tmp_path / "cache"
-    env = {**os.environ, "MOETPLAN_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    monkeypatch.setenv("MOETPLAN_CACHE_DIR", str(cache))
+    env = {**e2e_env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     from moetplan.models.tiny import ensure_tiny_checkpoint
 
     ckpt = ensure_tiny_checkpoint("tiny-moe")

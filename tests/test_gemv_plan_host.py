@@ -61,7 +61,7 @@ def test_balanced_exactly_when_units_outnumber_warp_slots(plan, max_blocks, rpu)
         assert not plain[0] and bal[0]
         # plain: whole units, as few per warp as the slots allow, on the fewest blocks that keep that count
         per = -(-units // slots)
-        assert plain[2] == per * rpu and plain[1] == -(-(-(-units // per)) // 4)
+        assert plain[2] == per * rpu and plain[1] == -((-units // per) // 4)  # ceil(ceil(units / per) / 4)
         # balanced: one block per resident slot (or per unit), a block's units' rounds over its 4 warps
         assert bal[1] == min(max_blocks, units)
         assert bal[2] == -(-(-(-units // bal[1]) * rpu) // 4)

@@ -12,6 +12,7 @@ from moetplan.contract.errors import UsageError
 from moetplan.launch.command import build_launch, shell_line, vllm_kv_cache_dtype
 from moetplan.plan.cpu_backend import plan_for_cpu
 from moetplan.contract.model import Attention, ModelSpec
+from moetplan.contract.schema import Plan
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -47,9 +48,14 @@ def test_glm_on_two_pro6000_gives_a_complete_command(glm_plan):
     if p.mtp:
         spec = json.loads(_flag(argv, "--speculative-config"))
         assert spec == {"method": "mtp", "num_speculative_tokens": p.mtp}
-    # a tiered / FP4-reserve plan keeps vLLM's graphs (moe_graphs=replay) behind Model Runner V1's forward hook
-    assert glm_plan.runtime.records_steps and "--compilation-config" not in argv
-    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    if glm_plan.runtime.moe_split_reason:  # the MoE layers run between vLLM's piecewise graphs
+        comp = json.loads(_flag(argv, "--compilation-config"))
+        assert "vllm::moe_forward" in comp["splitting_ops"]
+        assert "vllm::unified_mla_attention_with_output" in comp["splitting_ops"]
+    else:  # inside them (resident, or tiered with replay): vLLM's own compilation config
+        assert "--compilation-config" not in argv
+    if glm_plan.runtime.records_steps:  # the replay driver wraps Model Runner V1's per-step forward call
+        assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert "--enforce-eager" not in argv
     assert env["MOETPLAN_PLAN"] == "/plans/glm.json"
     assert glm_plan.hardware.p2p is False and env["NCCL_P2P_DISABLE"] == "1"
@@ -63,17 +69,20 @@ def test_shell_line_round_trips(glm_plan):
     assert env == la.env and words[len(la.env):] == la.argv
 
 
-def test_the_solver_leaves_the_launch_to_launch_and_plan_out_writes_it(glm_plan, tmp_path):
-    from moetplan.plan.solver import solve
-
-    plan = solve(glm_plan.model, glm_plan.hardware)
-    assert plan.launch.argv == []  # the solver imports nothing of launch
+def test_the_plan_stores_no_command_run_derives_it(glm_plan, tmp_path):
+    """One way: the plan's launch section holds what `run` reads (checkpoint, served name); the command and its
+    environment are derived when served. A plan saved with argv/env still loads (they are dropped)."""
     out = tmp_path / "plan.json"
     res = CliRunner().invoke(app, ["plan", "--model", "glm-5.2", "--box", "rtx-pro-6000x2", "--out", str(out),
                                    "--json"])
     assert res.exit_code == 0, res.output
     written = json.loads(out.read_text())
-    assert written["launch"]["argv"] and written["launch"]["env"]["MOETPLAN_PLAN"] == "plan.json"
+    assert set(written["launch"]) == set(Plan.model_fields["launch"].annotation.model_fields)
+    assert "argv" not in written["launch"] and "env" not in written["launch"]
+    written["launch"].update(argv=["python", "-m", "old"], env={"MOETPLAN_PLAN": "plan.json"})
+    old = Plan.model_validate(written)
+    la = build_launch(old, plan_path=str(out))
+    assert la.env["MOETPLAN_PLAN"] == str(out) and la.argv[1:3] == ["-m", "moetplan.launch.serve"]
 
 
 def _tiny_spec(kind="gqa", mtp_layers=0) -> ModelSpec:

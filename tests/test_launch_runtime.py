@@ -46,7 +46,7 @@ def workers():
     made: list[WorkerRuntime] = []
 
     def make(plan: schema.Plan, path: str | None = None) -> WorkerRuntime:
-        w = WorkerRuntime(plan, path, rank=0)
+        w = WorkerRuntime(plan.runtime, path, rank=0)
         made.append(w)
         return w
 
@@ -81,23 +81,26 @@ def _naive(x, ids, w, w13, w2):
 # --------------------------------------------------------------------------- settings
 
 
-def test_the_worker_reads_the_plans_runtime_section(workers):
+def test_the_worker_reads_the_plans_runtime_section(workers, tmp_path):
     plan = _plan(expert_tier="nvme", gpu_expert_cache_slots=12, host_arena_rows=5, fp4_reserve_slots=3,
                  max_num_seqs=2, mtp=1, expert_format="unquantized",
                  knobs=RuntimeKnobs(promoter="gate", kernels=schema.KernelPolicy(decode="gemv")))
     s = workers(plan, "p.json").section
-    assert (s.tier, s.cache_slots, s.arena_rows, s.reserve_slots, s.expert_format) == ("nvme", 12, 5, 3,
-                                                                                        "unquantized")
+    assert (s.expert_tier, s.gpu_expert_cache_slots, s.host_arena_rows, s.fp4_reserve_slots,
+            s.expert_format) == ("nvme", 12, 5, 3, "unquantized")
     assert s.decode_batch_tokens == 4  # 2 seqs x (1 + 1 MTP token)
-    assert s.row_bytes == RowLayout.for_expert(64, 32).stride  # the rows the plan sized are the rows allocated
-    assert (s.promoter, s.kernels.decode) == ("gate", "gemv")
+    assert s.expert_row_bytes == RowLayout.for_expert(64, 32).stride  # the rows the plan sized are the rows allocated
+    assert (s.knobs.promoter, s.knobs.kernels.decode) == ("gate", "gemv")
     with pytest.raises(ValueError, match="frozen"):  # the worker cannot drift from the plan
-        s.cache_slots = 3
+        s.gpu_expert_cache_slots = 3
     assert workers(_plan()).section.expert_format == "2bit"
-    bad = _plan()
-    object.__setattr__(bad.placement, "expert_format", "int3")  # e.g. a newer plan than this runtime knows
-    with pytest.raises(ConfigError, match="expert_format 'int3'"):
-        workers(bad)
+    doc = _plan().model_dump(mode="json")
+    doc["placement"]["expert_format"] = "int3"  # e.g. a newer plan than this runtime knows
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="expert_format.*'2bit' or 'unquantized'"):
+        WorkerRuntime.from_plan_file(tmp_path / "bad.json")
+    with pytest.raises(TypeError, match="runtime section"):
+        WorkerRuntime(_plan())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="promoter"):
         RuntimeKnobs(promoter="sometimes")
 
@@ -199,7 +202,7 @@ def test_tiered_store_gives_the_resident_result_through_decode_and_chunked_prefi
         for st, ref in zip(layers, resident):
             assert torch.allclose(st.forward(x, wt, ids), ref.forward(x, wt, ids), atol=1e-5)
     store = w.tiered.store
-    assert store.stats()["slots"] == 6
+    assert store.stats()["gpu_expert_cache_slots"] == 6
     assert type(store.backing).__name__ == {"host": "PinnedHostStore", "nvme": "PackArenaStore"}[tier]
     kp = w.store_kpis()
     assert kp["token_hit_rate"] is not None and 0.0 <= kp["token_hit_rate"] <= 1.0
@@ -207,7 +210,7 @@ def test_tiered_store_gives_the_resident_result_through_decode_and_chunked_prefi
         assert store.backing.arena_rows == 256  # the plan's arena rows, as planned
         assert w.tiered.pack_path and os.path.exists(w.tiered.pack_path)
         # a later boot finds the pack valid and reads rows instead of quantizing
-        later = workers(_plan(expert_tier="nvme", pack_dir=str(tmp_path / "packs")))
+        later = workers(_plan(expert_tier="nvme", gpu_expert_cache_slots=6, pack_dir=str(tmp_path / "packs")))
         later.packs.set_model_dir(_checkpoint(tmp_path))
         pack = later.packs.valid_pack(layers[0].layout, 8)
         assert pack is not None
@@ -217,10 +220,9 @@ def test_tiered_store_gives_the_resident_result_through_decode_and_chunked_prefi
 
 
 def test_tier_without_cache_slots_is_a_clear_error(tmp_path, workers):
-    _, layers, _ = _tiered_layers(tmp_path, "host", slots=0, workers=workers)
-    ids, w = _routing(1, 2, 8)
+    # Refused when the worker reads the plan (its runtime section), before any layer loads or pack is written.
     with pytest.raises(ConfigError, match="gpu_expert_cache_slots"):
-        layers[0].forward(torch.randn(1, 64), w, ids)
+        _tiered_layers(tmp_path, "host", slots=0, workers=workers)
 
 
 def test_fp8_block_experts_are_dequantized_exactly():
@@ -359,7 +361,7 @@ def test_run_record_is_written_next_to_the_plan_and_loads(tmp_path):
     assert records.run_record_path(tmp_path / "plan.json", rank=1).name == "plan.run.rank1.json"
     st = records.RuntimeStats()
     st.on_call(True, 3, 6, False, 0.0)
-    w = records.RecordWriter(path, lambda: records.build_run_record(plan, str(tmp_path / "plan.json"), st,
+    w = records.RecordWriter(path, lambda: records.build_run_record(plan.runtime, str(tmp_path / "plan.json"), st,
                                                                     store_kpis={"token_hit_rate": 1.0}),
                              interval_s=100.0)
     assert w.maybe_write() is True
@@ -479,7 +481,7 @@ def test_method_over_a_quantized_checkpoint_answers_like_its_source(workers):
     plain = vm.method_for(moe, worker=w)
     assert type(plain) is vm.MoetplanMoEMethod and plain.uses_weight_scale_2_pattern() is False
     with pytest.raises(AttributeError):
-        plain.weight_scale_refine
+        _ = plain.weight_scale_refine
 
 
 # --------------------------------------------------------------------------- FP4 reserve and gate glue
@@ -530,8 +532,8 @@ def test_apply_goes_through_the_custom_op_to_the_worker(tmp_path, workers):
 
 def test_reserve_slots_are_the_plans_slots():
     assert _plan(fp4_reserve_slots=5).runtime.reserve_wanted
-    assert reserve_slots(_plan(fp4_reserve_slots=5).runtime.reserve_slots, 2, 8) == 5
-    assert reserve_slots(_plan(fp4_reserve_slots=100).runtime.reserve_slots, 2, 8) == 16  # never more than rows
+    assert reserve_slots(_plan(fp4_reserve_slots=5).runtime.fp4_reserve_slots, 2, 8) == 5
+    assert reserve_slots(_plan(fp4_reserve_slots=100).runtime.fp4_reserve_slots, 2, 8) == 16  # never more than rows
     assert not _plan().runtime.reserve_wanted
 
 
@@ -548,7 +550,11 @@ def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_pa
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
     ids, wt = _routing(3, 2, 8)
     before = st.forward(x, wt, ids)  # nothing promoted yet: the 2-bit result
-    assert torch.allclose(before, moe_forward_reference(x, ids, wt, st.rows, st.slot_of, st.layout), atol=1e-5)
+    # the CPU kernels' tolerance (docs/KERNELS.md, "CPU kernels"): relative L2 error <= 2e-4
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return float((a - b).norm() / b.norm()) <= 2e-4
+
+    assert close(before, moe_forward_reference(x, ids, wt, st.rows, st.slot_of, st.layout))
     assert res.stats()["steps"] == 0 and res.c.routings == ids.numel()  # observed (heat), no FP4 routing yet
     hot = int(ids[0, 0])
     assert res.promote_now([(1, hot)]) == [(1, hot)]
@@ -559,17 +565,19 @@ def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_pa
     slot[hot] = 0
     expect = moe_forward_reference(x, ids, wt, st.rows, st.slot_of, st.layout, fp4_pool=fp4_rows[hot:hot + 1],
                                    fp4_slot_of=slot, fp4_layout=fp4)
-    assert torch.allclose(after, expect, atol=1e-5)
+    assert close(after, expect)
     assert not torch.allclose(after, before, atol=1e-6)  # the FP4 row really was used
     st.forward(x, wt, ids, warmup=True)  # profile runs compute but do not heat the reserve
     assert res.c.routings == 2 * ids.numel()
     kp = w.fp4.kpis()
     assert kp["fp4_reserve"]["gate_promotions"] == 1 and kp["fp4_reserve"]["slots"] == 4
     assert "gate" not in kp  # no controller installed
-    # the kernel path log saw every call (CPU: the reference, with the reason)
+    # the kernel path log saw every call (CPU: the CPU kernels, named by their ISA)
+    from moetplan.runtime import cpu_kernels
+
     rec = w.store_kpis()
-    assert rec["kernel_paths"] == {"reference": 3} and rec["kernel_fallbacks"] == 3
-    assert list(rec["kernel_fallback_reasons"]) == ["cuda: x is on the CPU"]
+    assert rec["kernel_paths"] == {f"cpu:{cpu_kernels.best_isa(cpu_kernels.get_module())}": 3}
+    assert rec["kernel_fallbacks"] == 0
 
 
 def test_a_replay_plans_reserve_heats_from_the_step_record_and_serves_a_fixed_table(tmp_path, workers):

@@ -191,7 +191,7 @@ def test_run_command_flow_with_a_stand_in_server(tmp_path, monkeypatch):
     from moetplan.plan.cpu_backend import plan_for_cpu
 
     save_json(plan_for_cpu(spec, context=128), plan_path)
-    res = CliRunner().invoke(app, ["run", str(plan_path), "--json", "--logs", "--port", str(port)])
+    res = CliRunner().invoke(app, ["run", str(plan_path), "--json", "--logs", "--port", str(port), "--restart", "no"])
     events = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
     kinds = [e["event"] for e in events]
     assert kinds[:2] == ["plan", "starting"] and "ready" in kinds and kinds[-1] == "stopped", kinds
@@ -241,3 +241,113 @@ def test_a_silent_load_reports_that_it_is_still_loading(tmp_path):
     beats = [h for h in heard if h.startswith("still loading")]
     assert beats and "last: engine: starting" in beats[0]
 
+
+
+# A vLLM stand-in whose engine process (titled as vLLM titles it) is SIGKILLed while serving on the first start;
+# the API server logs an engine-dead traceback, then leak noise, and exits 0 as vLLM's does. The second start
+# serves, then exits with code 3 (the restart budget of 1 is spent: run gives up).
+FLAKY = textwrap.dedent('''
+    import http.server, os, signal, subprocess, sys, threading, time
+    port, marker = int(sys.argv[1]), sys.argv[2]
+    first = not os.path.exists(marker)
+    open(marker, "a").close()
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import setproctitle, time; setproctitle.setproctitle('VLLM::EngineCore'); "
+                              "time.sleep(600)"])
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+        def log_message(self, *a):
+            pass
+    srv = http.server.HTTPServer(("127.0.0.1", port), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    print("INFO Application startup complete.", flush=True)
+    print("(APIServer pid=1) ERROR [hermes_tool_parser.py:117] Error in extracting tool call.", flush=True)
+    time.sleep(3.0)
+    if first:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        srv.shutdown()
+        print("(APIServer pid=1) ERROR [async_llm.py:906] AsyncLLM output_handler failed.", flush=True)
+        print("(APIServer pid=1) ERROR [async_llm.py:906] Traceback (most recent call last):", flush=True)
+        print("(APIServer pid=1) ERROR [async_llm.py:906]   File \\"core_client.py\\", line 1235, in get", flush=True)
+        print("(APIServer pid=1) ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore "
+              "encountered an issue.", flush=True)
+        print("nanobind: leaked 514 functions!", flush=True)
+        time.sleep(8.0)  # vLLM's API server lingers; the supervisor must not wait for it
+        sys.exit(0)
+    child.kill()
+    sys.exit(3)
+''')
+
+
+def test_a_killed_engine_is_restarted_and_the_restarts_are_recorded(tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetplan.cli import app
+    from moetplan.contract import load_json, run_record_path, RunRecord, save_json
+    from moetplan.contract.model import Attention, ModelSpec
+    from moetplan.launch import run as run_mod
+    from moetplan.launch.command import build_launch as real_build
+    from moetplan.plan.cpu_backend import plan_for_cpu
+
+    pytest.importorskip("setproctitle")
+    script = tmp_path / "flaky_server.py"
+    script.write_text(FLAKY)
+    port = _port()
+
+    def fake_build(plan, **kw):
+        la = real_build(plan, **kw)
+        la.argv = [sys.executable, str(script), str(port), str(tmp_path / "started-once")]
+        return la
+
+    monkeypatch.setattr(run_mod, "build_launch", fake_build)
+    monkeypatch.setattr(run_mod, "DEAD_CHILD_GRACE_S", 1.0)
+    spec = ModelSpec(id="local:fake", name="fake", local_path=str(tmp_path), num_layers=1, moe_layers=1,
+                     hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, top_k=2, vocab_size=64,
+                     max_position_embeddings=128, attention=Attention(kind="gqa", num_heads=1),
+                     kv_bytes_per_token={"bf16": 1.0}, non_routed_params_b=1e-6)
+    plan_path = tmp_path / "plan.json"
+    save_json(plan_for_cpu(spec, context=128), plan_path)
+    res = CliRunner().invoke(app, ["run", str(plan_path), "--json", "--port", str(port), "--max-restarts", "1"])
+    events = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+    events = [e for e in events if e["event"] != "progress"]
+    kinds = [e["event"] for e in events]
+    assert kinds == ["plan", "starting", "ready", "died", "restarting", "starting", "ready", "died", "exited",
+                     "stopped"], kinds
+    died = events[3]
+    assert died["process"].startswith("EngineCore (pid ") and died["restart_in_s"] == 2.0
+    # the root cause is the engine-dead traceback, not the earlier request error nor the leak noise
+    assert any("EngineDeadError" in ln for ln in died["cause"]) and "Traceback" in died["cause"][0]
+    assert not any("nanobind" in ln or "hermes" in ln for ln in died["cause"])
+    assert events[7]["restart_in_s"] is None and "API server" in events[7]["process"]
+    assert "not restarted (1 restart(s) within 600 s already)" in events[8]["message"]
+    assert res.exit_code == 1 and events[-1]["leftover"] == []
+    rec = load_json(RunRecord, run_record_path(plan_path))
+    restarts = rec.server["restarts"]
+    assert [r["restarted"] for r in restarts] == [True, False]
+    assert restarts[0]["process"] == died["process"] and "exited with code 3" in restarts[1]["how"]
+
+
+def test_restart_policy_backs_off_and_bounds_restarts_in_a_window():
+    from moetplan.launch.supervisor import RestartPolicy
+
+    p = RestartPolicy(max_restarts=3, window_s=100.0, backoff_s=2.0, backoff_max_s=5.0)
+    assert [p.delay([], 0.0), p.delay([0.0], 1.0), p.delay([0.0, 1.0], 2.0)] == [2.0, 4.0, 5.0]
+    assert p.delay([0.0, 1.0, 2.0], 3.0) is None  # three in the window: give up
+    assert p.delay([0.0, 1.0, 2.0], 150.0) == 2.0  # the window moved on
+    assert RestartPolicy(enabled=False).delay([], 0.0) is None
+
+
+def test_root_cause_skips_shutdown_noise():
+    from moetplan.launch.supervisor import root_cause
+
+    lines = ["INFO serving", "nanobind: leaked 3 instances!",
+             "(EngineCore pid=9) ERROR x Traceback (most recent call last):",
+             '  File "a.py", line 1, in f', "torch.OutOfMemoryError: CUDA out of memory", "INFO Shutting down"]
+    assert root_cause(lines) == lines[2:5]
+    assert root_cause(["INFO ok", " - leaked type x", "ERROR CUDA error: an illegal memory access"]) == \
+        ["ERROR CUDA error: an illegal memory access"]
+    assert root_cause(["INFO nothing to see"]) == []

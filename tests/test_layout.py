@@ -48,7 +48,7 @@ def test_planned_expert_bytes_equal_allocated_bytes(model_id, tp):
     assert items["fp4_reserve"] * GIB == reserve * p.fp4_row_bytes
     # the worker's store, built by the one factory from the plan's runtime section, allocates those bytes
     section = _plan(spec, p).runtime
-    store = expert_store(section, _Rows(spec, section.row_bytes), pin=False)
+    store = expert_store(section, _Rows(spec, section.expert_row_bytes), pin=False)
     assert store.data.numel() == p.gpu_expert_cache_gib * GIB  # the GPU expert cache
     assert store.backing.arena.numel() == p.host_arena_gib * GIB  # the pinned arena (each rank its own)
     store.close()

@@ -50,7 +50,7 @@ def expert_rows() -> list[torch.Tensor]:
 
 
 def _resident_worker(expert_rows, in_graphs: bool = True) -> WorkerRuntime:
-    w = WorkerRuntime(_plan(max_num_seqs=T), rank=0, in_graphs=in_graphs)  # a decode batch of T tokens
+    w = WorkerRuntime(_plan(max_num_seqs=T).runtime, rank=0, in_graphs=in_graphs)  # a decode batch of T tokens
     for li, rows in enumerate(expert_rows):
         st = w.layer_state(key=li, moe_index=li, name=f"l{li}", fmt="2bit", tier="resident", num_experts=E,
                            hidden=H, inter=INTER, first=li == 0, layout=LAYOUT, source="test")
@@ -155,7 +155,7 @@ def test_a_host_sync_added_to_the_resident_path_fails_the_stand_in(expert_rows, 
 def test_the_stand_in_sees_the_tiered_paths_host_work(expert_rows, device):
     """The split path's store reads each step's routed ids on the host: the stand-in catches it (the reason the
     launch splits the graph at MoE for moe_graphs=split plans)."""
-    w = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=6, moe_graphs="split"), rank=0,
+    w = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=6, moe_graphs="split").runtime, rank=0,
                       in_graphs=False)
     st = w.layer_state(key=0, moe_index=0, name="l0", fmt="2bit", tier="host", num_experts=E, hidden=H,
                        inter=INTER, first=True, layout=LAYOUT)
@@ -221,7 +221,7 @@ def test_counter_keys_beyond_capacity_share_the_last_row():
 
 def _tiered_worker(expert_rows, slots: int, seqs: int = 2, in_graphs: bool = True) -> WorkerRuntime:
     """A replay-mode worker over a host store of `slots` rows; decode steps of up to `seqs` tokens."""
-    w = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=slots, max_num_seqs=seqs), rank=0,
+    w = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=slots, max_num_seqs=seqs).runtime, rank=0,
                       in_graphs=in_graphs)
     assert w.section.replays
     for li, rows in enumerate(expert_rows):
@@ -387,19 +387,19 @@ def test_the_plan_decides_the_split_in_one_place(placement, split):
 
 def test_the_worker_counts_on_the_device_exactly_when_vllm_captures_its_moe(monkeypatch):
     monkeypatch.setattr(vllm_compat, "moe_in_cuda_graphs", lambda *a, **k: True)
-    w = WorkerRuntime(_plan(), rank=0)
+    w = WorkerRuntime(_plan().runtime, rank=0)
     w.new_moe_index()
     assert w.in_graphs is True and w.layer_state(key=0, moe_index=0, name="l", fmt="2bit", tier="resident",
                                                  num_experts=E, hidden=H, inter=INTER).policy.check_residency is False
-    replay = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4), rank=0)
+    replay = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4).runtime, rank=0)
     replay.new_moe_index()
     assert replay.in_graphs is True
-    tiered = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4, moe_graphs="split"), rank=0)
+    tiered = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4, moe_graphs="split").runtime, rank=0)
     with pytest.raises(ConfigError, match="moetplan run") as e:
         tiered.new_moe_index()
     assert "expert_tier host" in str(e.value) and "vllm::moe_forward" in str(e.value)
     monkeypatch.setattr(vllm_compat, "moe_in_cuda_graphs", lambda *a, **k: False)
-    eager = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4), rank=0)
+    eager = WorkerRuntime(_plan(expert_tier="host", gpu_expert_cache_slots=4).runtime, rank=0)
     eager.new_moe_index()
     assert eager.in_graphs is False and eager.graph is None
 
@@ -555,7 +555,7 @@ def test_a_pack_backed_store_keeps_its_heat_and_restarts_warm(expert_rows, tmp_p
     """runtime/heat.py in serving: the NVMe tier's store saves its heat beside the pack (the record-fed heat of
     replayed steps) and the next worker preloads the hot rows."""
     def worker() -> WorkerRuntime:
-        w = WorkerRuntime(_plan(expert_tier="nvme", gpu_expert_cache_slots=10, max_num_seqs=2, pack_dir=str(tmp_path)),
+        w = WorkerRuntime(_plan(expert_tier="nvme", gpu_expert_cache_slots=10, max_num_seqs=2, pack_dir=str(tmp_path)).runtime,
                           rank=0, in_graphs=False)
         for li, rows in enumerate(expert_rows):
             st = w.layer_state(key=li, moe_index=li, name=f"l{li}", fmt="2bit", tier="nvme", num_experts=E, hidden=H,

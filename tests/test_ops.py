@@ -98,6 +98,8 @@ def test_expert_weights_matches_unpack():
 
 # ------------------------------------------------------------------------------------------------ the reference op
 
+REF = KernelPolicy(cpu=False)  # the torch reference on the CPU (the CPU kernels: tests/test_cpu_kernels.py)
+
 
 @pytest.mark.parametrize("T,k,E", [(1, 6, 16), (5, 8, 16), (24, 4, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -107,7 +109,7 @@ def test_reference_matches_naive(T, k, E, dtype):
     slot_of = torch.randperm(E + 3, generator=_rng(5))[:E].to(torch.int32)
     ids, w = _routing(T, k, E, seed=T)
     x = (torch.randn(T, 128, generator=_rng(7)) * 0.5).to(dtype)
-    got = ops.moe_forward(x, ids, w, pool, slot_of, lay)
+    got = ops.moe_forward(x, ids, w, pool, slot_of, lay, policy=REF)
     assert got.dtype == dtype and got.shape == (T, 128)
     ref = _naive(x, ids, w, pool, slot_of, lay)
     assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
@@ -125,7 +127,7 @@ def test_reference_fp4_reserve_and_clamp():
     ids, w = _routing(9, 6, E, seed=3)
     x = torch.randn(9, 96, generator=_rng(4))
     for limit in (None, 0.02):
-        got = ops.moe_forward(x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, swiglu_limit=limit)
+        got = ops.moe_forward(x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, swiglu_limit=limit, policy=REF)
         ref = _naive(x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, limit=limit)
         assert _rel(got, ref) < 1e-5
     # The FP4 copy really is used: dropping it changes the result.
@@ -150,7 +152,7 @@ def test_duplicate_experts_and_out_param():
     w = torch.tensor([[0.5, 0.25], [1.0, 2.0], [0.1, 0.2], [0.3, 0.7]])
     x = torch.randn(4, 64, generator=_rng(2))
     out = torch.full((4, 64), float("nan"))
-    res = ops.moe_forward(x, ids, w, pool, torch.tensor([2, 0, 1], dtype=torch.int32), lay, out=out)
+    res = ops.moe_forward(x, ids, w, pool, torch.tensor([2, 0, 1], dtype=torch.int32), lay, out=out, policy=REF)
     assert res is out and torch.isfinite(out).all()
     ref = _naive(x, ids, w, pool, torch.tensor([2, 0, 1]), lay)
     assert _rel(out, ref) < 1e-5
@@ -369,10 +371,16 @@ def test_dispatch_table_falls_back_to_the_reference_and_says_why(monkeypatch):
     pool = _pool(lay, 4, seed=1)
     x, ids, w = torch.randn(2, 64, generator=_rng(2)), torch.tensor([[0, 1], [2, 3]]), torch.full((2, 2), 0.5)
     log = ops.PathLog()
-    got = ops.moe_forward(x, ids, w, pool, torch.arange(4), lay, paths=log)
+    got = ops.moe_forward(x, ids, w, pool, torch.arange(4), lay, paths=log, policy=KernelPolicy(cpu=False))
     assert torch.equal(got, reference.moe_forward_reference(x, ids, w, pool, torch.arange(4), lay))
     assert log.as_dict() == {"kernel_paths": {"reference": 1}, "kernel_fallbacks": 1,
-                             "kernel_fallback_reasons": {"cuda: x is on the CPU": 1}}
+                             "kernel_fallback_reasons": {"cpu: the kernel policy asks for the reference (cpu=False)": 1}}
+    # Without the CPU extension the reason names it.
+    monkeypatch.setattr(ops.cpu_kernels, "get_module", lambda: None)
+    monkeypatch.setattr(ops.cpu_kernels, "fallback_reason", lambda: "no C++ compiler")
+    log = ops.PathLog()
+    ops.moe_forward(x, ids, w, pool, torch.arange(4), lay, paths=log)
+    assert log.as_dict()["kernel_fallback_reasons"] == {"cpu: CPU kernels unavailable: no C++ compiler": 1}
     # On a GPU: the policy can ask for the reference, and a missing extension is named.
     gpu = ops.Step(SimpleNamespace(is_cuda=True), ids, w, pool, torch.arange(4), lay, None, None, None, None, None,
                    KernelPolicy(cuda=False))
@@ -380,7 +388,7 @@ def test_dispatch_table_falls_back_to_the_reference_and_says_why(monkeypatch):
     monkeypatch.setattr(kernels, "get_module", lambda: None)
     monkeypatch.setattr(kernels, "fallback_reason", lambda: "no CUDA device")
     path, why = ops.select_path(dataclasses.replace(gpu, policy=KernelPolicy()))
-    assert path is ops.REFERENCE and why == ["cuda: kernels unavailable: no CUDA device"]
+    assert path is ops.REFERENCE and why == ["cuda: kernels unavailable: no CUDA device", "cpu: x is not on the CPU"]
 
 
 def test_arch_normalisation_and_flags():

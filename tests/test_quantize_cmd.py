@@ -221,7 +221,7 @@ def _done_layers(sidecar: Path) -> int:
 
 
 def _run_until_layers(args: list[str], sidecar: Path, layers: int, sig: int) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = dict(os.environ)  # offline: conftest
     # A suite started in the background inherits SIGINT ignored, and Python keeps an ignored SIGINT (the child would
     # run to the end): give the child the default disposition, as a terminal's Ctrl-C would find it.
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

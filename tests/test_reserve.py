@@ -286,8 +286,8 @@ def test_mxfp4_bytes_are_used_as_is():
 
 
 def test_reserve_from_section_and_fp4_routing_share():
-    assert reserve_from_section(RuntimeSection(reserve_slots=0), source(), layout=LAY4) is None
-    r = reserve_from_section(RuntimeSection(reserve_slots=2), source(), layout=LAY4, background=False)
+    assert reserve_from_section(RuntimeSection(fp4_reserve_slots=0), source(), layout=LAY4) is None
+    r = reserve_from_section(RuntimeSection(fp4_reserve_slots=2), source(), layout=LAY4, background=False)
     assert r is not None and r.pool.num_slots == 2
     r.promote_now([(0, 1)])
     r.observe(0, torch.tensor([[1, 2], [1, 3]]))
@@ -313,7 +313,6 @@ def test_begin_step_can_adopt_the_step_observe_opened():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_reserve_on_gpu_background_and_gate_paths():
     r = FP4Reserve(source(), 3, layout=LAY4, device="cuda", background=True, idle_poll_s=0.01)
     try:

@@ -246,30 +246,34 @@ def test_bad_calls_name_the_problem():
         store.ensure(0, [[E]])
     with pytest.raises(UsageError, match="layer 7"):
         store.ensure(7, [[0]])
-    with pytest.raises(UsageError, match="at least 1 slot"):
-        ExpertStore(_backing("host"), 0)
     with pytest.raises(UsageError, match="protected_share"):
         ExpertStore(_backing("host"), 4, protected_share=1.0)
 
 
 def test_the_store_factory_sizes_the_store_as_the_runtime_section_says():
     src = _backing("host").source
-    host = expert_store(RuntimeSection(tier="host", cache_slots=6), src)
+    host = expert_store(RuntimeSection(expert_tier="host", gpu_expert_cache_slots=6), src)
     assert host.pool.num_slots == 6 and type(host.backing).__name__ == "PinnedHostStore"
-    arena = expert_store(RuntimeSection(tier="nvme", cache_slots=4, arena_rows=3), src)
+    arena = expert_store(RuntimeSection(expert_tier="nvme", gpu_expert_cache_slots=4, host_arena_rows=3), src)
     assert type(arena.backing).__name__ == "PackArenaStore" and arena.backing.arena_rows == 3
-    assert type(expert_store(RuntimeSection(tier="nvme", cache_slots=4), src).backing).__name__ == \
+    assert type(expert_store(RuntimeSection(expert_tier="nvme", gpu_expert_cache_slots=4), src).backing).__name__ == \
         "PackPageCacheStore"  # no arena rows: the page cache is the RAM tier
     with pytest.raises(UsageError, match="resident"):
-        expert_store(RuntimeSection(tier="resident", cache_slots=6), src)
-    with pytest.raises(ConfigError, match="gpu_expert_cache_slots > 0"):
-        expert_store(RuntimeSection(tier="host"), src)
+        expert_store(RuntimeSection(expert_tier="resident", gpu_expert_cache_slots=6), src)
     with pytest.raises(ConfigError, match="re-plan"):
-        expert_store(RuntimeSection(tier="host", cache_slots=6, row_bytes=src.stride + 4096), src)
+        expert_store(RuntimeSection(expert_tier="host", gpu_expert_cache_slots=6, expert_row_bytes=src.stride + 4096),
+                     src)
+
+
+def test_the_cache_floor_is_checked_once_where_the_plan_becomes_the_runtime_section():
+    """A tiered section without a slot is refused where it is made (plan load, launch, worker), before any pack
+    is written; the fix is named."""
+    with pytest.raises(ConfigError, match=r"expert_tier 'host' needs at least 1 .*--set gpu_expert_cache_gib"):
+        RuntimeSection(expert_tier="host")
+    assert RuntimeSection(expert_tier="resident").gpu_expert_cache_slots == 0  # resident: no cache, no floor
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["host", "pagecache", "arena"])
 def test_cuda_pool_matches_pack_rows(kind):
     src = ArrayRowSource(ROWS, L, E)
@@ -318,7 +322,6 @@ def test_coalesce_merges_adjacent_rows_into_one_copy():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_copy_waits_for_kernels_still_reading_a_victim_slot():
     """A kernel queued on the compute stream must read the old row even if the next ensure() evicts its slot."""
     store = ExpertStore(PinnedHostStore(ArrayRowSource(ROWS, L, E), pin=True), 4, device="cuda",

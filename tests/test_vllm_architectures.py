@@ -70,7 +70,7 @@ def _worker() -> WorkerRuntime:
     plan = schema.Plan(model=spec, hardware=schema.HardwareProfile(host=schema.HostInfo(ram_gib=8)),
                        placement=schema.Placement(), memory=schema.MemoryLedger(),
                        prediction=schema.Prediction(decode_tok_s=0))
-    return WorkerRuntime(plan, rank=0)
+    return WorkerRuntime(plan.runtime, rank=0)
 
 
 def _vllm_config(tmp_path, hf: dict):

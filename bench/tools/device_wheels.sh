@@ -17,7 +17,10 @@
 #      bench/tools/device_install.sh installs every piece present (pieces of earlier calls stay in the warm
 #      machine's checkout) into /tmp/site and, once all are in, checks the imports; then
 #        export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
-#      MOETPLAN_DS4=0 leaves out TileLang (DeepSeek-V4 only); MOETPLAN_FA2=1 adds FlashAttention 2.
+#        export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
+#      (CuTe-DSL's `cutlass` lives under nvidia_cutlass_dsl/dsl_packages, which its wheel's .pth adds; a --target
+#      folder reads no .pth). MOETPLAN_DS4=0 leaves out TileLang, CuTe-DSL and quack (DeepSeek-V4 only);
+#      MOETPLAN_FA2=1 adds FlashAttention 2.
 #   Either mode rewrites .whl/ (the vllm pieces hold moetplan's wheels too). Downloads are cached in
 #   $MOETPLAN_WHEEL_CACHE (default ~/.cache/moetplan/device-wheels).
 set -euo pipefail
@@ -55,6 +58,9 @@ print(" ".join(out))
 PY
 }
 MOETPLAN_DEPS="pydantic pydantic-core annotated-types typing-inspection typing-extensions platformdirs"
+# The GPU image's typing_extensions (4.16) is newer than what serving needs and its own packages need it
+# (`typing_extensions.sentinel`): the vLLM set leaves it to the image.
+VLLM_MOETPLAN_DEPS="pydantic pydantic-core annotated-types typing-inspection platformdirs"
 
 if [ "$mode" = moetplan ]; then
   rm -rf .whl && mkdir -p .whl
@@ -68,16 +74,23 @@ fi
 VLLM=vllm==0.26.0
 # What vLLM 0.26 imports when it starts serving a text model (bench/tools/vllm_imports.py: module-level imports from
 # the CLI, OpenAI server, engine, GPU worker, models and attention backends), less the image's packages, with
-# what those need in turn. fastapi/starlette are held to vLLM 0.26's range; compressed-tensors is its pin.
-SERVE_DEPS="fastapi==0.136.3 starlette uvicorn python-multipart openai jiter distro sniffio openai-harmony \
+# what those need in turn. fastapi/starlette are held to vLLM 0.26's range; compressed-tensors is its pin; openai
+# 2.x (vLLM asks >=2.0): 3.x imports httpx2, which the GPU image lacks (docs/GPU_RESULTS.md).
+SERVE_DEPS="fastapi==0.136.3 starlette uvicorn python-multipart openai==2.54.0 jiter distro sniffio openai-harmony \
 msgspec pyzmq cbor2 pybase64 cachetools partial-json-parser watchfiles model-hosting-container-standards \
 jmespath supervisor prometheus-fastapi-instrumentator compressed-tensors==0.17.0 loguru blake3 setproctitle"
-DS4_DEPS="tilelang==0.1.9 apache-tvm-ffi==0.1.10 z3-solver==4.15.4.0 torch-c-dlpack-ext"
+# DeepSeek-V4 on CUDA: TileLang (hyper-connection kernels) with z3 and tvm-ffi; CuTe-DSL (vLLM 0.26 pins
+# nvidia-cutlass-dsl[cu13] 4.6.0) and quack (0.6.0 accepts that pin): the KV compressor at head_dim 512, the
+# indexer's q quantization and the k gather import them inside functions (vllm/models/deepseek_v4/compressor.py,
+# common/ops). CuTe-DSL's cu12 libraries stay behind: the driver (580, CUDA 13) picks cu13.
+DS4_DEPS="tilelang==0.1.9 apache-tvm-ffi==0.1.10 z3-solver==4.15.4.0 torch-c-dlpack-ext==0.1.5 \
+nvidia-cutlass-dsl==4.6.0 nvidia-cutlass-dsl-libs-base==4.6.0 nvidia-cutlass-dsl-libs-core==4.6.0 \
+nvidia-cutlass-dsl-libs-cu13==4.6.0 quack-kernels==0.6.0"
 
 download "$CACHE/vllm" "$VLLM"
-rm -rf "$CACHE/core" "$CACHE/ds4"
+rm -rf "$CACHE/core" "$CACHE/ds4"  # the lists change; the xz cache is keyed by wheel name
 # shellcheck disable=SC2046
-download "$CACHE/core" $(pins $MOETPLAN_DEPS $SERVE_DEPS)
+download "$CACHE/core" $(pins $VLLM_MOETPLAN_DEPS $SERVE_DEPS)
 ds4=()
 if [ "${MOETPLAN_DS4:-1}" != 0 ]; then
   # shellcheck disable=SC2086
@@ -85,10 +98,11 @@ if [ "${MOETPLAN_DS4:-1}" != 0 ]; then
   ds4=(--ds4-deps "$CACHE/ds4")
 fi
 fa2=(); [ "${MOETPLAN_FA2:-0}" = 1 ] && fa2=(--with-fa2)
-# The working tree travels with every piece: the budget is what it leaves of 64 MiB, less 1 MiB of slack.
+# The working tree travels with every piece: the budget is what it leaves of 64 MiB, less 1 MiB of slack
+# (MOETPLAN_CARRY_EXTRA_MIB: more that travels beside a piece, e.g. a copy of a worktree).
 tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-budget=$(python3 -c "print(round(64 - $tree / 2**20 - 1, 1))")
+budget=$(python3 -c "print(round(64 - $tree / 2**20 - 1 - ${MOETPLAN_CARRY_EXTRA_MIB:-0}, 1))")
 rm -rf .whl && mkdir -p .whl
 python3 bench/tools/device_pack.py --vllm-wheel "$(ls "$CACHE"/vllm/vllm-0.26.0-*.whl)" --deps "$CACHE/core" \
-  "${ds4[@]}" "${fa2[@]}" --out .whl --budget-mib "$budget" --arch 90
+  "${ds4[@]}" "${fa2[@]}" --out .whl --budget-mib "$budget" --arch 90 --cache "$CACHE/xz"
 echo "working tree $(python3 -c "print(round($tree / 2**20, 1))") MiB; budget per piece $budget MiB"

@@ -12,6 +12,12 @@ travels when the serving path is known to need it (bench/tools/device_wheels.sh 
 
 Relative imports, `from pkg import submodule` and parent packages (`a.b.c` imports `a` and `a.b`) are
 resolved against the tree. Output: for each third-party top-level module, how it is imported and by whom.
+
+    PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD python3 bench/tools/vllm_imports.py --check
+
+On the GPU machine (bench/tools/device_install.sh runs it): import what serving needs, then what DeepSeek-V4's
+CUDA path imports inside functions (the KV compressor's and the indexer's CuTe-DSL kernels, TileLang, DeepGEMM),
+found by reading the installed modules; run one kernel of each pruned extension. Exit 1 on any failure, each named.
 """
 from __future__ import annotations
 
@@ -183,6 +189,140 @@ class Tree:
 
 KINDS = ("eager", "conditional", "optional", "lazy")
 
+# The install check: what `vllm serve` and the plugin import, and the modules of DeepSeek-V4's CUDA path.
+CHECK_MODULES = (
+    "vllm", "vllm.entrypoints.openai.api_server", "vllm.v1.engine.core", "vllm.v1.worker.gpu_worker",
+    "vllm.v1.worker.gpu_model_runner", "vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch",
+    "vllm.vllm_flash_attn.flash_attn_interface", "vllm.model_executor.models.deepseek_v2",
+    "vllm.models.deepseek_v32", "moetplan.runtime.plugin",
+    "vllm.models.deepseek_v4", "vllm.models.deepseek_v4.compressor", "vllm.models.deepseek_v4.attention",
+    "vllm.models.deepseek_v4.nvidia.model", "vllm.models.deepseek_v4.nvidia.mtp",
+    "vllm.models.deepseek_v4.nvidia.flashmla", "vllm.model_executor.layers.sparse_attn_indexer",
+    "vllm.v1.attention.backends.mla.indexer", "vllm.v1.attention.backends.mla.sparse_swa",
+    "vllm.third_party.deep_gemm", "cutlass", "cutlass.cute", "quack", "quack.compile_utils", "tilelang",
+    # the serving flags hwdb/serving.yaml gives DeepSeek-V4 (tool / reasoning parser, tokenizer mode)
+    "vllm.tool_parsers.deepseekv4_engine_tool_parser", "vllm.reasoning.deepseek_v4_engine_reasoning_parser",
+    "vllm.tokenizers.deepseek_v4",
+)
+# Packages whose function-level imports the check follows (one level: what those modules import when they load
+# runs anyway), and the folders of other platforms' code, never reached on CUDA.
+LAZY_FOLLOW = ("vllm.models.deepseek_v4", "vllm.v1.attention.backends.mla.sparse_swa",
+               "vllm.v1.attention.backends.mla.indexer", "vllm.model_executor.layers.sparse_attn_indexer")
+OTHER_PLATFORMS = (".amd", ".xpu", ".rocm", ".tpu", ".cpu")
+# Packages serving on sm_90 does not use (docs/VLLM_VERSIONS.md "The GPU machine": left behind on purpose).
+NOT_CARRIED = ("aiter", "vllm_xpu_kernels", "flashinfer", "deep_ep", "mori", "nixl_ep", "tokenspeed_mla",
+               "humming")
+
+
+def function_imports(tree: Tree, package: str) -> dict[str, str]:
+    """Module -> the module that imports it inside a function, for every module under `package` (a module or a
+    package folder), other platforms' folders excluded."""
+    found = tree.path_of(package)
+    if found is None:
+        return {}
+    path, is_pkg = found
+    files = sorted(path.parent.rglob("*.py")) if is_pkg else [path]
+    out: dict[str, str] = {}
+    for f in files:
+        rel = f.relative_to(tree.root).with_suffix("")
+        parts = list(rel.parts)
+        f_is_pkg = parts[-1] == "__init__"
+        if f_is_pkg:
+            parts = parts[:-1]
+        module = ".".join(parts)
+        if any(f".{p}" in OTHER_PLATFORMS for p in parts):
+            continue
+        try:
+            parsed = ast.parse(f.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for fn in ast.walk(parsed):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    names = [_resolve(module, f_is_pkg, node.level, node.module)]
+                else:
+                    continue
+                for name in names:
+                    if name and not any(p in name for p in OTHER_PLATFORMS) \
+                            and name.split(".")[0] not in NOT_CARRIED:
+                        out.setdefault(name, module)
+    return out
+
+
+def check(root: Path) -> int:
+    """The install check on the GPU machine (see the module doc)."""
+    import importlib
+    import importlib.metadata as md
+
+    bad: list[str] = []
+
+    def try_import(m: str, why: str = "") -> None:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # noqa: BLE001 - report every failure, not the first
+            bad.append(f"import {m}{why}: {type(e).__name__}: {e}")
+
+    for m in CHECK_MODULES:
+        try_import(m)
+    lazy: dict[str, str] = {}
+    for pkg in LAZY_FOLLOW:
+        lazy.update(function_imports(Tree(root), pkg))
+    for m, by in sorted(lazy.items()):
+        if m.split(".")[0] in sys.stdlib_module_names:
+            continue
+        try_import(m, f" (inside a function of {by})")
+    print(f"imported {len(CHECK_MODULES)} serving modules and {len(lazy)} function-level imports of "
+          f"{', '.join(LAZY_FOLLOW)}")
+    eps = [e.name for e in md.entry_points(group="vllm.general_plugins")]
+    versions = {}
+    for dist in ("vllm", "nvidia-cutlass-dsl", "quack-kernels", "tilelang", "openai", "torch"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            versions[dist] = None
+            bad.append(f"no {dist} metadata (dist-info) installed")
+    print("versions:", versions, "| vllm plugins:", eps)
+    if "moetplan" not in eps:
+        bad.append("moetplan's vllm.general_plugins entry point is missing")
+    try:
+        _kernel_check(bad)
+    except Exception as e:  # noqa: BLE001
+        bad.append(f"kernel check: {type(e).__name__}: {e}")
+    for line in bad:
+        print("FAILED", line)
+    return 1 if bad else 0
+
+
+def _kernel_check(bad: list[str]) -> None:
+    import torch
+
+    if bad or not torch.cuda.is_available():
+        return
+    from vllm.vllm_flash_attn import flash_attn_interface as fa
+
+    print("FA3 available:", fa.FA3_AVAILABLE, "| FA2 available:", fa.FA2_AVAILABLE)
+    # one kernel from each pruned extension: the sm_90 code kept by bench/tools/fatbin_prune.py loads and runs
+    from vllm import _custom_ops as ops
+
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    out, w = torch.empty_like(x), torch.ones(256, device="cuda", dtype=torch.bfloat16)
+    ops.rms_norm(out, x, w, 1e-6)
+    ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    logits = torch.randn(4, 16, device="cuda")
+    tw = torch.empty(4, 2, device="cuda")
+    ti = torch.empty(4, 2, device="cuda", dtype=torch.int32)
+    ops.topk_softmax(tw, ti, torch.empty_like(ti), logits, False)
+    torch.cuda.synchronize()
+    ok_norm = torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)
+    ok_topk = torch.equal(ti.sort(-1).values.long(), logits.topk(2, -1).indices.sort(-1).values)
+    print("sm_90 kernels: rms_norm", "ok" if ok_norm else "WRONG", "| topk_softmax", "ok" if ok_topk else "WRONG")
+    if not (ok_norm and ok_topk):
+        bad.append("a pruned extension computed a wrong result")
+
 
 def closure(tree: Tree, entries: tuple[str, ...]) -> dict[str, dict[str, set[str]]]:
     """Third-party top-level module -> {kind: importing vLLM modules}. A vLLM module reached only through
@@ -228,9 +368,21 @@ def closure(tree: Tree, entries: tuple[str, ...]) -> dict[str, dict[str, set[str
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("root", type=Path, help="an unpacked vLLM wheel (the folder holding vllm/)")
+    ap.add_argument("root", type=Path, nargs="?", help="an unpacked vLLM wheel (the folder holding vllm/)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--check", action="store_true", help="import-check the installed vLLM (the GPU machine)")
     args = ap.parse_args(argv)
+    if args.check:
+        if args.root is None:
+            import importlib.util
+
+            spec = importlib.util.find_spec("vllm")
+            if spec is None or spec.origin is None:
+                raise SystemExit("vllm is not importable: set PYTHONPATH to the install (/tmp/site)")
+            args.root = Path(spec.origin).parents[1]
+        raise SystemExit(check(args.root))
+    if args.root is None:
+        ap.error("give the unpacked wheel's folder (or --check)")
     found = closure(Tree(args.root), ENTRY_MODULES)
     rows = {name: {k: sorted(v) for k, v in kinds.items()} for name, kinds in sorted(found.items())}
     if args.json:

@@ -78,6 +78,14 @@ class StreamResult:
         first_event_tokens = max(1.0, self.tokens / self.n_events)  # an event may hold several tokens (MTP)
         return (self.tokens - first_event_tokens) / span if span > 0 else None
 
+    def wall_decode_tok_s(self, server_ttft_s: float | None) -> float | None:
+        """Decode from the request's wall clock less the server's time to first token (the first token is
+        prefill's): a rate that bunched events cannot distort. None without a TTFT or a span."""
+        if server_ttft_s is None or self.t_end is None or self.tokens < 2:
+            return None
+        span = (self.t_end - self.t_start) - server_ttft_s
+        return (self.tokens - 1) / span if span > 0 else None
+
     def rate_mismatch(self, limit: float = RATE_CROSSCHECK) -> str | None:
         """Why this request's decode rate cannot be believed, or None: it must not exceed the wall-clock rate
         of the same request by more than `limit` (decode excludes TTFT, so it may exceed it by a little)."""
@@ -135,6 +143,7 @@ class BenchClient:
         # ignore_eos / stream_options are not OpenAI core fields; dropped after the first 400 that names them.
         self.send_extras = True
         self.extras_note: str | None = None
+        self.tokenize_ok: bool | None = None  # the server's /tokenize answers (None: not asked yet)
         self._client = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout),
@@ -143,6 +152,35 @@ class BenchClient:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+    async def count_tokens(self, prompt: str) -> int | None:
+        """The prompt's token count by the server's own tokenizer (vLLM's /tokenize; for chat, with the chat
+        template and the generation prompt, as /v1/chat/completions will see it); None where the server has no
+        /tokenize (then prompts are sized from usage)."""
+        if self.tokenize_ok is False:
+            return None
+        body: dict[str, Any] = {"model": self.model} if self.model else {}
+        if self.chat:
+            body.update(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
+        else:
+            body["prompt"] = prompt
+        try:
+            resp = await self._client.post("/tokenize", json=body, timeout=min(30.0, self.timeout))
+            count = resp.json().get("count") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            count = None
+        if not isinstance(count, int):
+            self.tokenize_ok = False
+            return None
+        self.tokenize_ok = True
+        return count
+
+    async def metrics_text(self) -> str | None:
+        try:
+            resp = await self._client.get("/metrics", timeout=min(5.0, self.timeout))
+        except httpx.HTTPError:
+            return None
+        return resp.text if resp.status_code == 200 else None
 
     async def get(self, path: str, timeout: float | None = None) -> httpx.Response:
         return await self._client.get(path, timeout=timeout or self.timeout)

@@ -73,6 +73,8 @@ class FakeServerConfig:
     stall_s: float = 3600.0
     server_header: str = "fake-openai/1.0"
     metrics_text: str | None = None  # served at GET /metrics (Prometheus text) when set
+    tokenize: bool = True  # answer vLLM's POST /tokenize (the count of this server's own tokens: words)
+    histograms: bool = True  # vLLM's TTFT and inter-token latency histograms on /metrics, as simulated
 
     def __post_init__(self) -> None:
         unknown = set(self.modes) - FAILURE_MODES
@@ -117,6 +119,14 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: "_Server"
 
+    def setup(self) -> None:
+        super().setup()
+        # Small writes on a kept-alive connection otherwise wait out the client's delayed ACK (~40 ms), which
+        # would bunch the first events of the request after a /tokenize on the same connection.
+        import socket
+
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def log_message(self, format: str, *args: Any) -> None:  # keep test output clean
         pass
 
@@ -154,8 +164,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, {"object": "list", "data": [card]})
         elif self.path.rstrip("/") == "/version":
             self._send_json(200, {"version": "fake-1.0"})
-        elif self.path.rstrip("/") == "/metrics" and cfg.metrics_text is not None:
-            data = cfg.metrics_text.encode()
+        elif self.path.rstrip("/") == "/metrics" and (cfg.metrics_text is not None or cfg.histograms):
+            data = ((cfg.metrics_text or "") + (self.server.histogram_text() if cfg.histograms else "")).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(data)))
@@ -167,13 +177,25 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         cfg = self.server.config
         path = self.path.rstrip("/")
+        try:  # read the body whatever the route: what is left unread would be the next request's first bytes
+            length = int(self.headers.get("Content-Length", "0"))
+            raw = self.rfile.read(length)
+        except ValueError:
+            raw = b""
+        if path == "/tokenize" and cfg.tokenize:
+            try:
+                tok_body = json.loads(raw or b"{}")
+            except json.JSONDecodeError:
+                self._error(400, "request body is not JSON")
+                return
+            self._send_json(200, {"count": len(_prompt_text(tok_body).split()), "max_model_len": cfg.max_model_len})
+            return
         if path not in ("/v1/completions", "/v1/chat/completions"):
             self._error(404, f"no route {self.path}")
             return
         try:
-            length = int(self.headers.get("Content-Length", "0"))
-            body = json.loads(self.rfile.read(length) or b"{}")
-        except (ValueError, json.JSONDecodeError):
+            body = json.loads(raw or b"{}")
+        except json.JSONDecodeError:
             self._error(400, "request body is not JSON")
             return
         self.server.requests.append(body)
@@ -285,6 +307,12 @@ class _Handler(BaseHTTPRequestHandler):
             opts = body.get("stream_options") or {}
             if opts.get("include_usage") and "no_usage" not in modes:
                 event([], {"usage": usage})
+            with self.server.lock:  # what vLLM's histograms would hold: the simulated times, not bunched
+                h = self.server.hist
+                h["ttft"][0] += usage.get("prompt_tokens", 0) / cfg.prefill_tok_s
+                h["ttft"][1] += 1
+                h["itl"][0] += max(0, len(tokens) - 1) / cfg.decode_tok_s
+                h["itl"][1] += max(0, len(tokens) - 1)
             if held:
                 self._chunk("".join(held))
             self._chunk("data: [DONE]\n\n")
@@ -304,6 +332,16 @@ class _Server(ThreadingHTTPServer):
         self.config = config
         self.stopping = threading.Event()
         self.requests: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.hist = {"ttft": [0.0, 0], "itl": [0.0, 0]}
+
+    def histogram_text(self) -> str:
+        with self.lock:
+            t, i = list(self.hist["ttft"]), list(self.hist["itl"])
+        return (f'vllm:time_to_first_token_seconds_sum{{model_name="{self.config.model}"}} {t[0]}\n'
+                f'vllm:time_to_first_token_seconds_count{{model_name="{self.config.model}"}} {t[1]}\n'
+                f'vllm:inter_token_latency_seconds_sum{{model_name="{self.config.model}"}} {i[0]}\n'
+                f'vllm:inter_token_latency_seconds_count{{model_name="{self.config.model}"}} {i[1]}\n')
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Clients hanging up (timeouts, drops under test) are expected; anything else is a fake-server bug.

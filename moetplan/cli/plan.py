@@ -9,7 +9,10 @@ import typer
 
 from moetplan.cli.common import fail
 from moetplan.cli.common import out as console
-from moetplan.contract import MoetplanError
+from moetplan.contract import OBJECTIVES, MoetplanError
+
+_SERVING_HELP = ("a vLLM registry name, or none to switch it off (default: hwdb/serving.yaml for the model, "
+                 "checked against the installed vLLM)")
 
 
 def plan_cmd(
@@ -24,15 +27,19 @@ def plan_cmd(
     pack_dir: Optional[str] = typer.Option(None, "--pack-dir"),
     context: Optional[str] = typer.Option(None, "--context", help="wanted context, e.g. 32768 or 128k"),
     concurrency: int = typer.Option(1, "--concurrency"),
-    objective: str = typer.Option("balanced", "--objective", help="decode | context | balanced"),
+    objective: str = typer.Option("balanced", "--objective", help=" | ".join(OBJECTIVES)),
     set_: List[str] = typer.Option([], "--set", help="pin a knob: name=value (repeatable)"),
     explain: bool = typer.Option(False, "--explain", help="per-term step time and what would move the bottleneck"),
     plot: Optional[str] = typer.Option(None, "--plot", help="write the context vs decode Pareto plot (PNG)"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="write plan.json"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+    tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser", help=_SERVING_HELP),
+    reasoning_parser: Optional[str] = typer.Option(None, "--reasoning-parser", help=_SERVING_HELP),
+    tokenizer_mode: Optional[str] = typer.Option(None, "--tokenizer-mode", help=_SERVING_HELP),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="a Jinja chat template file"),
 ) -> None:
     """Solve the placement, predict tok/s and name the bottleneck."""
-    from moetplan.contract import Goals, InfeasibleError, save_json
+    from moetplan.contract import Goals, InfeasibleError
     from moetplan.hw.resolve import resolve_hardware
     from moetplan.launch.command import build_launch
     from moetplan.models.by_name import spec_for_name
@@ -40,7 +47,17 @@ def plan_cmd(
     from moetplan.plan.solver import parse_set, solve
 
     try:
+        from moetplan.cli.run import plan_model, serving_overrides
+        from moetplan.launch.serving import serving_for
+
         ctx = check_args(objective, concurrency, context)
+        serving = serving_overrides(tool_call_parser, reasoning_parser, tokenizer_mode, chat_template)
+        if not (hw or box or gpus) and _cpu_backend_here(model):
+            # No GPU here and a checkpoint the CPU backend serves: the plan `moetplan run --model` makes.
+            plan = plan_model(model, context=context, set_=set_, serving=serving, pack_dir=pack_dir)
+            build_launch(plan)  # a plan vLLM cannot serve fails here
+            _show(plan, out, as_json, explain, plot)
+            return
         spec = spec_for_name(model)
         goals = Goals(context=ctx, concurrency=concurrency, objective=objective, pinned=parse_set(set_),
                       pack_dir=pack_dir)  # type: ignore[arg-type]
@@ -51,13 +68,38 @@ def plan_cmd(
         except InfeasibleError as e:
             raise with_notes(e, notes) from None
         plan.warnings = notes + plan.warnings
-        plan.launch = build_launch(plan)
+        plan.serving = serving_for(plan, {k: v for k, v in serving.items() if v is not None})
+        build_launch(plan)  # a plan vLLM cannot serve fails here, not at `moetplan run`
     except MoetplanError as e:
         fail(e, as_json)
         return
     except Exception as e:  # noqa: BLE001 - a bug must still reach the user as one line and exit code 1
         fail(MoetplanError(f"plan failed: {type(e).__name__}: {e} (please report it with the command line)"), as_json)
         return
+    _show(plan, out, as_json, explain, plot)
+
+
+def _cpu_backend_here(model: str) -> bool:
+    """No NVIDIA GPU on this machine and `model` is a checkpoint its CPU backend serves (a tiny model, a folder)."""
+    from moetplan.hw.gpus import local_gpu_count
+    from moetplan.models import tiny
+    from moetplan.models.by_name import spec_for_name
+    from moetplan.plan.cpu_backend import cpu_backend_serves
+
+    if local_gpu_count() > 0:
+        return False
+    if tiny.is_tiny(model):
+        return True
+    try:
+        return cpu_backend_serves(spec_for_name(model))
+    except MoetplanError:
+        return False  # the planner's own path names the problem
+
+
+def _show(plan, out: Optional[str], as_json: bool, explain: bool, plot: Optional[str]) -> None:  # noqa: ANN001
+    from moetplan.contract import save_json
+    from moetplan.launch.serving import serving_line
+
     if out:
         save_json(plan, out)
     if as_json:
@@ -71,6 +113,9 @@ def plan_cmd(
 
             whatifs = _whatifs(plan.model, plan.hardware, plan.placement)
         render_plan(plan, console, explain=explain, whatifs=whatifs)
+        console.print(serving_line(plan.serving), markup=False, highlight=False)
+        for note in (plan.serving.notes if plan.serving else []):
+            console.print(f"  note: {note}", markup=False, highlight=False)
         if out:
             console.print(f"wrote {out}")
     if plot:

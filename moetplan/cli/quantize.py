@@ -7,6 +7,7 @@ from typing import Any
 
 import typer
 
+from moetplan.contract.vocab import ZERO_MODES
 from moetplan.runtime.quantize_ckpt import quantize_checkpoint
 
 
@@ -46,7 +47,7 @@ def quantize_command(
     pack_dir: Path = typer.Option(..., "--pack-dir", help="Where the pack files go (NVMe)"),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks: one pack per rank"),
     fp4: bool = typer.Option(False, "--fp4", help="Write the FP4 (e2m1) reserve format instead of 2-bit"),
-    zero_mode: str = typer.Option("auto", "--zero-mode", help="auto | signed | balanced (zero-sign balancing)"),
+    zero_mode: str = typer.Option("auto", "--zero-mode", help=f"{' | '.join(ZERO_MODES)} (zero-sign balancing)"),
     model_key: str = typer.Option(None, "--model-key", help="Pack file name prefix (default: the folder name)"),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Re-check finished rows' checksums on resume"),
     report: bool = typer.Option(True, "--report/--no-report", help="Compute the per-tensor error report"),

@@ -9,29 +9,34 @@ import typer
 
 from moetplan import __version__
 from moetplan import contract as _schema
-from moetplan.contract import MoetplanError, UsageError, load_json, runs_root, save_json
+from moetplan.contract import InfeasibleError, MoetplanError, UsageError, load_json, runs_root, save_json
+from moetplan.contract.vocab import EXPERT_FORMATS, check_choice
 from moetplan.hw.gpus import local_gpu_count
 from moetplan.launch.command import DEFAULT_HOST, DEFAULT_PORT, build_launch, is_cpu_plan, shell_line
 from moetplan.launch.run import serve
-from moetplan.plan.cpu_backend import plan_for_cpu
+from moetplan.plan.cpu_backend import CPU_UNSERVED_ATTENTION, cpu_backend_serves, plan_for_cpu
 
-EXPERT_FORMAT_CHOICES = ("2bit", "unquantized")
 # What a CPU-backend plan can be pinned to (plan/cpu_backend.py: experts resident, or a RAM cache over a host store).
-CPU_PINS = ("context", "max_num_seqs", "expert_tier", "gpu_expert_cache_gib", "moe_graphs")
+CPU_PINS = ("context", "max_num_seqs", "expert_tier", "gpu_expert_cache_gib", "moe_graphs", "tp")
 
 
 def set_expert_format(plan: Any, expert_format: str) -> None:
-    if expert_format not in EXPERT_FORMAT_CHOICES:
-        raise UsageError(f"--experts {expert_format}: choose one of {', '.join(EXPERT_FORMAT_CHOICES)}")
+    check_choice("--experts", expert_format, EXPERT_FORMATS)
     plan.placement.expert_format = expert_format
 
 
 def resolve_plan(plan_path: str | None, model: str | None, *, box: str | None = None, gpus: str | None = None,
                  hw: str | None = None, context: str | None = None, set_: list[str] | None = None,
                  experts: str | None = None, run_dir: str | None = None, dummy_weights: bool = False,
-                 router: str | None = None) -> tuple[Any, Path, bool]:
-    """-> (plan, path the runtime will read it from, whether that file was written by this run)."""
+                 router: str | None = None, serving: dict[str, str | None] | None = None,
+                 pack_dir: str | None = None) -> tuple[Any, Path, bool]:
+    """-> (plan, path the runtime will read it from, whether that file was written by this run).
+
+    `serving`: the user's tool-call / reasoning parser, tokenizer mode and chat template (None: hwdb's)."""
     from moetplan.launch.dummy import apply_dummy_weights, check_dummy_source, check_router, set_router
+    from moetplan.launch.serving import serving_for
+
+    serving = {k: v for k, v in (serving or {}).items() if v is not None}
 
     if bool(plan_path) == bool(model):
         raise UsageError("give either a plan.json or --model NAME (e.g. `moetplan run --model tiny-moe`)")
@@ -53,6 +58,12 @@ def resolve_plan(plan_path: str | None, model: str | None, *, box: str | None = 
         elif router and router != plan.runtime_knobs.router:
             set_router(plan, router)
             changed.append(router)
+        if serving:
+            plan.serving = serving_for(plan, serving)
+            changed.append("serving")
+        if pack_dir and pack_dir != plan.placement.pack_dir:
+            plan.placement.pack_dir = str(Path(pack_dir).expanduser().resolve())
+            changed.append("packs")
         if plan.runtime_knobs.weights == "dummy":
             apply_dummy_weights(plan, plan.runtime_knobs.router)  # its config folder, rewritten if missing
         if changed:
@@ -61,6 +72,26 @@ def resolve_plan(plan_path: str | None, model: str | None, *, box: str | None = 
             return plan, path, True
         return plan, path, False
 
+    plan = plan_model(model, box=box, gpus=gpus, hw=hw, context=context, set_=set_,  # type: ignore[arg-type]
+                      experts=experts, dummy_weights=dummy_weights, router=router, serving=serving,
+                      pack_dir=pack_dir)
+    plan.moetplan_version = plan.moetplan_version or __version__
+    name = plan.launch.served_model_name or plan.model.id.replace(":", "-").replace("/", "-")
+    folder = Path(run_dir) if run_dir else runs_root() / name
+    path = (folder / "plan.json").resolve()
+    save_json(plan, path)
+    return plan, path, True
+
+
+def plan_model(model: str, *, box: str | None = None, gpus: str | None = None, hw: str | None = None,
+               context: str | None = None, set_: list[str] | None = None, experts: str | None = None,
+               dummy_weights: bool = False, router: str | None = None,
+               serving: dict[str, str | None] | None = None, pack_dir: str | None = None) -> Any:
+    """The plan for `--model` (what `run --model` serves and `plan --model` writes): this machine's GPUs, or the
+    CPU backend on a machine without one for a model it serves here (a tiny model, a checkpoint folder, an hwdb
+    model with --dummy-weights); a GPU box only when --box, --gpus or --hw says which."""
+    from moetplan.launch.dummy import apply_dummy_weights, set_router
+    from moetplan.launch.serving import serving_for
     from moetplan.models import tiny
 
     ctx = None
@@ -78,67 +109,93 @@ def resolve_plan(plan_path: str | None, model: str | None, *, box: str | None = 
         spec = resolve_model(str(ckpt))
         spec.id, spec.name = model, model  # type: ignore[assignment]
         if box or gpus or hw:
-            plan = _solve(spec, box, gpus, hw, ctx, set_)
+            plan = _solve(spec, box, gpus, hw, ctx, set_, pack_dir)
         else:
-            plan = _solve_here(spec, ctx, set_, experts or "2bit")
+            plan = _solve_here(spec, ctx, set_, experts or "2bit", pack_dir)
         plan.launch.model_path = str(ckpt)
         plan.launch.served_model_name = model
     else:
         from moetplan.models import resolve_model
 
         spec = resolve_model(model)  # type: ignore[arg-type]
-        if dummy_weights and not (box or gpus or hw):
-            plan = _solve_here(spec, ctx, set_, experts or "2bit")  # the CPU backend where there is no GPU
+        cpu_ok = cpu_backend_serves(spec) or (dummy_weights and spec.attention.kind not in CPU_UNSERVED_ATTENTION)
+        if cpu_ok and not (box or gpus or hw):
+            try:  # the CPU backend where there is no GPU
+                plan = _solve_here(spec, ctx, set_, experts or "2bit", pack_dir)
+            except InfeasibleError as e:
+                if not dummy_weights or local_gpu_count() > 0:
+                    raise
+                # Too big for this machine's RAM: the default box's plan, which --dry-run shows and run refuses.
+                plan = _solve(spec, None, None, None, ctx, set_, pack_dir)
+                plan.warnings.insert(0, f"not served on this machine's CPU backend: {e}")
         else:
-            plan = _solve(spec, box, gpus, hw, ctx, set_)
+            plan = _solve(spec, box, gpus, hw, ctx, set_, pack_dir)
     if experts:
         set_expert_format(plan, experts)
     if dummy_weights:
         apply_dummy_weights(plan, router)
     elif router:
         set_router(plan, router)
+    plan.serving = serving_for(plan, {k: v for k, v in (serving or {}).items() if v is not None})
     plan.moetplan_version = plan.moetplan_version or __version__
-    name = plan.launch.served_model_name or spec.id.replace(":", "-").replace("/", "-")
-    folder = Path(run_dir) if run_dir else runs_root() / name
-    path = (folder / "plan.json").resolve()
-    save_json(plan, path)
-    return plan, path, True
+    return plan
 
 
 def _solve(spec: Any, box: str | None, gpus: str | None, hw: str | None, ctx: int | None,
-           set_: list[str] | None) -> Any:
+           set_: list[str] | None, pack_dir: str | None = None) -> Any:
     from moetplan.hw.resolve import resolve_hardware
     from moetplan.plan.solver import parse_set, solve
 
-    profile, notes = resolve_hardware(hw, box, gpus, probe_progress=False)
-    plan = solve(spec, profile, _schema.Goals(context=ctx, pinned=parse_set(set_ or [])))
+    profile, notes = resolve_hardware(hw, box, gpus, pack_dir=pack_dir, probe_progress=False)
+    plan = solve(spec, profile, _schema.Goals(context=ctx, pinned=parse_set(set_ or []), pack_dir=pack_dir))
     plan.warnings = notes + plan.warnings
     return plan
 
 
-def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str) -> Any:
-    """Plan for this machine: its GPUs through the solver, or the CPU backend when it has none."""
+def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str,
+                pack_dir: str | None = None) -> Any:
+    """Plan for this machine: its GPUs through the solver, or the CPU backend when it has none (what `run --model`
+    and `plan --model` without --box/--gpus/--hw both do)."""
     if local_gpu_count() == 0:
-        pins = {}
-        for item in set_ or []:
-            k, _, v = item.partition("=")
-            pins[k.strip()] = v.strip()
+        from moetplan.plan.solver import parse_set
+
+        pins = parse_set(set_ or [])
+        from moetplan.hw.host import query_host  # the probe's cores and DRAM rate price the CPU step
+
         unknown = set(pins) - set(CPU_PINS)
         if unknown:
             raise UsageError(f"--set {', '.join(sorted(unknown))}: a CPU-backend plan takes only "
                              f"{', '.join(CPU_PINS)}")
-        from moetplan.contract import parse_tokens as _parse_tokens
+        return plan_for_cpu(spec, context=pins.get("context", ctx), expert_format=experts,
+                            max_num_seqs=pins.get("max_num_seqs", 4), expert_tier=pins.get("expert_tier", "resident"),
+                            gpu_expert_cache_gib=pins.get("gpu_expert_cache_gib"),
+                            pack_dir=str(Path(pack_dir).expanduser().resolve()) if pack_dir else None,
+                            tp=pins.get("tp", 1), moe_graphs=pins.get("moe_graphs", "replay"),
+                            host=query_host(measure=True, try_cuda=False).info)
+    return _solve(spec, None, None, None, ctx, set_, pack_dir)
 
-        try:
-            context = _parse_tokens(pins["context"]) if "context" in pins else ctx
-            seqs = int(pins.get("max_num_seqs", 4))
-            cache = float(pins["gpu_expert_cache_gib"]) if "gpu_expert_cache_gib" in pins else None
-        except ValueError:
-            raise UsageError(f"--set {' '.join(set_ or [])}: not a number") from None
-        return plan_for_cpu(spec, context=context, expert_format=experts, max_num_seqs=seqs,
-                            expert_tier=pins.get("expert_tier", "resident"), cache_gib=cache,
-                            moe_graphs=pins.get("moe_graphs", "replay"))
-    return _solve(spec, None, None, None, ctx, set_)
+
+SERVING_HELP = ("a vLLM registry name, or none to switch it off (default: hwdb/serving.yaml for the model, checked "
+                "against the installed vLLM)")
+
+
+def serving_overrides(tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                      tokenizer_mode: str | None = None, chat_template: str | None = None) -> dict[str, str | None]:
+    if chat_template and chat_template.lower() not in ("none", "off") and not Path(chat_template).is_file() \
+            and "{" not in chat_template:
+        raise UsageError(f"--chat-template {chat_template}: no such file; give a Jinja template file")
+    return {"tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser,
+            "tokenizer_mode": tokenizer_mode, "chat_template": chat_template}
+
+
+def restart_policy(restart: str, max_restarts: int, window_s: float) -> Any:
+    from moetplan.launch.supervisor import RestartPolicy
+
+    if restart not in ("on-failure", "no"):
+        raise UsageError(f"--restart {restart}: choose on-failure or no")
+    if max_restarts < 0 or window_s <= 0:
+        raise UsageError("--max-restarts must be >= 0 and --restart-window > 0 seconds")
+    return RestartPolicy(enabled=restart == "on-failure", max_restarts=max_restarts, window_s=window_s)
 
 
 def check_gpus_here(plan: Any) -> None:
@@ -179,6 +236,19 @@ def run_command(
     router: Optional[str] = typer.Option(None, "--router", help="who picks the experts: model (its own router) "
                                          "or locality (popularity follows the model's published coverage curve; "
                                          "the default with --dummy-weights)"),
+    tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser", help=SERVING_HELP),
+    reasoning_parser: Optional[str] = typer.Option(None, "--reasoning-parser", help=SERVING_HELP),
+    tokenizer_mode: Optional[str] = typer.Option(None, "--tokenizer-mode", help=SERVING_HELP),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="a Jinja chat template file for "
+                                                "vLLM (default: the checkpoint's own)"),
+    pack_dir: Optional[str] = typer.Option(None, "--pack-dir", help="serve the experts from the packs in DIR "
+                                           "(`moetplan quantize`; written there on first load when missing)"),
+    restart: str = typer.Option("on-failure", "--restart", help="when vLLM dies while serving: on-failure "
+                                "(restart it under the same plan and port, with backoff) or no (exit)"),
+    max_restarts: int = typer.Option(5, "--max-restarts", help="with --restart on-failure: give up after this "
+                                     "many restarts within --restart-window seconds"),
+    restart_window: float = typer.Option(600.0, "--restart-window", help="seconds over which --max-restarts "
+                                         "counts"),
     vllm_args: List[str] = typer.Argument(None, hidden=True),
 ) -> None:
     """Serve a model under a plan through vLLM (extra vLLM flags after `--`)."""
@@ -192,11 +262,16 @@ def run_command(
             extra, plan_file = [plan_file, *extra], None
         plan, plan_path, written = resolve_plan(plan_file, model, box=box, gpus=gpus, hw=hw, context=context,
                                                 set_=set_, experts=experts, run_dir=run_dir,
-                                                dummy_weights=dummy_weights, router=router)
+                                                dummy_weights=dummy_weights, router=router,
+                                                serving=serving_overrides(tool_call_parser, reasoning_parser,
+                                                                          tokenizer_mode, chat_template),
+                                                pack_dir=pack_dir)
+        policy = restart_policy(restart, max_restarts, restart_window)
         if dry_run:
             launch = build_launch(plan, plan_path=str(plan_path), host=host, port=port, extra_args=extra)
             if as_json:
                 print(json.dumps({"argv": launch.argv, "env": launch.env, "model_path": launch.model_path,
+                                  "serving": plan.serving.model_dump() if plan.serving else None,
                                   "served_model_name": launch.served_model_name, "plan": str(plan_path),
                                   "backend": "cpu" if is_cpu_plan(plan) else "cuda"}, indent=2))
             else:
@@ -213,13 +288,13 @@ def run_command(
         else:
             console.print(line, highlight=False)
         rc = serve(plan, plan_path, host=host, port=port, show_logs=logs, as_json=as_json, timeout=timeout,
-                   extra_args=extra, console=console, err=err)
+                   extra_args=extra, console=console, err=err, restart=policy)
     except MoetplanError as e:
         if as_json:
             print(json.dumps({"event": "error", "error": str(e), "exit_code": e.exit_code}))
         else:
             err.print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(e.exit_code)
+        raise typer.Exit(e.exit_code) from None
     if rc:
         raise typer.Exit(rc)
 
@@ -236,4 +311,9 @@ def _render_dry_run(launch: Any, plan: Any, plan_path: Path, console: Any) -> No
     console.print(t)
     console.print("[bold]command[/]")
     console.print(shell_line(launch), markup=False, highlight=False, soft_wrap=True)
+    from moetplan.launch.serving import serving_line
+
+    console.print(serving_line(plan.serving), markup=False, highlight=False)
+    for note in (plan.serving.notes if plan.serving else []):
+        console.print(f"  note: {note}", markup=False, highlight=False)
     console.print(f"[dim]plan: {plan_path}[/]")

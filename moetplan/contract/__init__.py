@@ -12,6 +12,7 @@ the errors users see, and shared units. It imports no other moetplan package; ev
     machine.py  machine facts recorded beside every measurement
     errors.py   errors with a message that names the problem and the fix, and their exit codes
     units.py    GiB, token counts as users write them ("128k")
+    vocab.py    every enumerated value set (tier, expert format, router, ...), declared once as a Literal alias
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ from moetplan.contract.schema import (
     HostInfo,
     LedgerItem,
     Launch,
+    Serving,
     MemoryLedger,
     Objective,
     Placement,
@@ -68,13 +70,15 @@ from moetplan.contract.schema import (
     ValueSource,
 )
 from moetplan.contract.units import GIB, MIB, parse_tokens
+from moetplan.contract.vocab import EXPERT_FORMATS, EXPERT_TIERS, OBJECTIVES, ExpertFormat
 
 __all__ = [
     "EXIT_FAILURE", "EXIT_INFEASIBLE", "EXIT_OK", "EXIT_USAGE", "ConfigError", "InfeasibleError", "MoetplanError",
     "UnknownNameError", "UsageError", "validation_summary", "SchemaError", "atomic_write_text", "load_any",
     "load_json", "save_json", "cache_root", "default_pack_dir", "dummy_root", "run_record_path", "runs_root", "tiny_root", "DENSE_BYTES_PER_PARAM", "EXPERT_FORMAT_BITS", "Attention",
     "AttentionKind", "ModelSpec", "PINNABLE_KNOBS", "SCHEMA_VERSION", "Alternative", "ExpertTier", "Gate", "Goals",
-    "GPUInfo", "GPURankMemory", "HardwareProfile", "HostInfo", "LedgerItem", "Launch", "MemoryLedger",
+    "GPUInfo", "GPURankMemory", "HardwareProfile", "HostInfo", "LedgerItem", "Launch", "Serving", "MemoryLedger",
     "Objective", "Placement", "Plan", "Prediction", "Reason", "RunRecord", "StorageInfo", "Term", "ValueSource",
-    "GIB", "MIB", "parse_tokens", "KernelPolicy", "RuntimeKnobs", "RuntimeSection",
+    "GIB", "MIB", "parse_tokens", "KernelPolicy", "RuntimeKnobs", "RuntimeSection", "EXPERT_FORMATS", "EXPERT_TIERS",
+    "OBJECTIVES", "ExpertFormat",
 ]

@@ -8,11 +8,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from moetplan.contract.errors import ConfigError, UsageError
+from moetplan.contract.vocab import ROW_FORMATS
 
 BLOCK = 32  # weights per UE8M0 scale, along K
 SECTION_ALIGN = 256  # each of a row's four sections starts on this boundary (16-byte kernel loads, TMA boxes)
 ROW_ALIGN = 4096  # rows are page aligned: O_DIRECT reads land in them and pack offsets stay aligned
-FORMATS: tuple[str, ...] = ("2bit", "fp4")
+FORMATS = ROW_FORMATS  # contract.vocab.RowFormat
 WEIGHTS_PER_BYTE = {"2bit": 4, "fp4": 2}
 
 

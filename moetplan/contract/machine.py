@@ -65,7 +65,7 @@ def machine_info(*, with_torch: bool = False, **extra: Any) -> dict[str, Any]:
     torch = sys.modules.get("torch")
     if torch is None and with_torch:
         try:
-            import torch
+            import torch  # type: ignore[no-redef]  # the module sys.modules did not have yet
         except ImportError:
             torch = None
     if torch is not None:

@@ -3,29 +3,36 @@
 `KernelPolicy` says which MoE kernel paths the op may take; `RuntimeKnobs` holds what the planner does not decide
 (kernel policy, who promotes into the FP4 reserve, where the run record goes, checkpoint or dummy weights, the
 model's router or the published-locality one); `RuntimeSection` is what a worker
-reads: those knobs with the placement's sizes (rows, not GiB: what the plan sized is what the worker allocates).
+reads: those knobs with the placement's fields under their own names (sizes as rows, not GiB: what the plan sized
+is what the worker allocates). The allowed values of each enumerated knob live in contract.vocab.
 Benches and tests build a `KernelPolicy` and pass it to the op; nothing reads a module flag.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal, get_args
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from moetplan.contract.errors import UsageError
-
-DECODE_KERNELS = ("auto", "rowdot", "gemv", "mma")
-PREFILL_KERNELS = ("auto", "tiled", "wgmma", "warp")
-DECODE_RINGS = (None, "cp.async", "tma")
-PROMOTERS = ("background", "gate")
-WEIGHT_SOURCES = ("checkpoint", "dummy")
-ROUTERS = ("model", "locality")
-# How a tiered plan's MoE layers meet vLLM's CUDA graphs: "replay" (inside the graphs; a step that missed is
-# fetched in one batch and run again) or "split" (outside them, the store on the host per layer: the measured
-# fallback). docs/CUDA_GRAPHS.md.
-MoeGraphs = Literal["replay", "split"]
-MOE_GRAPHS: tuple[str, ...] = get_args(MoeGraphs)
+from moetplan.contract.errors import ConfigError, UsageError
+from moetplan.contract.vocab import (
+    DECODE_KERNELS,
+    DECODE_RINGS,
+    PREFILL_KERNELS,
+    PROMOTERS,
+    ROUTERS,
+    WEIGHT_SOURCES,
+    DecodeKernel,
+    DecodeRing,
+    MOE_GRAPHS,
+    MoeGraphs,
+    ExpertFormat,
+    ExpertTier,
+    PrefillKernel,
+    Promoter,
+    Router,
+    WeightSource,
+)
 
 
 @dataclass(frozen=True)
@@ -38,14 +45,16 @@ class KernelPolicy:
 
     # Use the CUDA kernels where they apply (False: the torch reference everywhere, for checking a kernel).
     cuda: bool = True
+    # Use the CPU kernels (csrc/cpu/) for steps whose x is on the CPU (False: the torch reference there).
+    cpu: bool = True
     # Small (decode) steps: "auto" = rowdot up to rowdot_max_tokens tokens, else gemv; "rowdot" = CUDA-core row
     # streaming; "gemv" = mma.sync streaming stages; "mma" = the scan-mode tiles.
-    decode: str = "auto"
+    decode: DecodeKernel = "auto"
     # "auto" sends steps of at most this many tokens to rowdot. 0: gemv measured faster at every token count.
     rowdot_max_tokens: int = 0
     # Routed (prefill) steps: "auto" = wgmma for wide passes on Hopper, else tiled; "tiled" = mma.sync block tiles;
     # "wgmma" = warpgroup tiles (sm_90a only); "warp" = one-warp tiles (shapes the block tiles do not take).
-    prefill: str = "auto"
+    prefill: PrefillKernel = "auto"
     # The tiled prefill stages' warp arrangement: 1 = 8 warps along M; 2 = a 4 x 2 grid (slower, kept to compare).
     prefill_variant: int = 1
     # Fold the weighted per-token sum into the w2 decode launch (one launch fewer); the separate combine was faster.
@@ -59,7 +68,7 @@ class KernelPolicy:
     # How gemv stages spread units over warps: None = the extension's plan, False / True force plain / balanced.
     gemv_balance: bool | None = None
     # Which ring streams gemv weight rounds into shared memory: None = the extension's choice per stage.
-    decode_ring: str | None = None
+    decode_ring: DecodeRing | None = None
     # Programmatic dependent launch between the op's kernels (sm_90+).
     pdl: bool = True
     # Read the kernels' residency error flag after each call (a device sync; never during graph capture).
@@ -91,7 +100,7 @@ class Gate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
     enabled: bool = False
-    tau: float = 0.5
+    tau: float = Field(0.5, ge=0)
     max_promotions_per_step: int | None = None
     degraded: bool = False
 
@@ -102,17 +111,17 @@ class RuntimeKnobs(_Frozen):
     kernels: KernelPolicy = Field(default_factory=KernelPolicy)
     # Who fills the FP4 reserve: "background" (the hottest experts, off the critical path) or "gate" (only the
     # gate's synchronous promotions; tokens then do not depend on a thread's timing: runs compare token for token).
-    promoter: Literal["background", "gate"] = "background"
+    promoter: Promoter = "background"
     # The run record's file; None = beside the plan (plan.run.json, plan.run.rank<N>.json for other ranks).
     record_path: str | None = None
     record_interval_s: float = 2.0
     # Where the weights come from: "checkpoint" (loaded from the model folder) or "dummy" (vLLM's random dense
     # weights from a config-only folder; routed experts as random 2-bit rows written straight into their tier).
-    weights: Literal["checkpoint", "dummy"] = "checkpoint"
+    weights: WeightSource = "checkpoint"
     # Who picks each token's experts: "model" (its own router) or "locality" (sampled so each layer's expert
     # popularity follows `router_popularity`: the model's published coverage curve, what the cost model predicts
     # hit rates from).
-    router: Literal["model", "locality"] = "model"
+    router: Router = "model"
     # Share of one layer's routings each expert takes, hottest first (sums to 1; len = routed experts).
     router_popularity: tuple[float, ...] = ()
     # Seeds the dummy expert rows and the locality router's rankings and draws.
@@ -129,44 +138,52 @@ class RuntimeKnobs(_Frozen):
 
 
 class RuntimeSection(_Frozen):
-    """Everything a worker reads from the Plan (`Plan.runtime`), derived from the placement and the knobs."""
+    """Everything a worker reads from the Plan (`Plan.runtime`): the placement's fields it needs, under the
+    Placement's own names (sizes as rows, not GiB: what the plan sized is what the worker allocates), the
+    runtime knobs as they are, and what the run record names the run by."""
 
-    expert_format: Literal["2bit", "unquantized"] = "2bit"
-    tier: Literal["resident", "host", "nvme"] = "resident"
+    expert_format: ExpertFormat = "2bit"
+    expert_tier: ExpertTier = "resident"
     tp: int = 1
-    cache_slots: int = 0  # GPU expert cache rows per rank (tiers host / nvme)
-    arena_rows: int = 0  # pinned RAM arena rows per rank over the pack file (tier nvme; 0 = the page cache)
-    reserve_slots: int = 0  # FP4 reserve rows per rank
-    row_bytes: int = 0  # one 2-bit expert row per rank (contract.layout); the worker's rows must be this size
+    gpu_expert_cache_slots: int = 0  # GPU expert cache rows per rank (tiers host / nvme): the slot pool's size
+    host_arena_rows: int = 0  # pinned RAM arena rows per rank over the pack file (tier nvme; 0 = the page cache)
+    fp4_reserve_slots: int = 0  # FP4 reserve rows per rank
+    expert_row_bytes: int = 0  # one 2-bit expert row per rank (contract.layout); the worker's rows must be this size
     fp4_row_bytes: int = 0
     pack_dir: str | None = None
     gate: Gate = Field(default_factory=Gate)
     mtp: int = 0
     decode_batch_tokens: int = 1  # the most tokens a decode step carries: max_num_seqs x (1 + MTP depth)
-    kernels: KernelPolicy = Field(default_factory=KernelPolicy)
-    promoter: Literal["background", "gate"] = "background"
-    record_path: str | None = None
-    record_interval_s: float = 2.0
-    weights: Literal["checkpoint", "dummy"] = "checkpoint"
-    router: Literal["model", "locality"] = "model"
-    router_popularity: tuple[float, ...] = ()
-    seed: int = 0
+    knobs: RuntimeKnobs = Field(default_factory=RuntimeKnobs)
     moe_graphs: MoeGraphs = "replay"
+    # The run record's identity: the plan's model and its placement as plan.json holds it (`moetplan diff` lines
+    # the two up).
+    model_id: str | None = None
+    record_placement: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _tiers_need_a_cache(self) -> "RuntimeSection":
+        # The one check of the cache size's floor: every path from a plan to the slot pool passes through here.
+        if self.expert_tier != "resident" and self.gpu_expert_cache_slots < 1:
+            raise ConfigError(f"expert_tier '{self.expert_tier}' needs at least 1 GPU expert cache slot "
+                              f"(placement.gpu_expert_cache_slots is {self.gpu_expert_cache_slots}); re-plan "
+                              "(`moetplan plan`) or pin a cache size (--set gpu_expert_cache_gib=...)")
+        return self
 
     @property
     def reserve_wanted(self) -> bool:
-        return self.reserve_slots > 0
+        return self.fp4_reserve_slots > 0
 
     @property
     def records_steps(self) -> bool:
         """MoE layers inside vLLM's graphs record each step's routings on the device, read once at step end (the
         tiered store's misses and heat, the FP4 reserve's heat) by the replay driver around the forward call."""
-        return self.moe_split_reason is None and (self.tier != "resident" or self.reserve_wanted)
+        return self.moe_split_reason is None and (self.expert_tier != "resident" or self.reserve_wanted)
 
     @property
     def replays(self) -> bool:
         """Tiered layers run inside vLLM's graphs and a step that missed is run again (runtime/miss_replay.py)."""
-        return self.records_steps and self.tier != "resident"
+        return self.records_steps and self.expert_tier != "resident"
 
     @property
     def moe_split_reason(self) -> str | None:
@@ -179,25 +196,24 @@ class RuntimeSection(_Frozen):
             return "unquantized experts run on the torch reference, which groups each call's pairs on the host"
         if self.gate.enabled:
             return "the confidence gate re-runs a step's forward from Python"
-        if self.moe_graphs == "split" and self.tier != "resident":
-            return (f"expert_tier {self.tier} with moe_graphs=split: the expert store learns each step's routed "
+        if self.moe_graphs == "split" and self.expert_tier != "resident":
+            return (f"expert_tier {self.expert_tier} with moe_graphs=split: the expert store learns each step's routed "
                     "experts on the host and fetches the missing rows before the layer computes")
         if self.moe_graphs == "split" and self.reserve_wanted:
             return "the FP4 reserve with moe_graphs=split: it heats experts from each layer's routed ids on the host"
         return None
 
 
-def runtime_section(placement: Any, knobs: RuntimeKnobs) -> RuntimeSection:
-    """The worker's view of a placement (contract.schema.Placement) and the runtime knobs."""
+def runtime_section(placement: Any, knobs: RuntimeKnobs, model_id: str | None = None) -> RuntimeSection:
+    """The worker's view of a placement (contract.schema.Placement) and the runtime knobs: each RuntimeSection
+    field named as a Placement field is copied from it, so a placement knob reaches the worker by being declared
+    in RuntimeSection under its own name."""
     p = placement
+    shared = {f: getattr(p, f) for f in RuntimeSection.model_fields if f in type(p).model_fields}
+    shared = {f: v.model_copy() if isinstance(v, BaseModel) else v for f, v in shared.items()}
     return RuntimeSection(
-        expert_format=p.expert_format, tier=p.expert_tier, tp=p.tp, cache_slots=p.gpu_expert_cache_slots,
-        arena_rows=p.host_arena_rows, reserve_slots=p.fp4_reserve_slots, row_bytes=p.expert_row_bytes,
-        fp4_row_bytes=p.fp4_row_bytes, pack_dir=p.pack_dir, gate=p.gate.model_copy(), mtp=p.mtp,
-        decode_batch_tokens=max(1, int(p.max_num_seqs) * (1 + int(p.mtp))), kernels=knobs.kernels,
-        promoter=knobs.promoter, record_path=knobs.record_path, record_interval_s=knobs.record_interval_s,
-        weights=knobs.weights, router=knobs.router, router_popularity=knobs.router_popularity,
-        seed=knobs.seed, moe_graphs=p.moe_graphs)
+        **shared, decode_batch_tokens=max(1, int(p.max_num_seqs) * (1 + int(p.mtp))), knobs=knobs,
+        model_id=model_id, record_placement=p.model_dump(mode="json"))
 
 
 __all__ = ["DECODE_KERNELS", "DECODE_RINGS", "Gate", "KernelPolicy", "MOE_GRAPHS", "MoeGraphs", "PREFILL_KERNELS",

@@ -7,20 +7,34 @@ SCHEMA_VERSION.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, computed_field, \
+    model_validator
+from pydantic.fields import FieldInfo
 
 from moetplan.contract.model import ModelSpec
-from moetplan.contract.runtime import Gate, MoeGraphs, RuntimeKnobs, RuntimeSection, runtime_section
+from moetplan.contract.errors import UsageError
+from moetplan.contract.runtime import Gate, RuntimeKnobs, RuntimeSection, runtime_section
 from moetplan.contract.sizing import rows_in
-from moetplan.contract.units import GIB
+from moetplan.contract.units import GIB, parse_tokens
+from moetplan.contract.vocab import ExpertFormat, ExpertTier, MoeGraphs, Objective, ValueSource
 
 SCHEMA_VERSION = "1.0"
 
-ExpertTier = Literal["resident", "host", "nvme"]
-Objective = Literal["decode", "context", "balanced"]
-ValueSource = Literal["measured", "datasheet", "derived", "user", "default"]
+
+def _tokens(v: Any) -> Any:
+    # A token count as users write it ("128k"); numbers pass through to the int check.
+    if isinstance(v, str):
+        try:
+            return parse_tokens(v)
+        except ValueError:
+            return v  # the int check names the field and the bad value
+    return v
+
+
+# A token count: an int, or a string users write ("32768", "128k").
+Tokens = Annotated[int, BeforeValidator(_tokens)]
 
 
 class _Model(BaseModel):
@@ -139,32 +153,34 @@ class Placement(_Model):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), json_schema_extra=_size_knobs_schema)
 
-    tp: int = 1
-    pp: int = 1
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
     expert_tier: ExpertTier = "resident"
-    gpu_expert_cache_slots: int = Field(0, description="Expert rows (per layer-expert) the cache holds per rank")
-    fp4_reserve_slots: int = Field(0, description="FP4 expert rows the reserve holds per rank")
-    host_arena_rows: int = Field(0, description="Rows of the pinned RAM arena over NVMe packs, per rank (tier nvme); "
-                                 "each rank's arena holds its own TP shard of the rows")
+    gpu_expert_cache_slots: int = Field(0, ge=0, description="Expert rows (per layer-expert) the cache holds per rank")
+    fp4_reserve_slots: int = Field(0, ge=0, description="FP4 expert rows the reserve holds per rank")
+    host_arena_rows: int = Field(0, ge=0, description="Rows of the pinned RAM arena over NVMe packs, per rank "
+                                 "(tier nvme); each rank's arena holds its own TP shard of the rows")
     expert_row_bytes: int = Field(0, description="One 2-bit expert row on one rank (what a cache slot and an arena "
                                   "row hold); 0 until sized for a model")
     fp4_row_bytes: int = Field(0, description="One FP4 expert row on one rank (what a reserve slot holds)")
     kv_dtype: str = "fp8"
-    kv_cache_gib: float = Field(0.0, description="Per GPU rank")
+    kv_cache_gib: float = Field(0.0, ge=0, description="Per GPU rank")
     kv_tokens: int = Field(0, description="Tokens the KV pool holds (what vLLM prints as 'GPU KV cache size')")
     kv_cache_clamped: bool = Field(False, description="kv_cache_gib is given to vLLM (--kv-cache-memory-bytes) "
                                                       "instead of being what gpu_memory_utilization leaves")
-    context: int = Field(4096, description="max_model_len")
-    mtp: int = Field(0, description="Speculative tokens per step (MTP depth)")
-    mtp_acceptance: float = Field(1.0, description="Mean tokens emitted per decode step")
-    max_num_seqs: int = 1
-    concurrency: int = 1
-    max_num_batched_tokens: int = 8192
+    kv_cache_memory_bytes: int = Field(0, ge=0, description="vLLM's --kv-cache-memory-bytes: the KV pool per rank, "
+                                       "clamped (0 = vLLM sizes it from gpu_memory_utilization)")
+    context: Tokens = Field(4096, ge=1, description="max_model_len")
+    mtp: int = Field(0, ge=0, description="Speculative tokens per step (MTP depth)")
+    mtp_acceptance: float = Field(1.0, ge=0, description="Mean tokens emitted per decode step")
+    max_num_seqs: int = Field(1, ge=1)
+    concurrency: int = Field(1, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)
     activation_peak_gib: float = Field(0.0, description="Per GPU rank: the forward pass's activation peak at "
                                                         "max_num_batched_tokens tokens (outside the KV pool)")
-    gpu_memory_utilization: float = 0.92
+    gpu_memory_utilization: float = Field(0.92, ge=0.1, le=0.99)
     pack_dir: str | None = None
-    expert_format: Literal["2bit", "unquantized"] = Field(
+    expert_format: ExpertFormat = Field(
         "2bit", description="Routed experts as the runtime stores them; 'unquantized' keeps the checkpoint's "
         "(for checking the path against stock vLLM)")
     gate: Gate = Field(default_factory=Gate)
@@ -229,11 +245,57 @@ class Placement(_Model):
         return Placement.for_model(model, **{**data, **changes})
 
 
-# Knob names accepted by --set (the issue fixes these names).
+# Knob names accepted by --set (the issue fixes these names): Placement fields, the GiB sizes that become rows
+# (SIZE_KNOBS), and the KNOB_FIELDS below. kv_cache_memory_bytes clamps the KV pool (vLLM's --kv-cache-memory-bytes).
+# Each knob's type, allowed values and bounds are its field's (`parse_knob`): a new knob is a field and a name here.
 PINNABLE_KNOBS: tuple[str, ...] = (
     "tp", "pp", "expert_tier", "gpu_expert_cache_gib", "fp4_reserve_gib", "host_arena_gib", "kv_dtype",
     "context", "mtp", "mtp_acceptance", "max_num_seqs", "concurrency", "gpu_memory_utilization", "moe_graphs",
+    "gate_tau", "max_num_batched_tokens", "kv_cache_memory_bytes",
 )
+# --set names that are not a Placement field's own name: (model, field) they are typed by.
+KNOB_FIELDS: dict[str, tuple[type[BaseModel], str]] = {"gate_tau": (Gate, "tau")}
+
+
+def knob_field(name: str) -> Any:
+    """The pydantic FieldInfo that types --set `name` (a GiB size is a float with its row count's bounds)."""
+    if name in KNOB_FIELDS:
+        model, field = KNOB_FIELDS[name]
+        return model.model_fields[field]
+    if name in SIZE_KNOBS:
+        count = Placement.model_fields[SIZE_KNOBS[name][0]]
+        return FieldInfo.from_annotated_attribute(Annotated[(float, *count.metadata)], 0.0)
+    return Placement.model_fields[name]
+
+
+def _describe(field: Any) -> str:
+    ann = field.annotation
+    if get_origin(ann) is Literal:
+        return f"choose one of {', '.join(str(a) for a in get_args(ann))}"
+    bounds = [f"{op} {getattr(m, attr)}" for m in field.metadata
+              for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if hasattr(m, attr)]
+    kind = {int: "a whole number", float: "a number", str: "a name"}.get(ann, getattr(ann, "__name__", str(ann)))
+    return f"give {kind}{' ' + ' and '.join(bounds) if bounds else ''}"
+
+
+def parse_knob(name: str, value: str) -> Any:
+    """`--set name=value`'s value, typed and checked as the schema declares the knob: its field's type, its
+    allowed values (a Literal) and its bounds (ge/le). UsageError naming the knob, the allowed values and the fix."""
+    if name not in PINNABLE_KNOBS:
+        import difflib
+
+        close = difflib.get_close_matches(name, PINNABLE_KNOBS, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise UsageError(f"--set: unknown knob '{name}'.{hint} Knobs: {', '.join(PINNABLE_KNOBS)}")
+    field = knob_field(name)
+    try:
+        typed = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+        return TypeAdapter(typed).validate_python(value)
+    except ValidationError as e:
+        problem = e.errors()[0]["msg"]
+        example = field.default if field.default is not None else ""
+        raise UsageError(f"--set {name}={value}: {problem}; {_describe(field)} "
+                         f"(e.g. --set {name}={example})") from None
 
 
 # --------------------------------------------------------------------------- memory ledger
@@ -317,10 +379,33 @@ class Alternative(_Model):
 
 
 class Launch(_Model):
-    argv: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
-    model_path: str | None = None
+    """What `moetplan run` reads beyond the model and placement: where the weights are and the name vLLM serves.
+    The vLLM command and environment are derived from the Plan when it is served (launch.command.build_launch;
+    `moetplan run --dry-run` prints them), so they are not stored."""
+
+    model_path: str | None = Field(None, description="Checkpoint folder vLLM loads; None: the model's own")
     served_model_name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_saved_command(cls, data: Any) -> Any:
+        # Plans saved before the command was derived at serve time carry argv/env, which `run` never read.
+        if isinstance(data, dict) and ("argv" in data or "env" in data):
+            data = {k: v for k, v in data.items() if k not in ("argv", "env")}
+        return data
+
+
+class Serving(_Model):
+    """How vLLM speaks the model's chat format (hwdb/serving.yaml, or the user's override): the tool-call and
+    reasoning parsers (vLLM registry names; None: that feature off), the tokenizer mode and a chat template
+    (None: the checkpoint's own). `checked_with`: the vLLM release the names were checked against when planned."""
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    tokenizer_mode: str | None = None
+    chat_template: str | None = None
+    source: str = ""
+    checked_with: str | None = None
+    notes: list[str] = Field(default_factory=list)
 
 
 class Plan(_Model):
@@ -338,13 +423,15 @@ class Plan(_Model):
     alternatives: list[Alternative] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
     launch: Launch = Field(default_factory=Launch)
+    serving: Serving | None = Field(default=None, description="tool-call / reasoning parsers, tokenizer mode and "
+                                    "chat template the launch passes to vLLM (None in plans older than it)")
     runtime_knobs: RuntimeKnobs = Field(default_factory=RuntimeKnobs, description="What the worker reads beyond "
                                         "the placement: kernel policy, FP4 promoter, run-record path")
 
     @property
     def runtime(self) -> RuntimeSection:
         """The runtime section: everything a vLLM worker reads, typed and frozen (placement sizes as rows)."""
-        return runtime_section(self.placement, self.runtime_knobs)
+        return runtime_section(self.placement, self.runtime_knobs, model_id=self.model.id)
 
     @model_validator(mode="before")
     @classmethod

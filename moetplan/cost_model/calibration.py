@@ -52,16 +52,26 @@ class FamilyFactors(_Model):
                                                        "attention and its reduction), beyond their KV reads")
     miss_replay_factor: float = Field(1.0, description="CUDA-graph replays of the step a step with an expert miss "
                                                        "runs after fetching (1 = the step is replayed once)")
+    expert_call_us: float = Field(0.0, description="Per routed expert a MoE layer runs per step outside a fused "
+                                                   "GPU kernel (vLLM's CPU backend: the expert path's gather, "
+                                                   "dequantize and matmul launches for that expert); 0 on GPUs, "
+                                                   "whose MoE op is one kernel inside the layer's launches")
+    tiered_step_us: float = Field(50.0, description="Per decode step of a tiered plan that replays: reading the "
+                                                    "step's device-side miss record on the host (a sync)")
+    moe_split_us: float = Field(200.0, description="Per MoE layer per step of a tiered plan that splits its MoE "
+                                                   "layers out of the CUDA graphs: host read of routed ids, lookup, "
+                                                   "eager launch")
 
 
 class LinkFactors(_Model):
     """Per tier link: how fast expert misses and streamed experts arrive."""
 
+
     h2d_eff: float = Field(0.9, description="Share of the pinned host->device rate reached by batched fetches")
-    fetch_overhead_mib: float = Field(16.0, description="Per layer whose experts miss, in link time: the round "
-                                                         "trip (routing ids to the host, lookup, copy launches, "
-                                                         "wait) and the small scattered copies cost as much as "
-                                                         "moving this many MiB more at the pinned rate")
+    fetch_overhead_mib: float = Field(16.0, description="Per MoE layer whose experts miss, in link time: its "
+                                                         "fetch's round trip (routing ids to the host, lookup, copy "
+                                                         "launches, wait) and the small scattered copies cost as "
+                                                         "much as moving this many MiB more at the pinned rate")
     pageable_eff: float = Field(0.35, description="Page-cache (pageable) copies as a share of the pinned rate")
     nvme_read_eff: float = Field(0.7, description="Share of the drive's expert-sized random read rate reached")
     nvme_latency_us: float = Field(300.0, description="Per layer that reads the NVMe pack: queue + NAND latency")
@@ -162,6 +172,9 @@ PARAMS: dict[str, Param] = {
         Param("family.seq_overhead_us", False, 1e-3),
         Param("family.mla_attention_us", False, 1e-3),
         Param("family.miss_replay_factor", False, 1.0),
+        Param("family.tiered_step_us", False, 1e-3),
+        Param("family.expert_call_us", False, 1e-3),
+        Param("family.moe_split_us", False, 1e-3),
         Param("routing.gate_recompute_share", False, 1.0),
         Param("link.h2d_eff", True, 1.0),
         Param("link.fetch_overhead_mib", False, 1.0),
@@ -416,7 +429,11 @@ def apply_values(calib: Calibration, values: dict[str, float], family: str) -> C
     return Calibration.model_validate(data)
 
 
+# Factors only vLLM's CPU backend has a use for: a GPU family keeps its field default (0) rather than their CPU prior.
+CPU_ONLY = frozenset({"family.expert_call_us"})
+
+
 def priors_calibration(priors: dict[str, Prior], base: Calibration | None = None) -> Calibration:
     """Calibration whose factors are the priors (the starting point of every fit)."""
     calib = base or Calibration()
-    return apply_values(calib, {p: pr.value for p, pr in priors.items()}, DEFAULT_FAMILY)
+    return apply_values(calib, {p: pr.value for p, pr in priors.items() if p not in CPU_ONLY}, DEFAULT_FAMILY)

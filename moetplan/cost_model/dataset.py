@@ -13,7 +13,9 @@ from moetplan.contract.model import ModelSpec
 from moetplan.contract.sizing import rows_in
 from moetplan.contract import HardwareProfile, Placement, RunRecord
 
-REFERENCE_CSVS = ("vllm_moet_measurements.csv", "vllm_moet_measurements_more.csv")
+REFERENCE_CSVS = ("vllm_moet_measurements.csv", "vllm_moet_measurements_more.csv",
+                  "vllm_moet_measurements_facts.csv")
+ROW_PREFIX = {REFERENCE_CSVS[1]: "m", REFERENCE_CSVS[2]: "f"}
 REFERENCE_CSV = REFERENCE_CSVS[0]
 ANNOTATIONS = "measurement_annotations.yaml"
 
@@ -32,6 +34,7 @@ class Measurement:
     source: str = ""
     extra: dict[str, float] = field(default_factory=dict)  # runtime KPIs (hit rate, zero-miss share) when known
     kv_tokens: float | None = None  # context each stream had filled while decode was measured, when known
+    check: bool = False  # judged, never fitted: a figure with assumed knobs (measurement_annotations.yaml `check`)
 
     @property
     def label(self) -> str:
@@ -76,7 +79,7 @@ def load_reference(paths: list[str | Path] | None = None) -> list[Measurement]:
     files = [Path(p) for p in paths] if paths else [calibration_dir() / f for f in REFERENCE_CSVS]
     out: list[Measurement] = []
     for p in files:
-        prefix = "m" if p.name == REFERENCE_CSVS[1] else "r"
+        prefix = ROW_PREFIX.get(p.name, "r")
         out.extend(_load_csv(p, prefix, _annotations().get(p.name) or {}))
     return out
 
@@ -128,6 +131,7 @@ def _load_csv(p: Path, prefix: str, notes: dict) -> list[Measurement]:
             decode_tok_s=_num(row, "decode_tok_s"), prefill_tok_s=prefill, prompt_tokens=8192 if prefill else None,
             # `context` in the table is the window; decode ran after short prompts: routing.decode_filled_tokens.
             note=(row.get("note") or "").strip(), source=f"{p.name} row {i}",
+            check=bool(note.get("check")),
         ))
     return out
 

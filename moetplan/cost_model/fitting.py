@@ -154,7 +154,7 @@ def fit(measurements: list[Measurement], held_out: set[str] | None = None, base:
     """
     held_out = held_out or set()
     priors = priors or load_priors()
-    train = [m for m in measurements if m.row_id not in held_out]
+    train = [m for m in measurements if m.row_id not in held_out and not m.check]
     if not train:
         raise ValueError("no measurements left to fit on")
     fam = family or family_key(train[0].hw)
@@ -183,9 +183,12 @@ def fit(measurements: list[Measurement], held_out: set[str] | None = None, base:
 def leave_one_out(measurements: list[Measurement], **kw: object) -> list[RowResult]:
     """Every row predicted by a fit on all the others (a row's decode and prefill figures leave together)."""
     out: list[RowResult] = []
-    for rid in dict.fromkeys(m.row_id for m in measurements):
+    checks = [m for m in measurements if m.check]
+    for rid in dict.fromkeys(m.row_id for m in measurements if not m.check):
         calib = fit(measurements, held_out={rid}, **kw)  # type: ignore[arg-type]
         out.extend(evaluate([m for m in measurements if m.row_id == rid], calib, {rid}))
+    if checks:  # never fitted: judged by the fit on every other row
+        out.extend(evaluate(checks, fit(measurements, **kw), {m.row_id for m in checks}))  # type: ignore[arg-type]
     return out
 
 

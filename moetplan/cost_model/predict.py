@@ -15,6 +15,9 @@ from moetplan.cost_model.terms import (
     MLA_ATTN,
     MISS_HOST,
     MISS_NVME,
+    MISS_REPLAY,
+    MOE_GRAPH,
+    CPU_EXPERT_CALLS,
     PIPELINE,
     SEQ_OVH,
     STEP_OVH,
@@ -23,6 +26,7 @@ from moetplan.cost_model.terms import (
 )
 from moetplan.contract.model import ModelSpec
 from moetplan.contract import HardwareProfile, Placement, Prediction, Term
+from moetplan.contract.vocab import MoeGraphs
 
 
 def streams(placement: Placement) -> int:
@@ -39,24 +43,25 @@ def _terms(step: DecodeStep, calib: Calibration, hw: HardwareProfile) -> tuple[l
 
 
 def predict(model: ModelSpec, hw: HardwareProfile, placement: Placement,
-            calib: Calibration | None = None) -> Prediction:
+            calib: Calibration | None = None, moe_graphs: MoeGraphs | None = None) -> Prediction:
     """Predicted performance of `placement` for `model` on `hw`.
 
     decode_tok_s: one stream decoding alone. aggregate_tok_s: all planned streams (concurrency, bounded by
     max_num_seqs) batched. step_ms, terms and bottleneck describe the step at the planned concurrency — the operating
     point the plan is for (with concurrency 1, the single-stream step); the other operating point is named in notes.
-    Miss statistics are those of the planned step.
+    Miss statistics are those of the planned step. moe_graphs: how a tiered plan runs its MoE layers
+    (terms.MOE_GRAPH_MODES: "replay", vLLM-Moet's design, or "split").
     """
     calib = calib or load_calibration(hw)
     curve = curve_for(model, calib.routing)
-    one = decode_step(model, hw, placement, calib, 1, curve)
+    one = decode_step(model, hw, placement, calib, 1, curve, moe_graphs=moe_graphs)
     one_terms, one_ms, one_bottleneck = _terms(one, calib, hw)
     decode_tok_s = one.tokens_per_step / one_ms * 1e3
 
     n = streams(placement)
     notes = list(one.notes)
     if n > 1:
-        step = decode_step(model, hw, placement, calib, n, curve)
+        step = decode_step(model, hw, placement, calib, n, curve, moe_graphs=moe_graphs)
         terms, step_ms, bottleneck = _terms(step, calib, hw)
         aggregate = n * step.tokens_per_step / step_ms * 1e3
         notes.append(f"terms are for the {n}-stream step ({aggregate / n:.1f} tok/s per stream, "
@@ -90,7 +95,7 @@ def predict(model: ModelSpec, hw: HardwareProfile, placement: Placement,
         token_hit_rate=None if miss is None else round(miss.token_hit_rate, 6),
         zero_miss_step_share=None if miss is None else round(1.0 - miss.p_step_miss, 6),
         misses_per_step=None if miss is None else round(miss.misses_per_step, 4),
-        replay_rate=None if miss is None or placement.moe_graphs != "replay" else round(miss.p_step_miss, 6),
+        replay_rate=None if miss is None or (moe_graphs or placement.moe_graphs) != "replay" else round(miss.p_step_miss, 6),
         gate_fire_share=step.gate_fire_share,
         notes=notes,
     )
@@ -101,9 +106,9 @@ RESOURCE = {
     "memory bandwidth": (DENSE, EXPERTS, KV, DRAFT),
     "attention kernels": (MLA_ATTN,),
     "host link / NVMe": (MISS_HOST, MISS_NVME),
-    "recomputation": (GATE,),
+    "recomputation": (GATE, MISS_REPLAY),
     "GPU interconnect": (ALLREDUCE, PIPELINE),
-    "fixed overheads": (LAYER_OVH, STEP_OVH, SEQ_OVH),
+    "fixed overheads": (LAYER_OVH, STEP_OVH, SEQ_OVH, MOE_GRAPH, CPU_EXPERT_CALLS),
 }
 
 

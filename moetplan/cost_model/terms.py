@@ -7,6 +7,7 @@ calibration.py solves for the factors from the very same parts, so fitting and p
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from moetplan.cost_model.calibration import PARAMS, Calibration, linear_value
@@ -19,10 +20,10 @@ from moetplan.cost_model.coverage import (
     miss_stats,
 )
 from moetplan.cost_model.hardware import GB, Rates, rates
-from moetplan.cost_model.replay import replay_cost
 from moetplan.contract.errors import UsageError
 from moetplan.contract.model import DENSE_BYTES_PER_PARAM, GIB, ModelSpec
 from moetplan.contract import HardwareProfile, Placement
+from moetplan.contract.vocab import MOE_GRAPHS, MoeGraphs
 
 MS = 1e3
 
@@ -39,7 +40,14 @@ SEQ_OVH = "per-sequence overhead (sampling, verification, metadata)"
 MLA_ATTN = "dense MLA decode kernels"
 MISS_HOST = "expert misses (host RAM -> GPU over PCIe)"
 MISS_NVME = "expert misses (NVMe pack -> RAM -> GPU)"
+MISS_REPLAY = "miss replays (the step's graph run again)"
+MOE_GRAPH = "tiered MoE graph overhead"
 GATE = "confidence-gate recomputes"
+CPU_EXPERT_CALLS = "MoE expert calls (CPU expert path)"
+# How a tiered step keeps its MoE layers: "replay" (inside the CUDA graphs; a step that missed is fetched in one
+# batch and run again: vLLM-Moet's design, behind every published tiered row) or "split" (every MoE layer out of
+# the graphs, reading its routed ids on the host each step).
+MOE_GRAPH_MODES = MOE_GRAPHS  # contract.vocab: the one declaration
 # Terms a CUDA-graph replay of the step repeats: the forward pass, not the host-side scheduling around it.
 GRAPH_TERMS = (DENSE, EXPERTS, KV, MLA_ATTN, "TP all-reduce over PCIe", "pipeline stage hand-off",
                "per-layer launch overhead")
@@ -120,19 +128,13 @@ def reserve_slots(model: ModelSpec, placement: Placement) -> int:
     return int(placement.fp4_reserve_gib * GIB // model.expert_bytes("fp4", placement.tp))
 
 
-def cache_slots(model: ModelSpec, placement: Placement) -> int:
-    if placement.gpu_expert_cache_slots:
-        return placement.gpu_expert_cache_slots
-    return int(placement.gpu_expert_cache_gib * GIB // model.expert_bytes("2bit", placement.tp))
-
-
 def cached_shares(model: ModelSpec, placement: Placement) -> tuple[float, float]:
     """(share of experts in the FP4 reserve, share cached on the GPU in any format) per rank."""
     total = model.moe_layers * model.n_routed_experts
     x_r = min(1.0, reserve_slots(model, placement) / total)
     if placement.expert_tier == "resident":
         return x_r, 1.0
-    return x_r, min(1.0, x_r + cache_slots(model, placement) / total)
+    return x_r, min(1.0, x_r + placement.gpu_expert_cache_slots / total)
 
 
 def kv_read_tokens(model: ModelSpec, context_tokens: float, calib: Calibration) -> float:
@@ -172,10 +174,12 @@ def _ms(nbytes: float, gbps: float) -> float:
 
 def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, calib: Calibration,
                 concurrency: int | None = None, curve: CoverageCurve | None = None,
-                kv_tokens: float | None = None) -> DecodeStep:
+                kv_tokens: float | None = None, moe_graphs: MoeGraphs | None = None) -> DecodeStep:
     """Terms of one decode step on the slowest rank, with `concurrency` streams batched (default: 1).
 
     kv_tokens: context tokens each stream has filled; default filled_tokens()'s rule.
+    moe_graphs: how a tiered plan runs its MoE layers (MOE_GRAPH_MODES); default the placement's own;
+    resident plans ignore it.
     """
     rt = rates(hw, placement)
     if rt.mem_bw_gbps <= 0 or rt.h2d_gbps <= 0 or rt.nvme_gbps <= 0 or rt.tflops <= 0:
@@ -230,6 +234,13 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     roofline(t, "family.expert_bw_eff", _ms(exp_b, rt.mem_bw_gbps),
              2.0 * tokens_layer * K * model.expert_params * L / tp)
     terms.append(t)
+
+    if not hw.gpus:
+        # vLLM's CPU backend runs the MoE op eagerly: every expert a layer routes to is its own gather, dequantize
+        # and matmuls (the expert path); their bytes are the routed expert reads above, their launches this.
+        t = TermSpec(CPU_EXPERT_CALLS, note=f"{union:.1f} experts/layer x {L} MoE layers")
+        t.add("family.expert_call_us", union * L / pp)
+        terms.append(t)
 
     # KV cache at the filled context (filled_tokens' rule), one read per sequence per step.
     kv_b = kv_read_bytes(model, placement, calib, c, kv_tokens)
@@ -304,7 +315,13 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     miss: MissStats | None = None
     if placement.expert_tier != "resident":
         miss = miss_stats(curve, E, K, L, tokens_eff, x_cached, r.miss_correlation, c, so)
-        terms.append(_miss_term(model, placement, calib, rt, curve, miss, x_cached, graph))
+        mode = moe_graphs or placement.moe_graphs
+        terms.append(moe_graph_overhead(model, placement, mode))
+        terms.append(_fetch_term(model, placement, calib, rt, curve, miss, x_cached))
+        if mode == "replay":  # split computes a missing layer after its fetch: no step runs twice
+            t = TermSpec(MISS_REPLAY, note=f"{miss.p_step_miss:.0%} of steps miss and run again")
+            t.add("family.miss_replay_factor", miss.p_step_miss * graph)
+            terms.append(t)
 
     gate_share: float | None = None
     if placement.gate.enabled and x_r > 0:
@@ -319,29 +336,43 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     return DecodeStep(c, acc, tokens_layer, union, terms, miss, rt, notes, gate_share)
 
 
-def _miss_term(model: ModelSpec, placement: Placement, calib: Calibration, rt: Rates, curve: CoverageCurve,
-               miss: MissStats, x_cached: float, graph_ms: float) -> TermSpec:
-    """A step that misses replays its CUDA graph after the fetch (vLLM-Moet's design), so decode follows the
-    zero-miss step share; every layer whose experts miss waits for its round trip; the bytes cross the host link
-    (and, for what the pinned arena lacks, come from the NVMe pack first)."""
+def moe_graph_overhead(model: ModelSpec, placement: Placement, moe_graphs: str = "replay") -> TermSpec:
+    """What keeping the MoE layers tiered costs every step, miss or not.
+
+    replay: one host read of the step's device-side record (what it used, what had no slot) and the sync before it.
+    split: every MoE layer runs between piecewise graphs and reads its routed ids on the host, looks them up and
+    launches eagerly (bench/results/graph_overhead_cpu.json measured that host work per layer).
+    The replay path's own term (issue 38) plugs in here: this is the one place the tiered step's graph mode is
+    priced."""
+    if moe_graphs not in MOE_GRAPH_MODES:
+        raise UsageError(f"moe_graphs={moe_graphs}: one of {', '.join(MOE_GRAPH_MODES)}")
+    layers = math.ceil(model.moe_layers / placement.pp)
+    if moe_graphs == "split":
+        t = TermSpec(MOE_GRAPH, note=f"split: {layers} MoE layers out of the CUDA graphs, host work each")
+        t.add("family.moe_split_us", float(layers))
+        return t
+    t = TermSpec(MOE_GRAPH, note="replay: one read of the step's miss record per step")
+    t.add("family.tiered_step_us", 1.0)
+    return t
+
+
+def _fetch_term(model: ModelSpec, placement: Placement, calib: Calibration, rt: Rates, curve: CoverageCurve,
+                miss: MissStats, x_cached: float) -> TermSpec:
+    """The fetch of a step's missing rows: per MoE layer that misses, one batch and its round trip; every row's
+    bytes over the host link. For tier nvme, what the pinned arena (the host's share) lacks is read from the pack,
+    overlapped with the link's copies of the rows the arena holds."""
     r = calib.routing
     L, E, tp = model.moe_layers, model.n_routed_experts, placement.tp
-    rank_bytes = miss.misses_per_step * model.expert_bytes("2bit", tp)
-    note = (f"{miss.misses_per_step:.1f} experts/step ({rank_bytes / 2**20:.0f} MiB/rank); "
-            f"{miss.p_step_miss:.0%} of steps miss and replay (independent model: {miss.p_step_miss_independent:.0%});"
+    row = model.expert_bytes("2bit", tp)
+    rank_bytes = miss.misses_per_step * row
+    note = (f"{miss.misses_per_step:.1f} rows/step ({rank_bytes / 2**20:.0f} MiB/rank) over {rt.h2d_gbps:.1f} GB/s; "
+            f"{miss.p_step_miss:.0%} of steps miss (independent model: {miss.p_step_miss_independent:.0%});"
             f" token hit rate {miss.token_hit_rate:.2%}")
     t = TermSpec(MISS_HOST if placement.expert_tier == "host" else MISS_NVME, note=note)
-    if placement.moe_graphs == "replay":
-        # One batch per missed step, the graph run again, one record read per step (cost_model/replay.py).
-        rc = replay_cost(miss, graph_ms, rt.h2d_gbps)
-        for param, coef in rc.parts.items():
-            t.add(param, coef)
-        t.note += f"; {rc.note()}"
-    else:
-        # Split (the fallback): each layer that misses waits for its own fetch. Per-layer fetch costs scale with
-        # the link: vLLM-Moet's RTX 5090 box (26.6 GiB/s under load) pays 2x the misses of its PRO 6000
-        # (51.6 GiB/s). The split path's host work per layer is not a term here (bench/graph_overhead.py).
-        t.add("link.fetch_overhead_mib", miss.layers_with_miss * _ms(2**20, rt.h2d_gbps))
+    # Every MoE layer whose rows miss fetches them as one batch and waits for it: a host round trip (ids to the
+    # host, lookup and eviction, copy launches) plus the rows' small copies (planes and scales of gate/up/down),
+    # in link time: vLLM-Moet's RTX 5090 box (26.6 GiB/s under load) pays 2x the misses of its PRO 6000 (51.6).
+    t.add("link.fetch_overhead_mib", miss.layers_with_miss * _ms(2**20, rt.h2d_gbps))
     if placement.expert_tier == "host":
         t.add("link.h2d_eff", _ms(rank_bytes, rt.h2d_gbps))
         return t
@@ -352,14 +383,30 @@ def _miss_term(model: ModelSpec, placement: Placement, calib: Calibration, rt: R
     else:
         # No arena: the kernel page cache is the only RAM tier, and its pages are pageable.
         x_a, pinned = r.page_cache_share * rt.host_ram_gib * GIB / (L * E * model.expert_bytes("2bit", 1)), False
-    t.add("link.h2d_eff" if pinned else "link.pageable_eff", _ms(rank_bytes, rt.h2d_gbps))
+    link = "link.h2d_eff" if pinned else "link.pageable_eff"
     miss_mass = 1.0 - curve(x_cached)
     beyond = (1.0 - curve(min(1.0, x_cached + x_a))) / miss_mass if miss_mass > 1e-12 else 0.0
-    if beyond > 0:
-        per_missing_layer = miss.misses_per_layer / max(miss.p_layer_miss, 1e-12)
-        nvme_layers = miss.layers_with_miss * (1.0 - (1.0 - beyond) ** max(1.0, per_missing_layer))
-        t.add("link.nvme_latency_us", nvme_layers)
-        # The pack holds every TP shard of a row together: a miss reads the whole row.
-        t.add("link.nvme_read_eff", _ms(miss.misses_per_step * model.expert_bytes("2bit", 1) * beyond, rt.nvme_gbps))
-        t.note += f"; {beyond:.0%} of misses read from NVMe ({rt.nvme_gbps:.1f} GB/s)"
+    if beyond <= 0:
+        t.add(link, _ms(rank_bytes, rt.h2d_gbps))
+        return t
+    # The pack read and the copies of rows already in RAM overlap (the store reads ahead while the link copies):
+    # the slower of the two paths sets the fetch, as a roofline at the factors in hand (the fit re-linearises).
+    # The pack holds every TP shard of a row together: a miss reads the whole row.
+    p_nvme = miss.p_step_miss * (1.0 - (1.0 - beyond) ** max(1.0, miss.misses_per_step / max(miss.p_step_miss,
+                                                                                             1e-12)))
+    nvme_bytes = miss.misses_per_step * model.expert_bytes("2bit", 1) * beyond
+    link_ms = _ms(rank_bytes, rt.h2d_gbps)
+    pack_ms = _ms(nvme_bytes, rt.nvme_gbps)
+    via_link = link_ms * linear_value(link, calib.value(link, None))
+    via_pack = (pack_ms * linear_value("link.nvme_read_eff", calib.value("link.nvme_read_eff", None))
+                + p_nvme * linear_value("link.nvme_latency_us", calib.value("link.nvme_latency_us", None))
+                + beyond * via_link)
+    if via_pack > via_link:
+        t.add("link.nvme_read_eff", pack_ms)
+        t.add("link.nvme_latency_us", p_nvme)
+        t.add(link, beyond * link_ms)
+        t.note += f"; {beyond:.0%} of misses read from NVMe ({rt.nvme_gbps:.1f} GB/s), the pack path the slower"
+    else:
+        t.add(link, link_ms)
+        t.note += f"; {beyond:.0%} of misses read from NVMe ({rt.nvme_gbps:.1f} GB/s), overlapped with the link"
     return t

@@ -102,7 +102,7 @@ def _pinned(torch: Any, dev: Any, stream: Any, b: TransferBudget, quick: bool) -
 
             def copies() -> None:
                 for _ in range(GROUP):
-                    dst[:n].copy_(src[:n], non_blocking=True)
+                    dst[:n].copy_(src[:n], non_blocking=True)  # noqa: F821, B023 (runs before the del below)
 
             _event_time(torch, stream, copies)  # warm-up: first copies pay mapping/setup costs
             runs = [_gbps(GROUP * n, _event_time(torch, stream, copies)) for _ in range(b.reps)]
@@ -136,7 +136,7 @@ def _batched(torch: Any, dev: Any, stream: Any, b: TransferBudget) -> float:
     def batch() -> None:
         # Reversed slots: like expert-cache slots, these are separate copies, not one contiguous transfer.
         for k in range(BATCH_COUNT):
-            dst[BATCH_COUNT - 1 - k].copy_(src[k], non_blocking=True)
+            dst[BATCH_COUNT - 1 - k].copy_(src[k], non_blocking=True)  # noqa: F821 (runs before the del below)
 
     with torch.cuda.stream(stream):
         _event_time(torch, stream, batch)
@@ -153,7 +153,7 @@ def _d2d(torch: Any, dev: Any, stream: Any, b: TransferBudget) -> float:
 
     def copies() -> None:
         for _ in range(GROUP):
-            c.copy_(a, non_blocking=True)
+            c.copy_(a, non_blocking=True)  # noqa: F821 (runs before the del below)
 
     with torch.cuda.stream(stream):
         _event_time(torch, stream, copies)

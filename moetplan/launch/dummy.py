@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from moetplan.contract.errors import UsageError
-from moetplan.contract.runtime import ROUTERS
+from moetplan.contract.vocab import ROUTERS, check_choice
 
 
 def check_router(router: str | None) -> None:
-    if router is not None and router not in ROUTERS:
-        raise UsageError(f"--router {router}: choose one of {', '.join(ROUTERS)} (model: the model's own router; "
-                         "locality: expert popularity follows the model's published coverage curve)")
+    if router is not None:
+        check_choice("--router", router, ROUTERS, "model: the model's own router; locality: expert popularity "
+                     "follows the model's published coverage curve")
 
 
 def check_dummy_source(model: str | None, plan_path: str | None) -> None:

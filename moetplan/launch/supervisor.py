@@ -135,6 +135,87 @@ def diagnose(lines: list[str]) -> str | None:
     return None
 
 
+# --------------------------------------------------------------------------- root cause of a death
+
+# Lines a dying vLLM prints on its way down that explain nothing: leak reports of its extension modules, the
+# shutdown of its other processes, multiprocessing's resource tracker.
+_NOISE = re.compile(r"nanobind|leaked \d+ (?:instances|types|functions)|leaked semaphore|resource_tracker|"
+                    r"Shutting down|shutdown|Waiting for|Finished server process|Stopping|"
+                    r"Application shutdown|Terminated|SIGTERM|KeyboardInterrupt", re.I)
+_ERROR_LINE = re.compile(r"\bERROR\b|\bCRITICAL\b|Fatal Python error|Segmentation fault|core dumped|"
+                         r"CUDA error|out of memory|OutOfMemory|\bKilled\b|died", re.I)
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
+# The exception line that closes a traceback ("torch.OutOfMemoryError: ...", "...EngineDeadError: ..."), after
+# whatever prefix the logger put before it.
+_EXC_LINE = re.compile(r"(?:^|[\s\]])[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b(?::|\s*$)")
+
+
+def root_cause(lines: list[str], limit: int = 8) -> list[str]:
+    """The lines that say why vLLM died: the first traceback (its head and its exception line) or, without one,
+    the first ERROR-like line with what follows it, leaving out shutdown noise (leak reports, the other processes
+    stopping)."""
+    for i, ln in enumerate(lines):
+        if _TRACEBACK.search(ln):
+            end = next((j for j in range(i + 1, len(lines))
+                        if _EXC_LINE.search(lines[j]) and 'File "' not in lines[j]), None)
+            if end is not None:
+                body = lines[i:end + 1]
+                return body[:2] + (["  ..."] if len(body) > limit else []) + body[max(2, len(body) - limit + 3):]
+    for i, ln in enumerate(lines):
+        if _ERROR_LINE.search(ln) and not _NOISE.search(ln):
+            return [x for x in lines[i:i + limit] if not _NOISE.search(x)][:limit]
+    return []
+
+
+@dataclass
+class Death:
+    """A server tree that stopped serving: which process went first and how, and the lines that say why."""
+
+    process: str  # "EngineCore (pid 123)", "API server (pid 100)"
+    how: str  # "killed by SIGKILL", "exit code 1", "gone (exit status not visible: not our child)"
+    cause: list[str]
+    at: float  # time.time()
+
+    def summary(self) -> str:
+        return f"{self.process} {self.how}"
+
+
+@dataclass
+class RestartPolicy:
+    """On-failure restarts with exponential backoff, at most `max_restarts` within `window_s` seconds."""
+
+    enabled: bool = True
+    max_restarts: int = 5
+    window_s: float = 600.0
+    backoff_s: float = 2.0
+    backoff_max_s: float = 60.0
+
+    def delay(self, restart_times: list[float], now: float) -> float | None:
+        """Seconds to wait before the next restart, or None to give up (disabled, or the window is full)."""
+        if not self.enabled:
+            return None
+        recent = [t for t in restart_times if now - t < self.window_s]
+        if len(recent) >= self.max_restarts:
+            return None
+        return min(self.backoff_max_s, self.backoff_s * 2 ** len(recent))
+
+
+_TITLE = re.compile(r"VLLM::(\w+)")
+_LOGGED_EXIT = re.compile(r"(EngineCore\w*|Worker\w*)'?\s*:\s*(-?\d+)|"
+                          r"(?:proc|process) (\S+) died with exit code (-?\d+)")
+
+
+def _how(code: int | None) -> str:
+    if code is None:
+        return "gone (exit status not visible to moetplan)"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 # --------------------------------------------------------------------------- the process
 
 
@@ -146,6 +227,13 @@ class LogFollower:
         self._pos = 0
         self._partial = ""
         self.tail: deque[str] = deque(maxlen=keep)
+        self.count = 0  # lines read so far
+
+    def skip_to_end(self) -> None:
+        try:
+            self._pos = self.path.stat().st_size
+        except FileNotFoundError:
+            self._pos = 0
 
     def new_lines(self) -> list[str]:
         try:
@@ -162,6 +250,7 @@ class LogFollower:
         self._partial = lines.pop()
         lines = [ln for ln in lines if ln.strip()]
         self.tail.extend(lines)
+        self.count += len(lines)
         return lines
 
 
@@ -186,6 +275,9 @@ class Server:
         self._seen: dict[int, psutil.Process] = {}
         self._last_stage, self._last_stage_t = "starting", time.monotonic()
         self.runtime_error: str | None = None  # the first moetplan error line a worker logged
+        self._titles: dict[int, str] = {}  # pid -> vLLM's process title (VLLM::EngineCore ...) or its command
+        self.first_gone: tuple[int, str, float] | None = None  # (pid, title, when) of the first child seen gone
+        self._healthy_mark = 0  # log lines read when /health last answered 200
 
     @property
     def url(self) -> str:
@@ -239,6 +331,57 @@ class Server:
                     self._seen[pid] = psutil.Process(pid)
                 except psutil.NoSuchProcess:
                     continue
+            if pid not in self._titles or not _TITLE.search(self._titles[pid]):
+                try:  # vLLM retitles its processes after they start (setproctitle)
+                    self._titles[pid] = " ".join(self._seen[pid].cmdline())[:120]
+                except psutil.Error:
+                    pass
+
+    def process_name(self, pid: int) -> str:
+        if self.proc is not None and pid == self.proc.pid:
+            return f"API server (pid {pid})"
+        m = _TITLE.search(self._titles.get(pid, ""))
+        return f"{m.group(1) if m else 'vLLM process'} (pid {pid})"
+
+    def watch(self) -> tuple[int, str, float] | None:
+        """Check the tree once while serving: remembers new processes and the first one of them that is gone
+        (vLLM's API server may outlive its engine for a while, serving errors)."""
+        self.tree_pids()
+        if self.first_gone is None:
+            for pid, p in self._seen.items():
+                if self.proc is not None and pid == self.proc.pid:
+                    continue
+                # vLLM's engine and workers only (their titles say so): helpers may come and go
+                if not _TITLE.search(self._titles.get(pid, "")):
+                    continue
+                if not _alive([p]):
+                    self.first_gone = (pid, self.process_name(pid), time.time())
+                    break
+        return self.first_gone
+
+    def mark_healthy(self) -> None:
+        """The server answered /health: errors logged before now did not stop it (a failed request's traceback)."""
+        self.follow()
+        self._healthy_mark = self.log.count
+
+    def death(self) -> Death:
+        """What stopped the tree (call after it stopped serving): the first process gone, how, and why (from the
+        lines logged since it last answered /health)."""
+        self.follow()
+        tail = list(self.log.tail)
+        since = self.log.count - self._healthy_mark
+        if 0 < since < len(tail):
+            tail = tail[-since:]
+        root_code = self.proc.returncode if self.proc is not None else None
+        if self.first_gone is not None:
+            pid, name, at = self.first_gone
+            code = None
+            for m in _LOGGED_EXIT.finditer("\n".join(tail)):
+                code = int(m.group(2) or m.group(4))
+            how = _how(code)
+        else:
+            name, at, how = self.process_name(self.pid or 0), time.time(), _how(root_code)
+        return Death(process=name, how=how, cause=root_cause(tail), at=at)
 
     def healthy(self, timeout: float = 2.0) -> bool:
         import httpx

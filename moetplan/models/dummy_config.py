@@ -22,7 +22,7 @@ from moetplan.contract.errors import UsageError
 from moetplan.contract.model import ModelSpec
 
 # Bump when what is written changes, so cached folders are rewritten.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 MARKER = "moetplan_dummy.json"
 
 # The tokenizer's special tokens (ids 0..3, models/tiny.py); the config's token ids point at them.

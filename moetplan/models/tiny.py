@@ -30,16 +30,40 @@ from typing import Any, Iterable
 from moetplan.contract.errors import UnknownNameError
 
 # Bump when the generator changes what it writes, so cached copies are regenerated.
-GENERATOR_VERSION = 5
+GENERATOR_VERSION = 6
 
 _SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"]  # ids 0..3, referenced by the configs below
-# A ChatML-style template, so /v1/chat/completions (what coding agents send) works against the tiny models; the
-# role markers are plain text to this tokenizer, which is fine for random weights.
+# A ChatML-style template that also speaks tools, so what coding agents send works against the tiny models: the
+# tools are listed in a system turn, an assistant's tool calls are written the Hermes way
+# (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, the format vLLM's `hermes` tool-call parser reads;
+# hwdb/serving.yaml names it), tool results come back as <tool_response> turns. Content may be None (an assistant
+# turn that only calls tools). The role markers are plain text to this tokenizer, which is fine for random weights.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|eos|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{ '<|system|>\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] ~ '\n' }}{%- endif %}"
+    "{{ '# Tools\n<tools>\n' }}"
+    "{%- for tool in tools %}{{ (tool | tojson) ~ '\n' }}{%- endfor %}"
+    "{{ '</tools>\nTo call a tool write <tool_call>{\"name\": NAME, \"arguments\": ARGS}</tool_call><|eos|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{ '<|tool|>\n<tool_response>\n' ~ (message['content'] or '') ~ '\n</tool_response><|eos|>\n' }}"
+    "{%- else %}"
+    "{{ '<|' ~ message['role'] ~ '|>\n' ~ (message['content'] or '') }}"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>\n{\"name\": \"' ~ fn['name'] ~ '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{ fn['arguments'] }}{%- else %}{{ fn['arguments'] | tojson }}{%- endif %}"
+    "{{ '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{ '<|eos|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>\n' }}{%- endif %}"
 )
 _VOCAB = 512
 

@@ -119,6 +119,15 @@ def activation_gib(model: ModelSpec, p: Placement) -> float:
     return p.max_num_batched_tokens * per_token / GIB
 
 
+def sampler_gib(model: ModelSpec, p: Placement) -> float:
+    """The sampler's peak in vLLM's profiling run: logits over the vocabulary for every scheduled token of every
+    sequence (max_num_seqs x (1 + speculative tokens), the rejection sampler's batch), in fp32 with the
+    probabilities and the top-k/top-p sort's values and indices beside them. Small at a few sequences; at 192 it is
+    GiB that the KV pool does not get."""
+    tokens = max(p.max_num_seqs, 1) * (1 + max(p.mtp, 0))
+    return tokens * model.vocab_size * guards()["gpu"]["sampler_bytes_per_logit"] / p.tp / GIB
+
+
 def unprofiled_gib(model: ModelSpec, p: Placement) -> float:
     """Transients above vLLM's budget: the FP32 unpermute scatter of the fused-MoE output (1.83 GiB at 9,984
     batched tokens, top-8, H 6144 in vLLM-Moet) and dense MLA's chunked-context up-projection workspace."""
@@ -166,14 +175,23 @@ def fixed_gpu_items(model: ModelSpec, p: Placement) -> list[LedgerItem]:
                             note="CUDA graphs + workspaces"))
     items.append(LedgerItem(name="activations", gib=activation_gib(model, p),
                             note=f"peak of {p.max_num_batched_tokens} batched tokens"))
+    items.append(LedgerItem(name="sampler", gib=sampler_gib(model, p),
+                            note=f"logits of {max(p.max_num_seqs, 1)} sequence(s) x {1 + max(p.mtp, 0)} token(s)"))
     if p.tp * p.pp > 1:
         items.append(LedgerItem(name="comm_buffers", gib=g["comm_buffers_gib"], note="NCCL communicators"))
     return items
 
 
+def kv_clamped(p: Placement) -> bool:
+    """The KV pool is given to vLLM (--kv-cache-memory-bytes), not what gpu_memory_utilization leaves."""
+    return p.kv_cache_clamped or p.kv_cache_memory_bytes > 0
+
+
 def kv_needed_gib(model: ModelSpec, p: Placement) -> float:
     """KV per rank vLLM needs to admit one sequence at the full window (it shares one pool across sequences),
-    plus the per-sequence fixed part of every scheduled sequence."""
+    plus the per-sequence fixed part of every scheduled sequence. Not one window per stream: vLLM-Moet's batch
+    curves ran 16-32 streams in pools that hold far fewer full windows (short prompts; vLLM preempts when
+    they grow)."""
     seqs = max(p.max_num_seqs, 1)
     return model.kv_bytes(p.kv_dtype, p.context, tp=p.tp, seqs=seqs) / p.pp / GIB
 
@@ -231,15 +249,26 @@ class LedgerCheck:
     ok: bool
     problems: list[str] = field(default_factory=list)
     short: list[str] = field(default_factory=list)  # the ledger item each problem is about, in order
+    warnings: list[str] = field(default_factory=list)  # guards a pinned placement goes past (it still plans)
 
 
-def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement) -> LedgerCheck:
-    """Account every byte of placement `p`; `ok` is False with named problems when something does not fit."""
+# A guard line that a pinned placement goes past starts with this (the plan carries it as a warning).
+PAST_GUARD = "WARN past a guard"
+
+
+def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement, pinned: frozenset[str] | set[str] = frozenset()
+                 ) -> LedgerCheck:
+    """Account every byte of placement `p`; `ok` is False with named problems when something does not fit.
+
+    `pinned`: knobs the user fixed (--set). vLLM-Moet's resident guard is its own margin, not a byte count (its
+    production recipe forces a pool past it): with the tier pinned, going past it is a warning that names the
+    guard; what is physically short (VRAM, the KV pool's floor, the room above the budget) is refused always."""
     from moetplan.plan import ledger_host
 
     problems: list[str] = []
     short: list[str] = []
     guards_out: list[str] = []
+    warnings: list[str] = []
 
     def fail(item: str, text: str) -> None:
         problems.append(f"{item}: {text}")
@@ -271,7 +300,7 @@ def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement) -> LedgerC
         items.append(LedgerItem(name="kv_cache", gib=p.kv_cache_gib,
                                 note=f"{p.kv_dtype} KV, {kv_tokens(model, p):,} tokens"))
         used = sum(i.gib for i in items)
-        if p.kv_cache_clamped:
+        if kv_clamped(p):
             # vLLM takes the KV size it is given; the rank is bounded by the card itself.
             outside = 0.0
             budget = vram - g["cuda_context_gib"] - unprofiled_gib(model, p)
@@ -286,7 +315,7 @@ def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement) -> LedgerC
                  f"GiB (largest pool: {_largest_pool(items)})")
         above = (1.0 - p.gpu_memory_utilization) * vram - outside
         need_above = g["cuda_context_gib"] + unprofiled_gib(model, p)
-        if p.kv_cache_clamped:
+        if kv_clamped(p):
             above = need_above
         if r == 0:
             guards_out.append(f"headroom above the util budget: {above:.2f} GiB >= CUDA context "
@@ -310,9 +339,16 @@ def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement) -> LedgerC
     if p.expert_tier == "resident":
         planes, allowed = resident_guard(model, p, hw.gpus[0].vram_gib)
         ok = planes <= allowed + 1e-6
+        advisory = not ok and "expert_tier" in pinned
         guards_out.append(f"resident fit (vLLM-Moet guard): experts {planes:.1f} <= free - margin {allowed:.1f} GiB: "
-                          f"{'ok' if ok else 'FAIL'}")
-        if not ok:
+                          f"{'ok' if ok else 'WARN (pinned past the guard)' if advisory else 'FAIL'}")
+        if advisory:
+            warnings.append(
+                f"{PAST_GUARD}: vLLM-Moet's resident guard (planes <= free - (2 GiB + 1.7 GiB when speculating + "
+                f"16 KiB x max_model_len)) allows {allowed:.1f} GiB/rank, the pinned placement holds {planes:.1f}: "
+                f"{planes - allowed:.2f} GiB past it. It plans because every byte fits the card (vLLM-Moet's own "
+                "recipes force their pool past this guard); if the boot fails, lower fp4_reserve_gib or context")
+        elif not ok:
             fail("experts_2bit", f"resident 2-bit experts ({planes:.1f} GiB/rank) exceed what vLLM-Moet's resident "
                  f"guard allows ({allowed:.1f} GiB: budget less dense, FP4 reserve, 2 GiB workspace"
                  f"{', 1.7 GiB speculation' if p.mtp else ''} and 16 KiB x {p.context} tokens); short "
@@ -339,8 +375,8 @@ def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement) -> LedgerC
         fail(item, text)
     ledger = MemoryLedger(gpus=gpus, host_gib=host.host_gib, host_total_gib=hw.host.ram_gib,
                           host_items=host.host_items, disk_gib=host.disk_gib, disk_free_gib=hw.storage.free_gib,
-                          disk_items=host.disk_items, guards=guards_out)
-    return LedgerCheck(ledger, not problems, problems, short)
+                          disk_items=host.disk_items, guards=guards_out + warnings)
+    return LedgerCheck(ledger, not problems, problems, short, warnings)
 
 
 def _largest_pool(items: list[LedgerItem]) -> str:

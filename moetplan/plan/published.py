@@ -24,6 +24,7 @@ class Published:
     kv_tokens: int | None = None
     note: str = ""
     assumed: list[str] = field(default_factory=list)
+    open: str = ""  # why the ledger does not reproduce this outcome (a known miss, stated), else ""
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Outcome:
     short: list[str]  # ledger items the refusal names
     kv_tokens: int | None  # the planned pool, when feasible
     placement: Any = None
+    placement_guards: list[str] = field(default_factory=list)  # guards the pinned placement goes past (warned)
 
     @property
     def as_published(self) -> bool:
@@ -66,7 +68,8 @@ def load() -> list[Published]:
             if c.get("host_ram_gib") is not None:
                 hw.host.ram_gib = float(c["host_ram_gib"])
             out.append(Published(c["id"], model, hw, dict(c["set"]), bool(c["booted"]), list(c.get("short") or []),
-                                 c.get("kv_tokens"), c.get("note", ""), list(c.get("assumed") or [])))
+                                 c.get("kv_tokens"), c.get("note", ""), list(c.get("assumed") or []),
+                                 str(c.get("open") or "")))
         except (KeyError, TypeError) as e:
             raise ConfigError(f"{path}: config {c.get('id', '?')}: missing or malformed {e}") from None
     return out
@@ -88,4 +91,7 @@ def evaluate(c: Published) -> Outcome:
         solve(c.model, c.hw, goals)
     except InfeasibleError as e:  # the pinned placement fits but the plan does not: report why
         return Outcome(c, False, list(e.shortfalls), [x.split(":", 1)[0] for x in e.shortfalls], None)
-    return Outcome(c, True, [], [], p.kv_tokens, p)
+    from moetplan.plan.ledger import build_ledger
+
+    past = build_ledger(c.model, c.hw, p, frozenset(pins)).warnings
+    return Outcome(c, True, [], [], p.kv_tokens, p, past)

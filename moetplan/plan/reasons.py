@@ -8,7 +8,7 @@ from moetplan.contract import Alternative, Goals, HardwareProfile, Placement, Re
 from moetplan.contract.model import GIB, ModelSpec
 from moetplan.plan import ledger as L
 from moetplan.plan import support
-from moetplan.plan.solver import Candidate, goal_context, pareto
+from moetplan.plan.solver import Candidate, context_tradeoff, goal_context, pareto
 
 
 def _summary(p: Placement) -> dict[str, Any]:
@@ -112,7 +112,8 @@ def reasons(model: ModelSpec, hw: HardwareProfile, goals: Goals, ch: Candidate,
     lo = goal_context(goals, model)
     full = p.kv_tokens // max(p.context, 1)
     add("context", f"{p.context} tokens: objective '{goals.objective}' (minimum {lo}); KV pool "
-        f"{p.kv_cache_gib:.1f} GiB/rank = {p.kv_tokens:,} tokens ({full} full-window sequence(s) at once)")
+        f"{p.kv_cache_gib:.1f} GiB/rank = {p.kv_tokens:,} tokens ({full} full-window sequence(s) at once)"
+        + (f"; {tradeoff}" if (tradeoff := context_tradeoff(ch, cands)) else ""))
     if p.mtp and model.mtp_layers == 0:
         add("mtp", f"{p.mtp} tokens drafted by the separate drafter ({model.drafter_hf_repo or 'drafter'}, "
             f"{model.drafter_gib:.1f} GiB, downloaded at first launch): {p.mtp_acceptance:.2f} tokens per step")

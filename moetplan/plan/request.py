@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from moetplan.contract import parse_tokens
 from moetplan.contract.errors import InfeasibleError, UsageError
-
-OBJECTIVES = ("decode", "context", "balanced")
+from moetplan.contract.vocab import OBJECTIVES
 
 
 def check_args(objective: str, concurrency: int, context: str | None) -> int | None:
     """Usage errors for the goal flags; returns the wanted context in tokens (None: as much as fits)."""
     if objective not in OBJECTIVES:
-        raise UsageError(f"--objective {objective}: must be decode, context or balanced")
+        raise UsageError(f"--objective {objective}: must be {', '.join(OBJECTIVES[:-1])} or {OBJECTIVES[-1]}")
     if concurrency < 1:
         raise UsageError(f"--concurrency {concurrency}: must be at least 1 (streams decoded at once)")
     try:

@@ -16,7 +16,6 @@ from typing import Any, Iterable, Iterator
 
 from moetplan import __version__
 from moetplan.contract import (
-    PINNABLE_KNOBS,
     Gate,
     Goals,
     HardwareProfile,
@@ -24,19 +23,37 @@ from moetplan.contract import (
     Placement,
     Plan,
     Prediction,
-    parse_tokens,
 )
 from moetplan.contract.errors import InfeasibleError, UsageError
 from moetplan.contract.runtime import MOE_GRAPHS
 from moetplan.contract.model import GIB, ModelSpec
+from moetplan.contract.schema import parse_knob
+from moetplan.contract.vocab import EXPERT_TIERS
 from moetplan.contract.sizing import reserve_slots, rows_in
 from moetplan.plan import ledger as L
 from moetplan.plan import support
 
-TIERS = ("resident", "host", "nvme")
-# Knobs --set accepts beyond the Placement's pinnable ones: kv_cache_gib clamps the KV pool (vLLM's
-# --kv-cache-memory-bytes), the others are engine settings.
-EXTRA_KNOBS = ("gate_tau", "max_num_batched_tokens", "kv_cache_gib")
+_BYTE_SUFFIXES = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+                  "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_bytes(value: str) -> int:
+    """A byte count as vLLM's --kv-cache-memory-bytes takes it: 8589934592, 8GiB, 8G (decimal), 512MiB."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _BYTE_SUFFIXES:
+        raise ValueError(value)
+    return int(float(m.group(1)) * _BYTE_SUFFIXES[m.group(2).lower()])
+
+
+def kv_clamp_gib(pins: dict[str, Any]) -> float | None:
+    """The pinned KV clamp in GiB per rank (kv_cache_memory_bytes, the one KV-clamp knob; 0: no clamp), or None."""
+    if pins.get("kv_cache_memory_bytes"):
+        return pins["kv_cache_memory_bytes"] / GIB
+    return None
+
+
 SWEEP_TOP = 4  # discrete choices whose context range is swept in full
 
 
@@ -51,41 +68,21 @@ class Candidate:
 
 
 def parse_set(items: Iterable[str]) -> dict[str, Any]:
-    """Parse `--set name=value` strings into typed pins (names exactly as in PINNABLE_KNOBS)."""
+    """Parse `--set name=value` strings into typed pins (names exactly as in PINNABLE_KNOBS; each value typed and
+    checked as the schema declares its field: contract.schema.parse_knob)."""
     pins: dict[str, Any] = {}
-    int_knobs = {"tp", "pp", "context", "mtp", "max_num_seqs", "concurrency", "max_num_batched_tokens"}
-    float_knobs = {"gpu_expert_cache_gib", "fp4_reserve_gib", "host_arena_gib", "mtp_acceptance",
-                   "gpu_memory_utilization", "gate_tau", "kv_cache_gib"}
     for item in items:
         if "=" not in item:
             raise UsageError(f"--set '{item}': expected name=value (e.g. --set tp=2)")
         name, value = (s.strip() for s in item.split("=", 1))
-        if name not in PINNABLE_KNOBS and name not in EXTRA_KNOBS:
-            import difflib
-
-            close = difflib.get_close_matches(name, PINNABLE_KNOBS + EXTRA_KNOBS, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise UsageError(f"--set: unknown knob '{name}'.{hint} Knobs: {', '.join(PINNABLE_KNOBS + EXTRA_KNOBS)}")
-        try:
-            if name in int_knobs:
-                v: Any = parse_tokens(value) if name == "context" else int(value)
-            elif name in float_knobs:
-                v = float(value)
-            else:
-                v = value
-        except ValueError:
-            raise UsageError(f"--set {name}={value}: not a number") from None
-        if name == "expert_tier" and v not in TIERS:
-            raise UsageError(f"--set expert_tier={value}: must be one of {', '.join(TIERS)}")
-        if name == "moe_graphs" and v not in MOE_GRAPHS:
-            raise UsageError(f"--set moe_graphs={value}: must be one of {', '.join(MOE_GRAPHS)}")
-        if name == "gpu_memory_utilization" and not 0.1 <= v <= 0.99:
-            raise UsageError(f"--set gpu_memory_utilization={value}: must be between 0.1 and 0.99")
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
-            raise UsageError(f"--set {name}={value}: must not be negative")
-        if name in ("tp", "pp", "context", "max_num_seqs", "concurrency", "max_num_batched_tokens") and v < 1:
-            raise UsageError(f"--set {name}={value}: must be at least 1")
-        pins[name] = v
+        if name == "kv_cache_memory_bytes":  # vLLM's byte spellings (8GiB, 8589934592), not a plain int
+            try:
+                pins[name] = parse_bytes(value)
+            except ValueError:
+                raise UsageError(f"--set {name}={value}: not a byte count; give bytes, e.g. "
+                                 f"--set {name}=8589934592 or --set {name}=8GiB") from None
+        else:
+            pins[name] = parse_knob(name, value)
     return pins
 
 
@@ -117,10 +114,10 @@ def _tp_pp_options(model: ModelSpec, n_gpus: int, pins: dict[str, Any]) -> list[
                 continue
             out.append((tp, pp))
     if "tp" in pins or "pp" in pins:
-        tp, pp = pins.get("tp"), pins.get("pp")
-        want = [(t, p) for (t, p) in out if (tp is None or t == tp) and (pp is None or p == pp)]
+        pin_tp, pin_pp = pins.get("tp"), pins.get("pp")
+        want = [(t, p) for (t, p) in out if (pin_tp is None or t == pin_tp) and (pin_pp is None or p == pin_pp)]
         if not want:
-            t, p = tp or 1, pp or 1
+            t, p = int(pin_tp or 1), int(pin_pp or 1)
             if t * p > n_gpus:
                 raise InfeasibleError(f"TP{t} x PP{p} needs {t * p} GPUs; this machine has {n_gpus}",
                                       [f"{t * p - n_gpus} GPU(s) short"], [f"use --set tp={n_gpus}"])
@@ -248,7 +245,7 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
     row2, row4 = p.expert_row_bytes, p.fp4_row_bytes
     max_slots = math.ceil(model.moe_layers / pp) * model.n_routed_experts
     layers_here = math.ceil(model.moe_layers / pp)
-    clamp = pins.get("kv_cache_gib")
+    clamp = kv_clamp_gib(pins)
     left = budget - fixed
     rule_min = float(support.serving_rules(model).get("fp4_reserve_min_gib", 0.0))
 
@@ -289,16 +286,15 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
                 reserve = L.fp4_gate_floor_slots(model, p) * row4 / GIB
         kv_target = clamp if clamp is not None else kv_floor
         set_reserve(reserve)  # whole rows first: the cache gets what they leave
-        cache = pins.get("gpu_expert_cache_gib", left - inside(p.fp4_reserve_gib) - kv_target)
-        slots = min(rows_in(cache, row2), max_slots)
-        if slots >= max_slots and "expert_tier" not in pins:
+        gpu_expert_cache_gib = pins.get("gpu_expert_cache_gib", left - inside(p.fp4_reserve_gib) - kv_target)
+        p.gpu_expert_cache_slots = min(rows_in(gpu_expert_cache_gib, row2), max_slots)  # the GiB -> rows rule
+        if p.gpu_expert_cache_slots >= max_slots and "expert_tier" not in pins:
             return None, [f"{_ALL_FIT}; resident is the same placement"]
-        p.gpu_expert_cache_slots = slots
         p.kv_cache_gib = clamp if clamp is not None else left - inside(p.fp4_reserve_gib) - p.gpu_expert_cache_gib
         floor = L.cache_floor_slots(model, p)
-        if slots < floor:
-            return None, [f"expert_cache: GPU expert cache of {slots} slots is below the floor of one step's "
-                          f"working set x 1.15 = {floor} slots ({floor * row2 / GIB:.1f} GiB/rank)"]
+        if p.gpu_expert_cache_slots < floor:
+            return None, [f"expert_cache: GPU expert cache of {p.gpu_expert_cache_slots} slots is below the floor "
+                          f"of one step's working set x 1.15 = {floor} slots ({floor * row2 / GIB:.1f} GiB/rank)"]
         if tier == "nvme":
             arena = pins.get("host_arena_gib", min(L.arena_budget_gib(hw, tp * pp), model.routed_gib("2bit", tp)))
             if arena < L.guards()["host"]["arena_min_gib"] and "host_arena_gib" not in pins:
@@ -308,12 +304,13 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
         if p.gate.enabled and p.fp4_reserve_slots < L.fp4_gate_floor_slots(model, p):
             p.gate.degraded = True
             p.gate.max_promotions_per_step = p.fp4_reserve_slots // max(1, math.ceil(model.moe_layers / pp))
-    if "kv_cache_gib" not in pins:  # the other sizes are whole rows already
+    if clamp is None:  # the other sizes are whole rows already
         p.kv_cache_gib = round(math.floor(p.kv_cache_gib / L.ROUND_GIB) * L.ROUND_GIB, 6)  # never past the budget
     p.kv_cache_clamped = clamp is not None
+    p.kv_cache_memory_bytes = int(round(clamp * GIB)) if clamp is not None else 0
     p.kv_tokens = L.kv_tokens(model, p)
     p.activation_peak_gib = round(L.activation_gib(model, p), 3)
-    check = L.build_ledger(model, hw, p)
+    check = L.build_ledger(model, hw, p, frozenset(pins))
     if not check.ok:
         return None, check.problems
     return p, []
@@ -334,7 +331,7 @@ def _default_reserve(model: ModelSpec, p: Placement, slack_gib: float, row4: flo
 
 def _choices(model: ModelSpec, hw: HardwareProfile, goals: Goals,
              pins: dict[str, Any]) -> Iterator[tuple[int, int, str, str, int]]:
-    tiers = [pins["expert_tier"]] if "expert_tier" in pins else list(TIERS)
+    tiers = [pins["expert_tier"]] if "expert_tier" in pins else list(EXPERT_TIERS)
     for tp, pp in _tp_pp_options(model, hw.num_gpus, pins):
         for tier in tiers:
             for kv in _kv_options(model, hw, pins):
@@ -383,7 +380,7 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
     ctx_opts = _context_options(model, goals, pins)
     loaded = [calib]
 
-    def evaluate(choice: tuple, ctx: int) -> Candidate | None:
+    def evaluate(choice: tuple[int, int, str, str, int], ctx: int) -> Candidate | None:
         if not _context_allowed(choice[3], ctx, goals, pins):
             return None
         p, why = size_placement(model, hw, goals, pins, *choice, ctx)
@@ -394,7 +391,7 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
 
         if loaded[0] is None:
             loaded[0] = load_calibration(hw)  # once per search, not per candidate
-        return Candidate(p, L.build_ledger(model, hw, p).ledger, predict(model, hw, p, loaded[0]))
+        return Candidate(p, L.build_ledger(model, hw, p, frozenset(pins)).ledger, predict(model, hw, p, loaded[0]))
 
     # Phase 1: every discrete choice at the smallest context the goals accept.
     first: list[tuple[tuple, Candidate]] = []
@@ -438,7 +435,8 @@ def solve(model: ModelSpec, hw: HardwareProfile, goals: Goals | None = None, cal
         memory=chosen.ledger, prediction=chosen.prediction,
         reasons=reasons(model, hw, goals, chosen, cands),
         alternatives=alternatives(cands, chosen),
-        warnings=warnings(model, hw, goals, chosen),
+        warnings=warnings(model, hw, goals, chosen)
+        + [g for g in chosen.ledger.guards if g.startswith(L.PAST_GUARD)],
     )
     return plan
 
@@ -454,6 +452,19 @@ def _choose(cands: list[Candidate], goals: Goals, model: ModelSpec) -> Candidate
     keep = L.guards()["planner"]["balanced_keep_decode"]
     near = [c for c in ok if c.prediction.decode_tok_s >= keep * best]
     return max(near, key=lambda c: (c.placement.context, c.prediction.decode_tok_s))
+
+
+def context_tradeoff(chosen: Candidate, cands: list[Candidate]) -> str:
+    """What the windows beyond the chosen one would cost in decode speed (the same discrete choice, the Pareto front
+    above the chosen context), e.g. "524288 tokens: 39.8 tok/s (-6%)"; "" when no longer window fits."""
+    p = chosen.placement
+    same = [c for c in cands if (c.placement.tp, c.placement.pp, c.placement.expert_tier, c.placement.kv_dtype,
+                                 c.placement.mtp) == (p.tp, p.pp, p.expert_tier, p.kv_dtype, p.mtp)
+            and c.placement.context > p.context]
+    base = chosen.prediction.decode_tok_s
+    parts = [f"{c.placement.context} tokens: {c.prediction.decode_tok_s:.1f} tok/s "
+             f"({c.prediction.decode_tok_s / base - 1:+.0%})" for c in pareto(same)] if base > 0 else []
+    return ("longer windows cost decode: " + ", ".join(parts)) if parts else ""
 
 
 def pareto(cands: list[Candidate]) -> list[Candidate]:

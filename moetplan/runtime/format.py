@@ -12,12 +12,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal
 
 import numpy as np
 import torch
 
 from moetplan.contract.errors import ConfigError, UsageError
+from moetplan.contract.vocab import ZERO_MODES, RowFormat, ZeroMode, check_choice
 from moetplan.contract.layout import BLOCK, FORMATS, ROW_ALIGN, SECTION_ALIGN, RowLayout  # noqa: F401 (re-exported)
 
 QUANTIZER_VERSION = "1"
@@ -30,8 +30,7 @@ E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 CODE_VALUES = (1.0, 4.0, -1.0, -4.0)  # c = sign<<1 | four
 ZERO_BALANCE_SHARE = 0.95
 
-ZeroMode = Literal["auto", "signed", "balanced"]
-Fmt = Literal["2bit", "fp4"]
+Fmt = RowFormat
 
 
 # --------------------------------------------------------------------------- exponents
@@ -104,8 +103,7 @@ def resolve_zero_mode(w: torch.Tensor, zero_mode: ZeroMode = "auto") -> str:
 
 
 def _check_zero_mode(zero_mode: str) -> None:
-    if zero_mode not in ("auto", "signed", "balanced"):
-        raise UsageError(f"Unknown zero mode '{zero_mode}'; use auto, signed or balanced")
+    check_choice("zero mode", zero_mode, ZERO_MODES)
 
 
 def _mode_from_counts(zeros: int, negative_zeros: int) -> str:

@@ -20,7 +20,7 @@ import torch
 from moetplan.contract.errors import UsageError
 from moetplan.contract.layout import RowLayout
 from moetplan.contract.runtime import KernelPolicy
-from moetplan.runtime import kernels
+from moetplan.runtime import cpu_kernels, kernels
 from moetplan.runtime.cuda_paths import kernel_shape_ok, moe_cuda
 from moetplan.runtime.reference import ResidencyError, moe_forward_reference
 
@@ -100,13 +100,35 @@ def _run_cuda(s: Step, ran: Callable[[str], None]) -> torch.Tensor:
                     ran=lambda name: ran(f"cuda:{name}"))
 
 
+def _cpu_refusal(s: Step) -> str | None:
+    if s.x.is_cuda or s.x.device.type != "cpu":
+        return "x is not on the CPU"
+    if not s.policy.cpu:
+        return "the kernel policy asks for the reference (cpu=False)"
+    if s.pool.device.type != "cpu" or (s.fp4_pool is not None and s.fp4_pool.device.type != "cpu"):
+        return "the slot pool is not in host memory"
+    if cpu_kernels.get_module() is None:
+        return f"CPU kernels unavailable: {cpu_kernels.fallback_reason()}"
+    if not cpu_kernels.shape_ok(s.layout, s.fp4_layout):
+        return f"H={s.layout.hidden}, Ir={s.layout.inter_per_rank}: the CPU kernels need multiples of 32"
+    return None
+
+
+def _run_cpu(s: Step, ran: Callable[[str], None]) -> torch.Tensor:
+    mod = cpu_kernels.get_module()
+    ran(f"cpu:{cpu_kernels.best_isa(mod)}")
+    return cpu_kernels.moe_cpu(mod, s.x, s.topk_ids, s.topk_weights, s.pool, s.slot_of, s.layout, s.fp4_pool,
+                               s.fp4_slot_of, s.fp4_layout, s.swiglu_limit, s.out)
+
+
 def _run_reference(s: Step, ran: Callable[[str], None]) -> torch.Tensor:
     ran("reference")
     return moe_forward_reference(s.x, s.topk_ids, s.topk_weights, s.pool, s.slot_of, s.layout, s.fp4_pool,
                                  s.fp4_slot_of, s.fp4_layout, s.swiglu_limit, s.out)
 
 
-PATHS: tuple[KernelPath, ...] = (KernelPath("cuda", _cuda_refusal, _run_cuda),)
+PATHS: tuple[KernelPath, ...] = (KernelPath("cuda", _cuda_refusal, _run_cuda),
+                                 KernelPath("cpu", _cpu_refusal, _run_cpu))
 REFERENCE = KernelPath("reference", lambda s: None, _run_reference)
 
 
@@ -180,15 +202,17 @@ def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     step = Step(x, topk_ids, topk_weights, pool, slot_of, layout, fp4_pool, fp4_slot_of, fp4_layout, swiglu_limit,
                 out, policy)
     path, refusals = select_path(step)
+    # why the reference ran: the refusal of the path for x's device (the others refuse any step on it)
+    mine = "cuda:" if x.is_cuda else "cpu:"
+    why = next((r for r in refusals if r.startswith(mine)), refusals[-1] if refusals else "no kernel path")
     if path is REFERENCE and x.is_cuda:  # a GPU step the kernels did not take: say so once per reason
-        why = refusals[-1] if refusals else "no kernel path"
         if torch.cuda.is_current_stream_capturing():  # the reference reads routed ids on the host
             raise UsageError(f"a CUDA graph is capturing the MoE op, but the kernels do not take this step ({why}) "
                              "and the torch reference cannot be captured; serve with --enforce-eager, or fix the "
                              "kernels' refusal")
         kernels.note_reference(why)
     if paths is not None and path is REFERENCE:
-        paths.fell_back(refusals[-1] if refusals else "no kernel path")
+        paths.fell_back(why)
     return path.run(step, paths.ran if paths is not None else (lambda name: None))
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 
 from moetplan.contract.errors import UsageError
+from moetplan.contract.vocab import ZERO_MODES, check_choice
 
 # Error reports read at most this many evenly spaced rows per matrix: the summary stays cheap next to quantizing.
 REPORT_MAX_ROWS = 256
@@ -242,8 +243,7 @@ def quantize_checkpoint(model_dir: str | Path, pack_dir: str | Path, tp: int = 1
     from moetplan.runtime.format import QUANTIZER_VERSION, RowLayout
     from moetplan.runtime.packs import checkpoint_identity, model_key_for
 
-    if zero_mode not in ("auto", "signed", "balanced"):
-        raise UsageError(f"--zero-mode {zero_mode!r}: use auto, signed or balanced")
+    check_choice("--zero-mode", zero_mode, ZERO_MODES)
     t0 = time.perf_counter()
     ck = CheckpointExperts.discover(model_dir)
     identity = checkpoint_identity(model_dir)

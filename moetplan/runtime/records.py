@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moetplan.contract.machine import machine_info
-from moetplan.contract import Plan, RunRecord, run_record_path, save_json  # noqa: F401 (path rule re-used here)
+from moetplan.contract import RunRecord, RuntimeSection, run_record_path, save_json  # noqa: F401 (path rule re-used)
 
 IDLE_GAP_S = 1.0
 
@@ -109,7 +109,7 @@ class RuntimeStats:
 
 
 def build_run_record(
-    plan: Plan | None,
+    section: RuntimeSection | None,
     plan_path: str | None,
     stats: RuntimeStats,
     store_kpis: dict[str, Any] | None = None,
@@ -118,9 +118,9 @@ def build_run_record(
     snap = stats.snapshot()
     runtime = {**snap["runtime"], **(extra_runtime or {}), **(store_kpis or {})}
     return RunRecord(
-        model_id=plan.model.id if plan else None,
+        model_id=section.model_id if section else None,
         plan_path=plan_path,
-        placement=plan.placement.model_dump(mode="json") if plan else {},
+        placement=dict(section.record_placement) if section else {},
         measured=snap["measured"],
         runtime=runtime,
         machine=machine_info(with_torch=True, role="server"),

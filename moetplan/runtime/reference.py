@@ -53,7 +53,7 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     xf = x.float()
     y = torch.zeros(T * k, H, dtype=torch.float32, device=x.device)  # [T*k, H]: each pair's expert output
     start = 0
-    for key, n in zip(keys.tolist(), counts.tolist()):
+    for _key, n in zip(keys.tolist(), counts.tolist()):
         pairs = order[start:start + n]
         start += n
         w13, w2 = weights_of(int(e[pairs[0]]), bool(fp4[pairs[0]]))

@@ -617,8 +617,8 @@ class FP4Reserve:
 
 def reserve_from_section(section: Any, source: Any, *, layout: RowLayout, device: str | torch.device = "cpu",
                          **kw: Any) -> FP4Reserve | None:
-    """The FP4 reserve a runtime section sized (Plan.runtime.reserve_slots), or None when it has none."""
-    slots = int(section.reserve_slots)
+    """The FP4 reserve a runtime section sized (Plan.runtime.fp4_reserve_slots), or None when it has none."""
+    slots = int(section.fp4_reserve_slots)
     if slots <= 0:
         return None
     return FP4Reserve(source, slots, layout=layout, device=device, **kw)

@@ -87,15 +87,15 @@ class ReserveState:
                          "`moetplan quantize` with the FP4 reserve, or remove the 2-bit pack so this boot re-quantizes")
             log.warning("moetplan: FP4 reserve not built: %s", self.note)
             return None
-        slots = reserve_slots(section.reserve_slots, L, E)
+        slots = reserve_slots(section.fp4_reserve_slots, L, E)
         if slots <= 0:
-            self.note = f"fp4_reserve_slots {section.reserve_slots} holds no FP4 row"
+            self.note = f"fp4_reserve_slots {section.fp4_reserve_slots} holds no FP4 row"
             log.warning("moetplan: FP4 reserve not built: %s", self.note)
             return None
         self.reserve = FP4Reserve(source, slots, layout=fp4_layout, device=device,
-                                  background=section.promoter == "background", name=name)
+                                  background=section.knobs.promoter == "background", name=name)
         log.info("moetplan: FP4 reserve %d slots x %d B over %d layers x %d experts, rows from %s, promoter %s",
-                 slots, fp4_layout.stride, L, E, self.source, section.promoter)
+                 slots, fp4_layout.stride, L, E, self.source, section.knobs.promoter)
         return self.reserve
 
     def install_gate(self, section: RuntimeSection, model: Any, vllm_config: Any = None) -> Any:

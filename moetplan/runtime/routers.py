@@ -1,4 +1,4 @@
-"""Routers that replace a model's own expert choice (`RuntimeSection.router`).
+"""Routers that replace a model's own expert choice (`RuntimeKnobs.router`).
 
 `LocalityRouter` picks each token's top-k so that every expert's share of one layer's routings is the plan's
 `router_popularity` (the model's published coverage curve, the curve the cost model predicts hit rates from), with
@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from moetplan.contract.errors import ConfigError
+from moetplan.contract.runtime import RuntimeKnobs
+from moetplan.contract.vocab import ROUTERS
 
 _CAP = 1.0 - 1e-4  # an interval of length exactly 1 could take two of a token's k points through rounding
 _M64 = (1 << 64) - 1
@@ -128,18 +130,18 @@ class LocalityRouter:
         return line[pos].to(topk_ids.dtype)
 
 
-def router_for(section: object, top_k: int) -> LocalityRouter | None:
-    """The router a runtime section asks for (None: the model's own)."""
-    kind = getattr(section, "router", "model")
+def router_for(knobs: RuntimeKnobs, top_k: int) -> LocalityRouter | None:
+    """The router the runtime knobs ask for (None: the model's own)."""
+    kind = knobs.router
     if kind == "model":
         return None
     if kind == "locality":
-        shares = getattr(section, "router_popularity", ())
+        shares = knobs.router_popularity
         if not shares:
             raise ConfigError("the plan's router is 'locality' but it carries no router_popularity; re-run "
                               "`moetplan run --router locality`, which fills it from the model's coverage curve")
-        return LocalityRouter(shares, top_k, getattr(section, "seed", 0))
-    raise ConfigError(f"router '{kind}' is not one the runtime has (model, locality)")
+        return LocalityRouter(shares, top_k, knobs.seed)
+    raise ConfigError(f"router '{kind}' is not one the runtime has ({', '.join(ROUTERS)})")
 
 
 __all__ = ["LocalityRouter", "inclusion_probs", "router_for", "splitmix64"]

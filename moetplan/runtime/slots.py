@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetplan.contract.errors import UsageError
 from moetplan.runtime.backing import Key
 
 
@@ -26,8 +25,6 @@ class SlotPool:
 
     def __init__(self, num_slots: int, stride: int, num_layers: int, num_experts: int,
                  device: str | torch.device = "cpu"):
-        if num_slots < 1:
-            raise UsageError("the expert cache needs at least 1 slot (placement.gpu_expert_cache_slots)")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())

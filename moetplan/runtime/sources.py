@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from moetplan.contract.errors import ConfigError
+from moetplan.contract.vocab import ZERO_MODES
 from moetplan.runtime.format import (BLOCK, E2M1_GRID, E2M1_MIDPOINTS, ZeroMode, _unpack_nibbles,
                                      e2m1_values)
 
@@ -387,8 +388,8 @@ def mxfp4_to_2bit(packed, scales, zero_mode: ZeroMode = "auto", return_zero_mode
     """
     p, s = _as_bytes(packed), _as_bytes(scales)
     n, k = _check_mx(p, s, name)
-    if zero_mode not in ("auto", "signed", "balanced"):
-        raise ConfigError(f"Unknown zero mode '{zero_mode}'; use auto, signed or balanced")
+    if zero_mode not in ZERO_MODES:
+        raise ConfigError(f"Unknown zero mode '{zero_mode}'; use {', '.join(ZERO_MODES)}")
     p = p.reshape(n, k // 2).contiguous()
     if p.device.type == "cpu":
         words = p.numpy().view(np.uint16)

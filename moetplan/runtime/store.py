@@ -59,7 +59,7 @@ class StoreCapacityError(InfeasibleError):
 class ExpertStore:
     """GPU (or CPU) expert cache over a backing store. Single-threaded use (one model runner)."""
 
-    def __init__(self, backing: BackingStore, slots: int, *, device: str | torch.device = "cpu",
+    def __init__(self, backing: BackingStore, gpu_expert_cache_slots: int, *, device: str | torch.device = "cpu",
                  decay: float = 0.99, prefill_tokens: int = 256, protected_share: float = 0.8,
                  kpi_every_steps: int = 0, kpi_every_s: float = 60.0, name: str = "experts"):
         if not 0.0 < decay <= 1.0:
@@ -68,7 +68,7 @@ class ExpertStore:
             raise UsageError(f"protected_share must be in [0, 1) so prefill keeps some slots; got {protected_share}")
         self.backing, self.name = backing, name
         self.num_layers, self.num_experts, self.stride = backing.num_layers, backing.num_experts, backing.stride
-        self.pool = SlotPool(slots, self.stride, self.num_layers, self.num_experts, device)
+        self.pool = SlotPool(gpu_expert_cache_slots, self.stride, self.num_layers, self.num_experts, device)
         self.device = self.pool.device
         self.decay, self.prefill_tokens, self.protected_share = float(decay), int(prefill_tokens), float(protected_share)
         # Decayed frequency per (layer, expert): add `inc` per routing and grow `inc` by 1/decay per step, which
@@ -566,9 +566,9 @@ class ExpertStore:
             "name": self.name,
             "tier": self.backing.tier,
             "backing": type(self.backing).__name__,
-            "slots": self.pool.num_slots,
-            "slots_used": self.pool.used,
-            "row_bytes": self.stride,
+            "gpu_expert_cache_slots": self.pool.num_slots,  # the plan's knob, by its name
+            "gpu_expert_cache_slots_used": self.pool.used,
+            "expert_row_bytes": self.stride,
             "token_hit_rate": d["token_hit_rate"],
             "zero_miss_step_share": d["zero_miss_step_share"],
             "misses_per_step": d["misses_per_step"],
@@ -602,7 +602,8 @@ class ExpertStore:
         return (
             f"{self.name}[{s['tier']}] steps={s['decode']['steps']} hit={pct(s['token_hit_rate'])} "
             f"zero-miss={pct(s['zero_miss_step_share'])} miss/step={num(s['misses_per_step'])} "
-            f"slots={s['slots_used']}/{s['slots']} h2d={num(s['h2d_gbps'], '.1f')}GB/s "
+            f"slots={s['gpu_expert_cache_slots_used']}/{s['gpu_expert_cache_slots']} "
+            f"h2d={num(s['h2d_gbps'], '.1f')}GB/s "
             f"nvme={s['bytes_fetched']['nvme'] / GB:.2f}GB@{num(s['nvme_read_gbps'], '.2f')}GB/s "
             f"arena-hit={pct(s['arena_hit_rate'])}"
         )

@@ -20,26 +20,24 @@ log = logging.getLogger("vllm.moetplan")
 
 def expert_store(section: RuntimeSection, source: Any, *, device: str | torch.device = "cpu", pin: bool | None = None,
                  **kw: Any) -> ExpertStore:
-    """The GPU expert cache the section sizes (cache_slots) over the backing its tier names: pinned host RAM for
-    "host"; for "nvme" the pack file with an arena of `arena_rows` pinned rows (0: the page cache alone). `pin`:
+    """The GPU expert cache the section sizes (gpu_expert_cache_slots) over the backing its tier names: pinned
+    host RAM for "host"; for "nvme" the pack file with an arena of `host_arena_rows` pinned rows (0: the page cache
+    alone). `pin`:
     page-lock host rows (None: when CUDA is there); `kw` go to ExpertStore (decay, prefill_tokens, ...)."""
     _check_cache(section)
-    if section.row_bytes and int(source.stride) != section.row_bytes:
-        raise ConfigError(f"expert rows are {source.stride} bytes but the plan sized {section.row_bytes}-byte rows; "
+    if section.expert_row_bytes and int(source.stride) != section.expert_row_bytes:
+        raise ConfigError(f"expert rows are {source.stride} bytes but the plan sized {section.expert_row_bytes}-byte "
+                          "rows; "
                           "the plan was made for another model shape or TP degree: re-plan")
-    backing = make_backing(section.tier, source, arena_rows=section.arena_rows, pin=pin)
-    return ExpertStore(backing, section.cache_slots, device=device, **kw)
+    backing = make_backing(section.expert_tier, source, arena_rows=section.host_arena_rows, pin=pin)
+    return ExpertStore(backing, section.gpu_expert_cache_slots, device=device, **kw)
 
 
 def _check_cache(section: RuntimeSection) -> None:
-    if section.tier == "resident":
+    # The cache size's floor is the section's own check (RuntimeSection: a tiered section has at least one slot).
+    if section.expert_tier == "resident":
         raise UsageError("experts are resident in this plan (expert_tier resident): the tiered store is only for "
                          "expert_tier host / nvme plans")
-    if section.cache_slots < 1:
-        raise ConfigError(
-            f"expert_tier '{section.tier}' needs gpu_expert_cache_slots > 0 in the plan; re-plan "
-            "(`moetplan plan`) or pin a cache size (--set gpu_expert_cache_gib=...)"
-        )
 
 
 def route_store_log() -> None:
@@ -92,10 +90,10 @@ class TieredExperts:
             from moetplan.runtime.dummy_experts import RandomRowSource
 
             assert self.layout is not None
-            data: Any = RandomRowSource(self.layout, L, E, seed=s.seed)
+            data: Any = RandomRowSource(self.layout, L, E, seed=s.knobs.seed)
         else:
             data = np.concatenate([self.rows[i].numpy() for i in range(L)])
-        if s.tier == "host":
+        if s.expert_tier == "host":
             source: Any = data if self.dummy else ArrayRowSource(data, L, E)
         else:
             source = self.write_pack(data, L, E, self.layout)
@@ -105,8 +103,9 @@ class TieredExperts:
         route_store_log()
         # KPI line in the server log every 30 s (hit rate, zero-miss steps, misses per step, transfer rates)
         store = expert_store(s, source, device=device, prefill_tokens=s.decode_batch_tokens, kpi_every_s=30.0)
-        log.info("moetplan: store %s tier=%s slots=%d layers=%d experts=%d%s", type(store.backing).__name__,
-                 s.tier, s.cache_slots, L, E, " (graph replay)" if s.replays else "")
+        log.info("moetplan: store %s tier=%s gpu_expert_cache_slots=%d layers=%d experts=%d%s",
+                 type(store.backing).__name__, s.expert_tier, s.gpu_expert_cache_slots, L, E,
+                 " (graph replay)" if s.replays else "")
         if self.pack_path:
             # A pack-backed store restarts warm: its heat is saved beside the pack (every 5 min, on the step
             # boundary) and preloaded on the next start (runtime/heat.py).

@@ -4,9 +4,9 @@ A trace is the routed expert ids of every decode step: int [steps, layers, token
 (saved with `Trace.save`, .npz) or synthetic (`synthetic_trace`): per-layer Zipf-like popularity plus a slowly
 drifting, layer-correlated preference per token stream, sampled top-k without replacement (Gumbel top-k).
 
-`replay(trace, slots)` runs it through a real `ExpertStore` on the CPU (tiny rows, so only the policy costs) and
-returns the Plan's KPIs; `replay_curve` does it for several cache sizes, so the cost model's coverage curves can
-be checked against the store's actual policy. `moetplan replay --help` (or `python -m moetplan.runtime.trace`) for the command line.
+`replay(trace, gpu_expert_cache_slots)` runs it through a real `ExpertStore` on the CPU (tiny rows, so only the
+policy costs) and returns the Plan's KPIs; `replay_curve` does it for several cache sizes, so the cost model's
+coverage curves can be checked against the store's actual policy. `moetplan replay --help` (or `python -m moetplan.runtime.trace`) for the command line.
 """
 from __future__ import annotations
 
@@ -192,12 +192,13 @@ def fit_skew(num_experts: int, top_k: int, share: float, coverage: float, *, lay
     return (lo + hi) / 2
 
 
-def replay(trace: Trace, slots: int, *, warmup_steps: int = 0, decay: float = 0.99, prefetch: bool = False,
-           row_bytes: int = 16) -> dict[str, Any]:
-    """Feed `trace` through an ExpertStore of `slots` slots on the CPU; KPIs counted after `warmup_steps`.
+def replay(trace: Trace, gpu_expert_cache_slots: int, *, warmup_steps: int = 0, decay: float = 0.99,
+           prefetch: bool = False, row_bytes: int = 16) -> dict[str, Any]:
+    """Feed `trace` through an ExpertStore of `gpu_expert_cache_slots` slots on the CPU; KPIs counted after
+    `warmup_steps`.
 
     `prefetch`: hint each layer's previous-step experts before the layer runs (what a runtime could do).
-    A step's experts are pinned until it ends, so `slots` must hold one step's working set (at most
+    A step's experts are pinned until it ends, so the slots must hold one step's working set (at most
     layers x top_k x tokens rows): fewer raises StoreCapacityError, as the planner's guard would.
     """
     from moetplan.contract.runtime import RuntimeSection
@@ -206,8 +207,8 @@ def replay(trace: Trace, slots: int, *, warmup_steps: int = 0, decay: float = 0.
 
     L, E = trace.num_layers, trace.num_experts
     src = ArrayRowSource(np.zeros((L * E, row_bytes), dtype=np.uint8), L, E)
-    store = expert_store(RuntimeSection(tier="host", cache_slots=slots), src, pin=False, decay=decay,
-                         prefill_tokens=max(trace.tokens, 1))
+    section = RuntimeSection(expert_tier="host", gpu_expert_cache_slots=gpu_expert_cache_slots)
+    store = expert_store(section, src, pin=False, decay=decay, prefill_tokens=max(trace.tokens, 1))
     warm = min(max(warmup_steps, 0), trace.steps - 1)
     for s in range(trace.steps):
         if s == warm:
@@ -220,8 +221,8 @@ def replay(trace: Trace, slots: int, *, warmup_steps: int = 0, decay: float = 0.
     store.begin_step()
     st = store.stats()
     return {
-        "slots": slots,
-        "slot_share": slots / (L * E),
+        "slots": gpu_expert_cache_slots,
+        "slot_share": gpu_expert_cache_slots / (L * E),
         "token_hit_rate": st["token_hit_rate"],
         "zero_miss_step_share": st["zero_miss_step_share"],
         "misses_per_step": st["misses_per_step"],

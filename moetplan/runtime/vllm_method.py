@@ -97,16 +97,17 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
         if s.expert_format == "2bit":
             tp = int(self.moe.moe_parallel_config.tp_size or 1)
             self.layout = RowLayout.for_expert(hidden_size, intermediate_size_per_partition * tp, tp, "2bit")
-            if s.row_bytes and self.layout.stride != s.row_bytes:
+            if s.expert_row_bytes and self.layout.stride != s.expert_row_bytes:
                 raise ConfigError(f"{layer.layer_name}: its 2-bit rows are {self.layout.stride} bytes at tp={tp}, "
-                                  f"the plan sized {s.row_bytes}-byte rows (another model or TP degree): re-plan")
-            pack = w.packs.valid_pack(self.layout, num_experts) if s.weights != "dummy" else None
+                                  f"the plan sized {s.expert_row_bytes}-byte rows (another model or TP degree): "
+                                  "re-plan")
+            pack = w.packs.valid_pack(self.layout, num_experts) if s.knobs.weights != "dummy" else None
             if pack is not None and self.key < pack.num_layers:
                 self.pack = pack
             if s.reserve_wanted:
                 self.fp4_layout = RowLayout.for_expert(hidden_size, intermediate_size_per_partition * tp, tp, "fp4")
                 w.fp4.check_fp4_pack(w.packs, self.fp4_layout, num_experts)
-        if s.weights == "dummy":
+        if s.knobs.weights == "dummy":
             # No checkpoint: the expert tensors stay empty (vLLM's dummy loader fills nothing of them) and the
             # rows are generated in their tier after load.
             self._create_empty_experts(layer, params_dtype, extra_weight_attrs)
@@ -146,7 +147,7 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
         if key is None:
             raise ConfigError(f"{layer.layer_name}: weights processed before they were created")
         src: ExpertSource | None = None
-        if s.weights == "dummy":
+        if s.knobs.weights == "dummy":
             E, H, inter = self.dims
             device, source = _layer_device(layer), "dummy"
         elif self.pack is not None:
@@ -158,7 +159,7 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
         else:
             src = source_expert_weights(layer)
             E, H, inter, device, source = src.num_experts, src.hidden, src.inter, src.device, src.name
-        st = w.layer_state(key=key, moe_index=key, name=layer.layer_name, fmt=s.expert_format, tier=s.tier,
+        st = w.layer_state(key=key, moe_index=key, name=layer.layer_name, fmt=s.expert_format, tier=s.expert_tier,
                            num_experts=E, hidden=H, inter=inter, swiglu_limit=getattr(layer, "swiglu_limit", None),
                            first=(key == 0), source=source)
         if s.expert_format == "unquantized":
@@ -177,7 +178,7 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
                 # Generated where they live: on the device for resident experts, by the store's backing otherwise.
                 from moetplan.runtime.dummy_experts import device_rows
 
-                rows = device_rows(layout, E, device, key, s.seed) if s.tier == "resident" else None
+                rows = device_rows(layout, E, device, key, s.knobs.seed) if s.expert_tier == "resident" else None
             elif self.pack is not None:
                 # Packs are the persistent quantization cache: a later boot reads rows, skips the quantizer.
                 self.pack.read_rows([self.pack.row_index(key, e) for e in range(E)], rows.numpy())
@@ -188,7 +189,7 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
             st.layout = layout
             if self.fp4_layout is not None:
                 w.fp4.collect_rows(key, src, self.fp4_layout, E)
-            if s.tier == "resident":
+            if s.expert_tier == "resident":
                 assert rows is not None
                 st.rows = rows.to(device)
                 st.slot_of = torch.arange(E, device=device, dtype=torch.int32)
@@ -234,7 +235,7 @@ def after_model_loaded(model: Any, vllm_config: Any = None) -> Any:
         return model
     if vllm_compat.cpu_routes_in_method():
         vllm_compat.link_routers(model, MoetplanMoEMethod)
-    if worker.section.weights == "dummy":
+    if worker.section.knobs.weights == "dummy":
         ran = vllm_compat.finish_dummy_load(model)
         if ran:
             log.info("moetplan: dummy weights: ran %s", ", ".join(ran))

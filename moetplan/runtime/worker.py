@@ -16,6 +16,7 @@ import torch
 
 from moetplan.contract import envs
 from moetplan.contract.errors import ConfigError
+from moetplan.contract.runtime import RuntimeSection
 from moetplan import vllm_compat
 from moetplan.runtime import records
 from moetplan.runtime.cuda_paths import error_flag
@@ -30,16 +31,19 @@ from moetplan.runtime.tiers import TieredExperts
 
 log = logging.getLogger("vllm.moetplan")
 
-EXPERT_FORMATS = ("2bit", "unquantized")
-
-
 def tp_rank() -> int:
+    r = _vllm_tp_rank()
+    return 0 if r is None else r
+
+
+def _vllm_tp_rank() -> int | None:
+    """This process's TP rank, or None while vLLM has no TP group (before it is built, after it is torn down)."""
     try:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
     except Exception:
-        return 0
+        return None
 
 
 def tp_any(flag: bool) -> bool:
@@ -67,17 +71,17 @@ def is_warmup() -> bool:
 
 
 class WorkerRuntime:
-    """Everything one worker process serves its MoE layers with, read from one Plan."""
+    """Everything one worker process serves its MoE layers with, read from one Plan's runtime section
+    (`Plan.runtime`; `plan_path`: the file it came from, beside which the run record goes)."""
 
-    def __init__(self, plan: Any, plan_path: str | None = None, *, rank: int | None = None,
+    def __init__(self, section: RuntimeSection, plan_path: str | None = None, *, rank: int | None = None,
                  in_graphs: bool | None = None):
-        fmt = plan.placement.expert_format
-        if fmt not in EXPERT_FORMATS:
-            raise ConfigError(f"{plan_path or 'plan'}: expert_format '{fmt}' is not one the runtime serves; use one "
-                              f"of {', '.join(EXPERT_FORMATS)}")
-        self.plan, self.plan_path = plan, str(plan_path) if plan_path else None
-        self.section = plan.runtime
-        if self.section.weights == "dummy" and (fmt != "2bit" or self.section.reserve_wanted):
+        if not isinstance(section, RuntimeSection):
+            raise TypeError(f"WorkerRuntime takes a plan's runtime section (Plan.runtime), not {type(section)}")
+        fmt = section.expert_format
+        self.plan_path = str(plan_path) if plan_path else None
+        self.section = section
+        if self.section.knobs.weights == "dummy" and (fmt != "2bit" or self.section.reserve_wanted):
             raise ConfigError(f"{plan_path or 'plan'}: dummy weights are random 2-bit rows with no FP4 reserve; "
                               "re-run `moetplan run --dummy-weights` without --experts unquantized (it plans no "
                               "reserve)")
@@ -87,7 +91,7 @@ class WorkerRuntime:
         self.stats = records.RuntimeStats(decode_batch_tokens=self.section.decode_batch_tokens)
         self.paths = PathLog()
         self.packs = PackResolver(self.section.pack_dir, lambda: self.rank,
-                                  dummy_seed=self.section.seed if self.section.weights == "dummy" else None)
+                                  dummy_seed=self.section.knobs.seed if self.section.knobs.weights == "dummy" else None)
         self.fp4 = ReserveState()
         self.tiered: TieredExperts | None = None
         self.router: LocalityRouter | None = None
@@ -110,7 +114,7 @@ class WorkerRuntime:
             plan = load_json(Plan, path)
         except SchemaError as e:
             raise ConfigError(f"{envs.PLAN.name}: {e}") from None
-        return cls(plan, str(path))
+        return cls(plan.runtime, str(path))
 
     @classmethod
     def from_env(cls) -> "WorkerRuntime":
@@ -133,7 +137,14 @@ class WorkerRuntime:
 
     @property
     def rank(self) -> int:
-        return tp_rank() if self._rank is None else self._rank
+        # Kept once vLLM knows it: the run record's last write (atexit) comes after vLLM has torn its TP group
+        # down, and rank 1 would then name itself rank 0.
+        if self._rank is None:
+            r = _vllm_tp_rank()
+            if r is None:
+                return 0
+            self._rank = r
+        return self._rank
 
     # One per process: a copy of a config (or a pickle sent to another process) means that process's worker.
     def __deepcopy__(self, memo: dict) -> "WorkerRuntime":
@@ -176,7 +187,7 @@ class WorkerRuntime:
         residency flag is read at step end rather than after each call (a host sync), and the kernel paths are
         counted on the device (`run_layer`)."""
         # In replay mode a pair without a row is expected (zeros, the step re-runs): the flag is no error there.
-        policy = self.section.kernels
+        policy = self.section.knobs.kernels
         if self.in_graphs or self.section.replays:
             policy = dataclasses.replace(policy, check_residency=False)
         if self.section.records_steps:
@@ -203,10 +214,10 @@ class WorkerRuntime:
 
     def route(self, key: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts a layer computes: the model's choice, or the plan's router's (runtime/routers.py)."""
-        if self.section.router == "model":
+        if self.section.knobs.router == "model":
             return topk_ids
         if self.router is None:
-            self.router = router_for(self.section, int(topk_ids.shape[1]))
+            self.router = router_for(self.section.knobs, int(topk_ids.shape[1]))
         return self.router.route(key, topk_ids)
 
     def layer_loaded(self, st: LayerState, device: Any, load_s: float) -> None:
@@ -301,7 +312,7 @@ class WorkerRuntime:
             return 0
 
         return ReplayDriver(rec, store.fetch_step if store is not None else no_store, main_layers=self.main_layers,
-                            cache_slots=self.section.cache_slots, observe=observe, end_step=end_step,
+                            cache_slots=self.section.gpu_expert_cache_slots, observe=observe, end_step=end_step,
                             agree=tp_any if self.section.tp > 1 else None)
 
     # ------------------------------------------------------------------ the op
@@ -379,14 +390,14 @@ class WorkerRuntime:
 
     def make_record(self) -> Any:
         s = self.section
-        extra: dict[str, Any] = {"tp_rank": self.rank, "worker_pid": os.getpid(), "weights": s.weights,
-                                 "router": s.router}
+        extra: dict[str, Any] = {"tp_rank": self.rank, "worker_pid": os.getpid(), "weights": s.knobs.weights,
+                                 "router": s.knobs.router}
         if self.graph is not None:
             try:
                 extra.update({k: v for k, v in self.graph_summary().items() if not k.startswith("kernel_")})
             except Exception as e:  # a failed device read (at exit, a lost context) must not take the worker down
                 extra["graph_counters_error"] = repr(e)
-        return records.build_run_record(self.plan, self.plan_path, self.stats,
+        return records.build_run_record(s, self.plan_path, self.stats,
                                         store_kpis={**self.store_kpis(), **self.fp4.kpis()}, extra_runtime=extra)
 
     def record_version(self) -> tuple[Any, ...]:
@@ -403,8 +414,8 @@ class WorkerRuntime:
         return (st.moe_calls, st.warmup_calls, st.recompute_calls, st.layers, graph, steps, *self.fp4.version())
 
     def record_path(self) -> str | None:
-        if self.section.record_path:
-            return self.section.record_path
+        if self.section.knobs.record_path:
+            return self.section.knobs.record_path
         return str(records.run_record_path(self.plan_path, self.rank)) if self.plan_path else None
 
     def writer(self) -> records.RecordWriter | None:
@@ -412,7 +423,7 @@ class WorkerRuntime:
             path = self.record_path()
             if path is None:
                 return None
-            self._writer = records.RecordWriter(path, self.make_record, self.section.record_interval_s,
+            self._writer = records.RecordWriter(path, self.make_record, self.section.knobs.record_interval_s,
                                                 version=self.record_version)
             self._writer.start_flusher()
             atexit.register(self._writer.close)
@@ -445,4 +456,4 @@ def around_forward(call: Any, tokens: int, eager: Any = None) -> Any:
     return w.forward_step(call, tokens, eager)
 
 
-__all__ = ["EXPERT_FORMATS", "WorkerRuntime", "around_forward", "is_warmup", "process_worker", "tp_rank"]
+__all__ = ["WorkerRuntime", "around_forward", "is_warmup", "process_worker", "tp_rank"]

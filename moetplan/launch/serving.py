@@ -1,0 +1,106 @@
+"""The model's chat format as vLLM flags: tool-call and reasoning parsers, tokenizer mode, chat template.
+
+The conventions are facts of the model (hwdb/serving.yaml); the names are vLLM's and differ between releases, so
+each is checked against the installed vLLM's own registries (`vllm_compat.serving_names`) when the plan is made and
+again when the launch is built (a plan may be served by another vLLM than the one it was planned with). A user
+overrides any of them (`--tool-call-parser NAME`, `none` switches it off), and flags given to vLLM after `--` win.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from moetplan import vllm_compat
+from moetplan.contract import Serving
+from moetplan.contract.errors import UsageError
+
+KINDS = ("tool_call_parser", "reasoning_parser", "tokenizer_mode", "chat_template")
+# A user's word for "no such flag": the feature off.
+OFF_WORDS = ("none", "off", "no", "")
+
+
+def _model_key(plan: Any) -> str:
+    # `moetplan run --model tiny-moe` keeps the tiny name as the spec's id; a checkpoint folder is `local:...`.
+    mid = plan.model.id
+    return plan.launch.served_model_name if mid.startswith("local:") and plan.launch.served_model_name else mid
+
+
+def _installed_version() -> str | None:
+    found = vllm_compat.installed_vllm()
+    return f"{found[0]} {found[1]}" if found else None
+
+
+def serving_for(plan: Any, overrides: dict[str, str | None] | None = None) -> Serving:
+    """The plan's Serving section: hwdb's conventions for its model (or architecture), the user's overrides on
+    top, every registry name checked (and renamed where needed) against the installed vLLM."""
+    from moetplan import hwdb
+
+    values, source = hwdb.serving_conventions(_model_key(plan), plan.model.vllm_arch)
+    notes: list[str] = []
+    for kind, val in (overrides or {}).items():
+        if kind not in KINDS:
+            raise UsageError(f"unknown serving setting {kind!r}; choose one of {', '.join(KINDS)}")
+        if val is None:
+            continue
+        values[kind] = None if val.strip().lower() in OFF_WORDS else val.strip()
+        source += f"; {kind} set by the user"
+        if kind != "chat_template" and values[kind] is not None:
+            known = vllm_compat.serving_names(kind)
+            if known is not None and values[kind] not in known and not any(
+                    a in known for a in vllm_compat.VLLM_NAME_ALTERNATIVES.get(kind, {}).get(values[kind], ())):
+                flag = vllm_compat.SERVING_FLAGS[kind].lstrip("-")
+                raise UsageError(f"--{flag} {values[kind]}: the installed vLLM has no such name; choose one of "
+                                 f"{', '.join(sorted(known))} (or `none` to switch it off)")
+    checked = resolve_names(values, notes)
+    return Serving(**checked, source=source, checked_with=_installed_version(), notes=notes)
+
+
+def resolve_names(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """Each registry name as the installed vLLM spells it (None where it has none; a note says so)."""
+    out = dict(values)
+    for kind in ("tool_call_parser", "reasoning_parser", "tokenizer_mode"):
+        name = out.get(kind)
+        if name is None:
+            continue
+        out[kind], note = vllm_compat.check_serving_name(kind, name, vllm_compat.serving_names(kind))
+        if note:
+            notes.append(note)
+    return out
+
+
+def _given(extra_args: list[str] | None, flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in extra_args or [])
+
+
+def serving_args(serving: Serving | None, extra_args: list[str] | None = None) -> list[str]:
+    """vLLM flags for a Serving section; a flag the user passes to vLLM directly (after `--`) is left to them.
+
+    A tool-call parser comes with --enable-auto-tool-choice: `tool_choice: "auto"`, what coding agents send, is
+    refused by vLLM (HTTP 400) without both."""
+    if serving is None:
+        return []
+    values = resolve_names(serving.model_dump(include=set(KINDS)), [])
+    args: list[str] = []
+    user_tool = _given(extra_args, "--tool-call-parser")
+    if values["tool_call_parser"] and not user_tool:
+        args += ["--tool-call-parser", values["tool_call_parser"]]
+    if (values["tool_call_parser"] or user_tool) and not _given(extra_args, "--enable-auto-tool-choice"):
+        args += ["--enable-auto-tool-choice"]
+    for kind in ("reasoning_parser", "tokenizer_mode", "chat_template"):
+        flag = vllm_compat.SERVING_FLAGS[kind]
+        if values[kind] and not _given(extra_args, flag):
+            args += [flag, values[kind]]
+    return args
+
+
+def serving_line(serving: Serving | None) -> str:
+    """One line for the plan view: what the launch tells vLLM about the chat format."""
+    if serving is None:
+        return "serving: no tool-call or reasoning parser (plan made before serving conventions)"
+    parts = [f"tools {serving.tool_call_parser or 'off'}", f"reasoning {serving.reasoning_parser or 'off'}"]
+    if serving.tokenizer_mode:
+        parts.append(f"tokenizer mode {serving.tokenizer_mode}")
+    if serving.chat_template:
+        parts.append(f"chat template {serving.chat_template}")
+    checked = f", checked with {serving.checked_with}" if serving.checked_with else ""
+    return f"serving: {', '.join(parts)} ({serving.source}{checked})"
+
