@@ -55,6 +55,36 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+TOKEN_PROMPT = "The expert cache of a mixture-of-experts model on one consumer GPU"
+TOKEN_COUNT = 32
+# Cases whose greedy tokens must agree: replay against split (split computes every layer from resident rows).
+TOKEN_PAIR = ("consumer_replay", "consumer")
+
+
+def greedy_tokens(url: str, model: str) -> list[int] | str:
+    """Greedy token ids of one fixed prompt (the cases' outputs compared token for token)."""
+    import httpx
+
+    try:
+        r = httpx.post(f"{url.rstrip('/')}/completions", timeout=600, json={
+            "model": model, "prompt": TOKEN_PROMPT, "max_tokens": TOKEN_COUNT, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        r.raise_for_status()
+        return list(r.json()["choices"][0]["token_ids"])
+    except Exception as e:  # noqa: BLE001 - the speed numbers still count
+        return f"{type(e).__name__}: {e}"
+
+
+def token_check(runs: dict[str, Any]) -> dict[str, Any] | None:
+    """Whether replay's greedy tokens equal split's (None until both ran)."""
+    toks = [runs.get(c, {}).get("greedy_tokens") for c in TOKEN_PAIR]
+    if not all(isinstance(t, list) for t in toks):
+        return None
+    a, b = toks
+    return {"pair": list(TOKEN_PAIR), "equal": a == b, "tokens": TOKEN_COUNT,
+            "first_difference": next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)}
+
+
 def case_pins(case: dict[str, Any], hw: Any = None) -> dict[str, Any]:
     """The case's pins; `moe_graphs` only where the Plan schema has that knob (split is then the only mode)."""
     from moetplan.contract import PINNABLE_KNOBS
@@ -117,7 +147,7 @@ def predictions(model: str, hw: Any, case: dict[str, Any], context: int, max_seq
         p = solve(spec, hw, Goals(context=context, concurrency=n, pinned=pins)).prediction
         out[n] = {"decode_tok_s": p.decode_tok_s, "aggregate_tok_s": p.aggregate_tok_s, "step_ms": p.step_ms,
                   "bottleneck": p.bottleneck, "token_hit_rate": p.token_hit_rate,
-                  "zero_miss_step_share": p.zero_miss_step_share,
+                  "zero_miss_step_share": p.zero_miss_step_share, "replay_rate": p.replay_rate,
                   "terms": [t.model_dump(mode="json") for t in p.terms]}
     return out
 
@@ -191,6 +221,8 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any,
         res["errors"] = rec.errors
         res["notes"] = rec.notes
         res["ready"] = {k: ready.get(k) for k in ("endpoint", "model", "startup_s")}
+        if name in TOKEN_PAIR:
+            res["greedy_tokens"] = greedy_tokens(run.url, ready.get("model") or plan.launch.served_model_name)
         if case["pins"].get("mtp"):
             sd = spec_decode_counters(run.url)
             res["spec_decode"] = sd
@@ -241,7 +273,10 @@ def case_rows(name: str, case: dict[str, Any], res: dict[str, Any], model: str) 
             **({"predicted_token_hit_rate": pred.get("token_hit_rate"),
                 "predicted_zero_miss_step_share": pred.get("zero_miss_step_share"),
                 "measured_token_hit_rate": (res.get("runtime") or {}).get("token_hit_rate"),
-                "measured_zero_miss_step_share": (res.get("runtime") or {}).get("zero_miss_step_share")}
+                "measured_zero_miss_step_share": (res.get("runtime") or {}).get("zero_miss_step_share"),
+                "predicted_replay_rate": pred.get("replay_rate"),
+                "measured_replay_rate": (res.get("runtime") or {}).get("replay_rate"),
+                "measured_replay": (res.get("runtime") or {}).get("replay")}
                if case["tier"] != "resident" else {}),
             **({"measured_mtp_acceptance": res.get("measured_mtp_acceptance"),
                 "predicted_decode_tok_s_at_measured_acceptance":
@@ -330,6 +365,10 @@ def main() -> int:
             atomic_write_json(args.out, doc)
             print(json.dumps({"case": key, "rows": case_rows(name, case, res, args.model),
                               "error": res.get("error")}, default=str)[:3000], flush=True)
+            check = token_check(doc["runs"])
+            if check is not None:
+                doc["token_check"] = check
+                atomic_write_json(args.out, doc)
             if not res.get("ready_failed"):
                 break  # measured, or failed after it started: an eager retry would not tell more
     return 0

@@ -54,6 +54,8 @@ def test_glm_on_two_pro6000_gives_a_complete_command(glm_plan):
         assert "vllm::unified_mla_attention_with_output" in comp["splitting_ops"]
     else:  # inside them (resident, or tiered with replay): vLLM's own compilation config
         assert "--compilation-config" not in argv
+    if glm_plan.runtime.records_steps:  # the replay driver wraps Model Runner V1's per-step forward call
+        assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert "--enforce-eager" not in argv
     assert env["MOETPLAN_PLAN"] == "/plans/glm.json"
     assert glm_plan.hardware.p2p is False and env["NCCL_P2P_DISABLE"] == "1"

@@ -540,7 +540,8 @@ def test_reserve_slots_are_the_plans_slots():
 def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_path, workers):
     from moetplan.runtime.reference import moe_forward_reference
 
-    w, weights = _load_through_method(_plan(GATE_ONLY, fp4_reserve_slots=4), workers, tmp_path)
+    # moe_graphs=split: the layer heats the reserve per call (replay plans heat it from the step record)
+    w, weights = _load_through_method(_plan(GATE_ONLY, fp4_reserve_slots=4, moe_graphs="split"), workers, tmp_path)
     res = w.fp4.reserve
     assert res is not None and res.pool.num_slots == 4 and res.num_layers == 2 and res.num_experts == 8
     assert w.fp4.source.startswith("quantized at load")  # no pack_dir: rows in host RAM
@@ -577,6 +578,30 @@ def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_pa
     rec = w.store_kpis()
     assert rec["kernel_paths"] == {f"cpu:{cpu_kernels.best_isa(cpu_kernels.get_module())}": 3}
     assert rec["kernel_fallbacks"] == 0
+
+
+def test_a_replay_plans_reserve_heats_from_the_step_record_and_serves_a_fixed_table(tmp_path, workers):
+    """moe_graphs=replay (the default): the layers record the step's routings on the device, the driver around the
+    forward call reads them once and heats the reserve; the op reads one table per layer whose address never
+    changes, updated at the step end."""
+    w, _ = _load_through_method(_plan(GATE_ONLY, fp4_reserve_slots=4), workers, tmp_path)
+    res = w.fp4.reserve
+    assert w.section.records_steps and not w.section.replays
+    table = res.op_args(1)["fp4_slot_of"]
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+    ids, wt = _routing(3, 2, 8)
+    w.main_layers = 2
+    for li in (0, 1):
+        w.layers[li].forward(x, wt, ids)  # vLLM's warm-up: allocates the step record, heats nothing
+    assert res.c.routings == 0
+    w.forward_step(lambda: [w.layers[li].forward(x, wt, ids) for li in (0, 1)], tokens=3)
+    assert res.c.routings == 2 * ids.numel() and res.stats()["steps"] == 1
+    hot = int(ids[0, 0])
+    res.promote_now([(1, hot)])
+    assert int(table[hot]) < 0  # published; the graph's table changes at the step end
+    w.forward_step(lambda: [w.layers[li].forward(x, wt, ids) for li in (0, 1)], tokens=3)
+    assert res.op_args(1)["fp4_slot_of"] is table and int(table[hot]) >= 0
+    assert w.store_kpis()["replay"]["steps"] == 2 and w.store_kpis()["replay"]["replayed_steps"] == 0
 
 
 def test_reserve_is_built_once_a_later_drafter_layer_does_not_replace_it(tmp_path, workers):

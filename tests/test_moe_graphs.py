@@ -578,3 +578,28 @@ def test_a_pack_backed_store_keeps_its_heat_and_restarts_warm(expert_rows, tmp_p
     hot = set(ids.reshape(-1).tolist())
     assert {e for e in hot if again.tiered.store.pool.res[1][e] >= 0} == hot  # layer 1 preloaded, never routed yet
     again.close()
+
+
+def test_the_forward_hook_wraps_model_runner_v1_once_and_reports_the_step_tokens():
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert callable(getattr(GPUModelRunner, vllm_compat.FORWARD_HOOK[2]))  # the method vLLM calls per step
+
+    class Runner:
+        def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                           **kw):
+            return ("out", int(positions.shape[-1]))
+
+    seen = []
+
+    def around(call, tokens, eager):
+        seen.append(tokens)
+        return call()
+
+    assert vllm_compat.install_forward_hook(around, Runner)
+    assert vllm_compat.install_forward_hook(around, Runner)  # idempotent: wrapped once
+    out = Runner()._model_forward(input_ids=torch.zeros(5, dtype=torch.long), positions=torch.arange(5))
+    assert out == ("out", 5) and seen == [5]
+    Runner()._model_forward(input_ids=None, positions=torch.arange(3), inputs_embeds=torch.zeros(3, 8))
+    assert seen == [5, 3]
