@@ -134,8 +134,12 @@ def test_dry_run_shows_the_flags_and_plan_shows_them(tmp_path, monkeypatch):
     assert "serving: tools deepseek_v4, reasoning off, tokenizer mode deepseek_v4" in " ".join(r.output.split())
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["serving"]["tool_call_parser"] == "deepseek_v4" and plan["serving"]["reasoning_parser"] is None
-    assert "--reasoning-parser" not in plan["launch"]["argv"]
-    assert "--enable-auto-tool-choice" in plan["launch"]["argv"]
+    from moetplan.contract import Plan
+    from moetplan.launch.command import build_launch
+
+    argv = build_launch(Plan.model_validate(plan)).argv  # the plan stores no command: run derives it
+    assert "--reasoning-parser" not in argv and "--enable-auto-tool-choice" in argv
+    assert _flag(argv, "--tokenizer-mode") == "deepseek_v4"
 
 
 def test_bad_serving_names_are_usage_errors(tmp_path, monkeypatch):
