@@ -6,6 +6,7 @@ mid-stream and the supervisor serving again with nobody touching it. One server 
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import pytest

@@ -264,7 +264,7 @@ def knob_field(name: str) -> Any:
         return model.model_fields[field]
     if name in SIZE_KNOBS:
         count = Placement.model_fields[SIZE_KNOBS[name][0]]
-        return FieldInfo.from_annotated_attribute(Annotated[(float, *count.metadata)], 0.0)
+        return FieldInfo.from_annotated_attribute(Annotated[(float, *count.metadata)], 0.0)  # type: ignore[arg-type]
     return Placement.model_fields[name]
 
 
@@ -290,7 +290,7 @@ def parse_knob(name: str, value: str) -> Any:
     field = knob_field(name)
     try:
         typed = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
-        return TypeAdapter(typed).validate_python(value)
+        return TypeAdapter(typed).validate_python(value)  # type: ignore[arg-type]
     except ValidationError as e:
         problem = e.errors()[0]["msg"]
         example = field.default if field.default is not None else ""

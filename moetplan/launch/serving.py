@@ -43,12 +43,13 @@ def serving_for(plan: Any, overrides: dict[str, str | None] | None = None) -> Se
             continue
         values[kind] = None if val.strip().lower() in OFF_WORDS else val.strip()
         source += f"; {kind} set by the user"
-        if kind != "chat_template" and values[kind] is not None:
+        wanted = values[kind]
+        if kind != "chat_template" and wanted is not None:
             known = vllm_compat.serving_names(kind)
-            if known is not None and values[kind] not in known and not any(
-                    a in known for a in vllm_compat.VLLM_NAME_ALTERNATIVES.get(kind, {}).get(values[kind], ())):
+            if known is not None and wanted not in known and not any(
+                    a in known for a in vllm_compat.VLLM_NAME_ALTERNATIVES.get(kind, {}).get(wanted, ())):
                 flag = vllm_compat.SERVING_FLAGS[kind].lstrip("-")
-                raise UsageError(f"--{flag} {values[kind]}: the installed vLLM has no such name; choose one of "
+                raise UsageError(f"--{flag} {wanted}: the installed vLLM has no such name; choose one of "
                                  f"{', '.join(sorted(known))} (or `none` to switch it off)")
     checked = resolve_names(values, notes)
     return Serving(**checked, source=source, checked_with=_installed_version(), notes=notes)

@@ -25,7 +25,6 @@ from moetplan.contract import (
     Prediction,
 )
 from moetplan.contract.errors import InfeasibleError, UsageError
-from moetplan.contract.runtime import MOE_GRAPHS
 from moetplan.contract.model import GIB, ModelSpec
 from moetplan.contract.schema import parse_knob
 from moetplan.contract.vocab import EXPERT_TIERS
