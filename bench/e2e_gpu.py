@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels import atomic_write_json  # noqa: E402
+from bench.moe_kernels import atomic_write_json  # noqa: E402
 
 GIB = 1024**3
 CONSUMER_CARD_GIB = 32.0
@@ -108,7 +108,7 @@ def stock_fit(model: str, hw: Any) -> dict[str, Any]:
 
 def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any, root: Path,
              deadline: float) -> dict[str, Any]:
-    from moetplan.bench.phases import run_bench
+    from moetplan.measure.phases import run_bench
     from moetplan.launch.harness import RunFailed, RunProcess
 
     streams = tuple(case.get("streams") or args.streams)
@@ -193,7 +193,7 @@ def main() -> int:
     start = time.monotonic()
     deadline = start + args.deadline_s
     hw = _profile(args.hw)
-    from moetplan.bench.phases import machine_info
+    from moetplan.measure.phases import machine_info
 
     try:
         import vllm

@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import httpx
 
-from moetplan.bench import probes
-from moetplan.bench.client import BenchClient, StreamResult, _describe
-from moetplan.bench.window import record_window, server_side_record
+from moetplan.measure import probes
+from moetplan.measure.client import BenchClient, StreamResult, _describe
+from moetplan.measure.window import record_window, server_side_record
 from moetplan.contract import Plan, RunRecord, SchemaError, load_json, save_json
 from moetplan.contract.errors import UsageError
 
