@@ -176,4 +176,4 @@ def test_gpu_hidden_from_torch_is_named(monkeypatch):
 
 
 def test_uuid_forms_normalise():
-    assert tr._norm_uuid("GPU-ABCD-12") == "abcd-12" == tr._norm_uuid("abcd-12")
+    assert tr.norm_uuid("GPU-ABCD-12") == "abcd-12" == tr.norm_uuid("abcd-12")

@@ -10,7 +10,6 @@ placement.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable, Iterator
 
@@ -20,10 +19,8 @@ from moetplan.contract import (
     Gate,
     Goals,
     HardwareProfile,
-    MemoryLedger,
     Placement,
     Plan,
-    Prediction,
     parse_tokens,
 )
 from moetplan.contract.errors import InfeasibleError, UsageError
@@ -31,19 +28,15 @@ from moetplan.contract.model import GIB, ModelSpec
 from moetplan.contract.sizing import reserve_slots, rows_in
 from moetplan.plan import ledger as L
 from moetplan.plan import support
+from moetplan.plan.candidates import Candidate, goal_context
+from moetplan.plan.diagnose import diagnose
+from moetplan.plan.reasons import alternatives, reasons, warnings
 
 TIERS = ("resident", "host", "nvme")
 # Knobs --set accepts beyond the Placement's pinnable ones: kv_cache_gib clamps the KV pool (vLLM's
 # --kv-cache-memory-bytes), the others are engine settings.
 EXTRA_KNOBS = ("gate_tau", "max_num_batched_tokens", "kv_cache_gib")
 SWEEP_TOP = 4  # discrete choices whose context range is swept in full
-
-
-@dataclass
-class Candidate:
-    placement: Placement
-    ledger: MemoryLedger
-    prediction: Prediction
 
 
 # --------------------------------------------------------------------------- pins
@@ -182,12 +175,6 @@ def _default_pack_dir() -> str:
     from moetplan.contract import default_pack_dir
 
     return str(default_pack_dir())
-
-
-def goal_context(goals: Goals, model: ModelSpec) -> int:
-    if goals.context:
-        return min(goals.context, model.max_position_embeddings)
-    return min(L.guards()["planner"]["default_context"][goals.objective], model.max_position_embeddings)
 
 
 def _batched_tokens_options(vram: float, pins: dict[str, Any]) -> list[int]:
@@ -400,9 +387,7 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
         if c is not None:
             first.append((choice, c))
     if not first:
-        from moetplan.plan.diagnose import diagnose
-
-        raise diagnose(model, hw, goals, pins, problems)
+        raise diagnose(model, hw, goals, pins, problems, feasible, _kv_options(model, hw, {})[0])
     # Phase 2: longer contexts only for the most promising choices (a context sweep never reorders them by much:
     # more KV only takes expert cache away), plus the best choice of each KV dtype, which decides context reach.
     first.sort(key=lambda fc: -fc[1].prediction.decode_tok_s)
@@ -425,8 +410,6 @@ def solve(model: ModelSpec, hw: HardwareProfile, goals: Goals | None = None, cal
     """Search (or, with every knob pinned, evaluate) and return the chosen Plan; InfeasibleError if nothing fits.
 
     The plan's `launch` section is left empty: the launch is built from the plan (`launch.command.build_launch`)."""
-    from moetplan.plan.reasons import alternatives, reasons, warnings
-
     goals = goals or Goals()
     cands = search(model, hw, goals, calib)
     chosen = _choose(cands, goals, model)
@@ -451,19 +434,3 @@ def _choose(cands: list[Candidate], goals: Goals, model: ModelSpec) -> Candidate
     keep = L.guards()["planner"]["balanced_keep_decode"]
     near = [c for c in ok if c.prediction.decode_tok_s >= keep * best]
     return max(near, key=lambda c: (c.placement.context, c.prediction.decode_tok_s))
-
-
-def pareto(cands: list[Candidate]) -> list[Candidate]:
-    """Non-dominated set over (context up, decode tok/s up), best decode per context first."""
-    best: dict[int, Candidate] = {}
-    for c in cands:
-        k = c.placement.context
-        if k not in best or c.prediction.decode_tok_s > best[k].prediction.decode_tok_s:
-            best[k] = c
-    out, top = [], -1.0
-    for ctx in sorted(best, reverse=True):
-        c = best[ctx]
-        if c.prediction.decode_tok_s > top:
-            out.append(c)
-            top = c.prediction.decode_tok_s
-    return sorted(out, key=lambda c: c.placement.context)
