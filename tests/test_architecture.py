@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from functools import cache
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "moetplan"
+
+
+@cache
+def _tree(f: Path) -> ast.Module:
+    return ast.parse(f.read_text())
 
 
 def _unit(module: str) -> str | None:
@@ -24,7 +30,7 @@ def import_graph() -> dict[str, dict[str, list[str]]]:
     for f in PKG.rglob("*.py"):
         rel = f.relative_to(PKG.parent)
         src = _unit(".".join(rel.with_suffix("").parts))
-        for node in ast.walk(ast.parse(f.read_text())):
+        for node in ast.walk(_tree(f)):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -116,6 +122,7 @@ YAML_READERS = {
 HWDB_PATHS = ("hwdb_dir", "calibration_dir")
 
 
+@cache
 def _modules() -> dict[str, Path]:
     """{dotted module name: file} for every module of the package (a package's own name for its __init__)."""
     out = {}
@@ -128,7 +135,7 @@ def _modules() -> dict[str, Path]:
 def _imports(f: Path, mods: dict[str, Path]) -> list[tuple[str, list[str], int]]:
     """(imported module, names taken from it, line) per import in f; `from pkg import mod` resolves to pkg.mod."""
     out = []
-    for node in ast.walk(ast.parse(f.read_text())):
+    for node in ast.walk(_tree(f)):
         if isinstance(node, ast.Import):
             out += [(a.name, [], node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -144,6 +151,7 @@ def _imports(f: Path, mods: dict[str, Path]) -> list[tuple[str, list[str], int]]
     return out
 
 
+@cache
 def file_graph() -> dict[str, dict[str, int]]:
     """{module: {imported module (moetplan's, or a third-party top-level name): line}}, deferred imports counted."""
     mods = _modules()
@@ -205,7 +213,7 @@ def test_hwdb_yaml_is_read_through_hwdb_py_only():
     bad = []
     for f in PKG.rglob("*.py"):
         rel = str(f.relative_to(PKG.parent))
-        tree = ast.parse(f.read_text())
+        tree = _tree(f)
         uses_yaml = any(isinstance(n, ast.Import) and any(a.name == "yaml" for a in n.names) for n in ast.walk(tree))
         if uses_yaml and rel not in YAML_READERS:
             bad.append(f"{rel} parses YAML: read hwdb/ files through moetplan.hwdb (or add it to YAML_READERS "
