@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels import atomic_write_json  # noqa: E402
+from bench.moe_kernels import atomic_write_json  # noqa: E402
 
 GIB = 1024**3
 CONSUMER_CARD_GIB = 32.0
@@ -191,7 +191,7 @@ def spec_decode_counters(url: str) -> dict[str, float]:
 
 def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any, root: Path,
              deadline: float, vllm_args: str) -> dict[str, Any]:
-    from moetplan.bench.phases import run_bench
+    from moetplan.measure.phases import run_bench
     from moetplan.launch.harness import RunFailed, RunProcess
 
     streams = tuple(case.get("streams") or args.streams)
@@ -311,7 +311,7 @@ def main() -> int:
     start = time.monotonic()
     deadline = start + args.deadline_s
     hw = _profile(args.hw)
-    from moetplan.bench.phases import machine_info
+    from moetplan.measure.phases import machine_info
 
     try:
         import vllm

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import atomic_write_json, machine_info, model_shapes, resident_layer  # noqa: E402
+from moe_kernels import atomic_write_json, machine_info, model_shapes, resident_layer  # noqa: E402
 from moetplan.runtime import kernels as kmod  # noqa: E402
 from moetplan.runtime.format import RowLayout  # noqa: E402
 

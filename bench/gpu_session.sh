@@ -17,13 +17,13 @@ for s in $steps; do
     probe)   timeout 240 bash -c "$(declare -f mp); mp probe --pack-dir /tmp/mp-packs --out $OUT/hw_h200_probe.json" \
                > "$OUT/probe.log" 2>&1; echo "probe rc=$?"; tail -40 "$OUT/probe.log" ;;
     errors)  # do errors raised in extension code reach Python here, or crash the process (docs/KERNELS.md)
-             timeout 300 python3 bench/tools/extension_errors/probe.py --out "$OUT/extension_errors_h200.json" \
+             timeout 300 python3 bench/tools/extension_errors/probe_errors.py --out "$OUT/extension_errors_h200.json" \
                > "$OUT/errors.log" 2>&1; echo "errors rc=$?"; cat "$OUT/errors.log" ;;
     tests)   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ > "$OUT/pytest_gpu.log" 2>&1
              echo "pytest rc=$?"; tail -25 "$OUT/pytest_gpu.log" ;;
     tiers)   timeout 200 python3 bench/tiers.py --out "$OUT/tiers_h200.json" > "$OUT/tiers.log" 2>&1
              echo "tiers rc=$?"; tail -20 "$OUT/tiers.log" ;;
-    kernels) timeout 300 python3 bench/kernels.py --quick --out "$OUT/kernels_h200.json" > "$OUT/kernels.log" 2>&1
+    kernels) timeout 300 python3 bench/moe_kernels.py --quick --out "$OUT/kernels_h200.json" > "$OUT/kernels.log" 2>&1
              echo "kernels rc=$?"; tail -30 "$OUT/kernels.log" ;;
     pattern) timeout 240 python3 bench/tools/read_pattern.py --out "$OUT/read_pattern_h200.json" > "$OUT/pattern.log" 2>&1
              echo "pattern rc=$?"; tail -20 "$OUT/pattern.log" ;;

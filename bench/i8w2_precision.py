@@ -2,7 +2,7 @@
 
 The int8 w2 stage reads the w13 stage's float32 intermediate as three int8 planes under a per-pair power-of-two
 scale (xprep8), exact within 2^12 of the pair's largest element (within 2^-20 of it below); the bf16 w2 stage
-reads it as bf16 hi + lo (~2^-16 of each element). Per model shape and token count, on the data bench/kernels.py
+reads it as bf16 hi + lo (~2^-16 of each element). Per model shape and token count, on the data bench/moe_kernels.py
 times (Gaussian-like scale bytes, x ~ N(0, 0.3) in bf16, random routing): the intermediate's quantization error,
 the w2 partial rows of both stages (worst pair), and the layer output of both against the float32 reference.
 
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import atomic_write_json, machine_info, model_shapes, resident_layer  # noqa: E402
+from moe_kernels import atomic_write_json, machine_info, model_shapes, resident_layer  # noqa: E402
 from moetplan.runtime import kernels as kmod  # noqa: E402
 from moetplan.contract.runtime import KernelPolicy  # noqa: E402
 from moetplan.runtime import ops  # noqa: E402
@@ -97,7 +97,7 @@ def case(mod, m: dict[str, Any], T: int, gen: torch.Generator) -> dict[str, Any]
 def diagnose(mod, m: dict[str, Any], T: int, seed: int, scales: str) -> dict[str, Any]:
     """Where the int8 w2 stage's partial rows leave the float64 product of the dequantized W2 and the float32
     intermediate: per bad row, its position in the 16-row tile and its round's scale bytes."""
-    import kernels as kb
+    import moe_kernels as kb
     kb.SCALES = scales
     gen = torch.Generator(device="cuda").manual_seed(seed)
     H, I, k, E = m["H"], m["I"], m["k"], m["E"]

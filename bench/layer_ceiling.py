@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kernels import (MIB, atomic_write_json, capture, decode_case, machine_info, model_shapes,  # noqa: E402
+from bench.moe_kernels import (MIB, atomic_write_json, capture, decode_case, machine_info, model_shapes,  # noqa: E402
                            read_bandwidth, routing, time_events)
 from bench.tools.read_pattern import PATTERNS, load_module  # noqa: E402
 from moetplan.runtime.format import RowLayout  # noqa: E402
@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--models", default="", help="comma-separated subset of model names")
     ap.add_argument("--gib", type=float, default=4.0, help="buffer the layers' regions cycle through")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--no-stages", action="store_true", help="skip timing the real decode stages (bench/kernels.py)")
+    ap.add_argument("--no-stages", action="store_true", help="skip timing the real decode stages (bench/moe_kernels.py)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/layer_ceiling.py needs a CUDA GPU", file=sys.stderr)

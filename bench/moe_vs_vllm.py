@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels import GIB, atomic_write_json, capture, machine_info, random_pool, time_events  # noqa: E402
+from bench.moe_kernels import GIB, atomic_write_json, capture, machine_info, random_pool, time_events  # noqa: E402
 from moetplan.contract.layout import RowLayout  # noqa: E402
 from moetplan.contract.runtime import KernelPolicy  # noqa: E402
 from moetplan.runtime import ops  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import atomic_write_json  # noqa: E402
+from moe_kernels import atomic_write_json  # noqa: E402
 from moetplan.contract.machine import machine_info  # noqa: E402
 from moetplan.runtime.format import quantize_2bit  # noqa: E402
 

@@ -40,7 +40,7 @@ namespace moet {
 // Host-side checks build their message with std::to_string and hand TORCH_CHECK one std::string, never numbers:
 // on the lent H200 (torch 2.11 + CUDA 13, g++ 13) a TORCH_CHECK formatting a number from this nvcc-compiled file
 // segfaulted inside std::ostream::_M_insert<long> instead of raising, while string-only messages raised
-// (docs/KERNELS.md, "Calling it"; bench/tools/extension_errors/probe.py checks a machine for it).
+// (docs/KERNELS.md, "Calling it"; bench/tools/extension_errors/probe_errors.py checks a machine for it).
 // MOET_CHECK(cond, parts...) takes the same parts as TORCH_CHECK: string literals, strings, integers, floats.
 inline void msg_part(std::string& s, const char* v) { s += v; }
 inline void msg_part(std::string& s, const std::string& v) { s += v; }
@@ -996,7 +996,7 @@ bool decode_bulk_available() {
 
 // The TMA ring is the default ring on Hopper (compute capability 9.x), where it measured faster at every decode
 // point. Blackwell (sm_100, sm_120) runs it too, but untimed there: opt-in (ring 1, ops.DECODE_RING = "tma") until
-// bench/kernels.py measures "gemv+tma" against "gemv+cp.async" on such a GPU. Once per process.
+// bench/moe_kernels.py measures "gemv+tma" against "gemv+cp.async" on such a GPU. Once per process.
 bool decode_bulk_default() {
   static int ok = -1;
   if (ok < 0) ok = decode_bulk_available() && compute_capability() / 10 == 9 ? 1 : 0;

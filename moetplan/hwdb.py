@@ -27,6 +27,7 @@ _META_KEYS = ("source", "sources", "status", "status_default", "notes", "hf_conf
 EXPERT_CHECKPOINT_PRECISIONS = frozenset(EXPERT_FORMAT_BITS) | {"mxfp4"}
 
 _cache: dict[tuple, Any] = {}
+_REQUIRED = object()
 # libyaml's loader when the wheel has it: the planner answers in under a second and reads every model file.
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -664,3 +665,10 @@ def serving_conventions(model_id: str | None, vllm_arch: str | None = None) -> t
 
 def serving_model_ids() -> list[str]:
     return sorted(_serving_table()[1]["models"])
+def calibration_table(name: str, missing: Any = _REQUIRED) -> Any:
+    """A YAML file of hwdb/calibration/, parsed: a copy the caller may change. A missing file is a ConfigError,
+    or `missing` when given."""
+    path = calibration_dir() / name
+    if missing is not _REQUIRED and not path.exists():
+        return missing
+    return copy.deepcopy(_read_yaml(path))

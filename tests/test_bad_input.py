@@ -112,7 +112,7 @@ def test_a_write_that_runs_out_of_space_leaves_no_partial_pack(tmp_path, ckpt, m
 
 def test_probe_writes_hw_json_by_default(tmp_path, monkeypatch):
     from moetplan.contract import HardwareProfile, HostInfo
-    from moetplan.hw import probe as probe_mod
+    from moetplan.hw import profile_probe as probe_mod
 
     class Result:
         profile = HardwareProfile(source="probe", host=HostInfo(ram_gib=8.0))

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from moetplan.cli import app
 from moetplan.contract.errors import UsageError
-from moetplan.bench.phases import parse_int_list, run_bench
-from moetplan.bench.fake_server import FakeOpenAIServer, FakeServerConfig
+from moetplan.measure.phases import parse_int_list, run_bench
+from fake_server import FakeOpenAIServer, FakeServerConfig
 from moetplan.contract import RunRecord, load_json, save_json
 from test_bench_helpers import tiny_plan
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from moetplan.report.compare import COMPARED_METRICS, compare, error_pct, placement_mismatches
-from moetplan.bench.fake_server import FakeOpenAIServer, FakeServerConfig
-from moetplan.bench.phases import run_bench
+from fake_server import FakeOpenAIServer, FakeServerConfig
+from moetplan.measure.phases import run_bench
 from moetplan.contract import RunRecord
 from test_bench_helpers import tiny_plan
 

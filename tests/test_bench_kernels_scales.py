@@ -1,4 +1,4 @@
-"""bench/kernels.py's scale-byte models on the CPU (the decode benchmark's expert rows)."""
+"""bench/moe_kernels.py's scale-byte models on the CPU (the decode benchmark's expert rows)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def kernels_bench(load_bench):
-    return load_bench("kernels")
+    return load_bench("moe_kernels")
 
 
 def test_gauss_scale_bytes_have_no_far_outliers(kernels_bench, monkeypatch):

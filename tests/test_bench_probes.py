@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetplan.bench import probes
+from moetplan.measure import probes
 
 
 @pytest.mark.parametrize("n_words", [64, 500, 3000])

@@ -137,7 +137,7 @@ def test_plan_without_hardware_on_a_gpu_less_machine(monkeypatch) -> None:
     and the plan says so."""
     from moetplan import hwdb
     from moetplan.hw import gpus as gpus_mod
-    from moetplan.hw import probe as probe_mod
+    from moetplan.hw import profile_probe as probe_mod
 
     calls = []
     monkeypatch.setattr(gpus_mod, "has_nvidia_gpu", lambda: False)
@@ -154,7 +154,7 @@ def test_driver_without_a_gpu_still_plans_the_default_box(monkeypatch) -> None:
     from moetplan import hwdb
     from moetplan.contract import HardwareProfile, HostInfo
     from moetplan.hw import gpus as gpus_mod
-    from moetplan.hw import probe as probe_mod
+    from moetplan.hw import profile_probe as probe_mod
 
     monkeypatch.setattr(gpus_mod, "has_nvidia_gpu", lambda: True)
     monkeypatch.setattr(probe_mod, "probe", lambda *a, **k: HardwareProfile(source="probe", host=HostInfo(ram_gib=24)))

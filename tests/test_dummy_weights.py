@@ -218,7 +218,7 @@ def test_bad_input_is_a_clear_error(kw, match, tmp_path, monkeypatch):
 
 
 def test_window_kpis_are_the_difference_of_two_snapshots():
-    from moetplan.bench.window import window_kpis
+    from moetplan.measure.window import window_kpis
 
     before = {"decode": {"routings": 100, "steps": 10, "misses": 40, "token_hit_rate": 0.6,
                          "zero_miss_step_share": 0.1}}

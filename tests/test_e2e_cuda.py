@@ -11,7 +11,7 @@ the kernel policy asking for the torch reference (eager: it is the oracle, not a
 
 Checked: it answers (HTTP 200, the tokens asked for); the same greedy request twice gives the same tokens
 (prefix caching off, so both requests run the same shapes); the 2-bit kernels' logits are within the documented
-prefill tolerance of the reference's, per MoE layer (teacher-forced prompt logprobs, moetplan.bench.logprobs);
+prefill tolerance of the reference's, per MoE layer (teacher-forced prompt logprobs, moetplan.measure.logprobs);
 CUDA graphs were captured and the resident tier's launch does not split the graph at the MoE op; the run record's
 kernel paths are CUDA paths with no fallback; each run stops with no process left.
 
@@ -221,7 +221,7 @@ def _record(plan: Path, min_calls: int, timeout: float = 30.0) -> dict[str, Any]
 
 @pytest.mark.parametrize("arch", SELECTED)
 def test_answers_with_cuda_graphs_captured(served, arch):
-    from moetplan.bench.logprobs import completion, token_ids
+    from moetplan.measure.logprobs import completion, token_ids
 
     s = _need(served, arch, "kernels")
     doc = completion(s.runs["kernels"].url, s.ready["kernels"]["model"], PROMPT, MAX_TOKENS)
@@ -246,7 +246,7 @@ def test_resident_tier_does_not_split_the_graph_at_moe(served, arch):
 
 @pytest.mark.parametrize("arch", SELECTED)
 def test_greedy_tokens_are_the_same_run_to_run(served, arch):
-    from moetplan.bench.logprobs import completion, token_ids
+    from moetplan.measure.logprobs import completion, token_ids
 
     s = _need(served, arch, "kernels")
     url, model = s.runs["kernels"].url, s.ready["kernels"]["model"]
@@ -257,7 +257,7 @@ def test_greedy_tokens_are_the_same_run_to_run(served, arch):
 
 @pytest.mark.parametrize("arch", SELECTED)
 def test_2bit_kernels_match_the_torch_reference(served, arch):
-    from moetplan.bench.logprobs import centered_error, completion, prompt_table, token_ids, top1_agreement
+    from moetplan.measure.logprobs import centered_error, completion, prompt_table, token_ids, top1_agreement
 
     s = _need(served, arch, "kernels", "reference")
     k_url, r_url = s.runs["kernels"].url, s.runs["reference"].url

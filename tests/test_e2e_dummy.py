@@ -32,7 +32,7 @@ pytest.importorskip("vllm")
 
 from served import free_port, start_run  # noqa: E402
 
-from moetplan.bench.window import window_kpis  # noqa: E402
+from moetplan.measure.window import window_kpis  # noqa: E402
 from moetplan.contract import Plan, RunRecord, load_json  # noqa: E402
 
 FIXTURE_MODELS = Path(__file__).resolve().parent / "fixtures" / "hwdb_models"

@@ -1,4 +1,4 @@
-"""bench/tools/extension_errors/probe.py on the CPU: a g++-built extension's TORCH_CHECK with a number and torch's
+"""bench/tools/extension_errors/probe_errors.py on the CPU: a g++-built extension's TORCH_CHECK with a number and torch's
 own error reach Python as RuntimeError (the cases that crashed on the lent H200 need a GPU: docs/KERNELS.md,
 "Calling it")."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ROOT / "bench" / "tools" / "extension_errors" / "probe.py"
+PROBE = ROOT / "bench" / "tools" / "extension_errors" / "probe_errors.py"
 
 
 def test_probe_reports_how_errors_surface(tmp_path):

@@ -271,7 +271,7 @@ def test_bit_domain_path_matches_float_path_on_large_tensors(dtype):
     assert torch.equal((codes & 1).bool(), s.abs() > 2.5)
     assert torch.equal((codes >> 1).bool(), torch.signbit(s))
     n, _ = F.quantize_fp4(w)
-    idx = F._unpack_nibbles(n).reshape(s.shape) & 7
+    idx = F.unpack_nibbles(n).reshape(s.shape) & 7
     assert torch.equal(idx.long(), torch.bucketize(s.abs(), torch.tensor(F.E2M1_MIDPOINTS, dtype=s.dtype)))
 
 

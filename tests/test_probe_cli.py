@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from moetplan.cli import app
 from moetplan.hw import storage as st
-from moetplan.hw.probe import probe
+from moetplan.hw.profile_probe import probe
 from moetplan.contract import HardwareProfile, load_json
 
 SMALL = st.StorageBudget(file_bytes=64 * 1024**2, write_s=5, seq_s=0.3, rand_s=0.3, rand_reads_max=20)
@@ -89,7 +89,7 @@ def test_cli_bad_pack_dir_is_a_usage_error(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 def test_transfer_rates_on_a_real_gpu(tmp_path):
-    from moetplan.hw.probe import run_probe
+    from moetplan.hw.profile_probe import run_probe
 
     r = run_probe(str(tmp_path), quick=True, progress=False)
     assert r.profile.gpus

@@ -8,7 +8,7 @@ from collections import namedtuple
 import pytest
 
 from moetplan.hw import gpus as gpus_mod
-from moetplan.hw.probe import run_probe
+from moetplan.hw.profile_probe import run_probe
 
 GIB = 1024**3
 MemInfo = namedtuple("MemInfo", "total free used")

@@ -14,7 +14,7 @@ import types
 import pytest
 
 from moetplan.hw import transfer as tr
-from moetplan.hw.probe import run_probe
+from moetplan.hw.profile_probe import run_probe
 from test_probe_gpus import device, fake_pynvml  # tests/ is on sys.path (pytest prepend mode)
 
 PINNED_BPS, PAGEABLE_BPS, HBM_BPS = 55e9, 12e9, 4.2e12  # HBM: read+write bytes per second
@@ -176,4 +176,4 @@ def test_gpu_hidden_from_torch_is_named(monkeypatch):
 
 
 def test_uuid_forms_normalise():
-    assert tr._norm_uuid("GPU-ABCD-12") == "abcd-12" == tr._norm_uuid("abcd-12")
+    assert tr.norm_uuid("GPU-ABCD-12") == "abcd-12" == tr.norm_uuid("abcd-12")

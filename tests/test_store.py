@@ -309,15 +309,15 @@ def test_cuda_pool_matches_pack_rows(kind):
 
 
 def test_coalesce_merges_adjacent_rows_into_one_copy():
-    from moetplan.runtime.slots import _coalesce
+    from moetplan.runtime.slots import coalesce_runs
 
     src = torch.arange(10 * 64, dtype=torch.int64).to(torch.uint8).view(10, 64)
     views = [src[2], src[3], src[4], src[7], src[1]]
-    runs = _coalesce(views, [5, 6, 7, 8, 9], 64)
+    runs = coalesce_runs(views, [5, 6, 7, 8, 9], 64)
     assert [(r.shape[0], s0) for r, s0 in runs] == [(3, 5), (1, 8), (1, 9)]
     assert torch.equal(runs[0][0], src[2:5])
     # Slots out of order: pairs are sorted by slot, and rows only merge when both sides are consecutive.
-    runs = _coalesce([src[4], src[3]], [1, 0], 64)
+    runs = coalesce_runs([src[4], src[3]], [1, 0], 64)
     assert [(r.shape[0], s0) for r, s0 in runs] == [(2, 0)] and torch.equal(runs[0][0], src[3:5])
 
 

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, per kernel: the bench/kernels.py decode step (all MoE layers back to back in one
+"""Where a decode step's time goes, per kernel: the bench/moe_kernels.py decode step (all MoE layers back to back in one
 CUDA graph) replayed under the CUDA profiler (CUPTI through torch.profiler); per kernel name the count per layer and
 the mean / total duration, and how much of the step the kernels cover (the union of their intervals: with PDL
 consecutive kernels overlap, the rest is launch gaps).
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.kernels import (atomic_write_json, capture, machine_info, model_shapes, resident_layer,  # noqa: E402
+from bench.moe_kernels import (atomic_write_json, capture, machine_info, model_shapes, resident_layer,  # noqa: E402
                            time_events)
 from moetplan.contract.runtime import KernelPolicy  # noqa: E402
 from moetplan.runtime import kernels as kmod, ops  # noqa: E402

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.kernels import model_shapes, resident_layer  # noqa: E402
+from bench.moe_kernels import model_shapes, resident_layer  # noqa: E402
 from moetplan.contract.runtime import KernelPolicy  # noqa: E402
 from moetplan.runtime import ops  # noqa: E402
 from moetplan.runtime.format import RowLayout  # noqa: E402

@@ -25,7 +25,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.kernels import GIB, MIB, atomic_write_json, capture, machine_info, time_events  # noqa: E402
+from bench.moe_kernels import GIB, MIB, atomic_write_json, capture, machine_info, time_events  # noqa: E402
 
 PATTERNS = {0: "tile_linear", 1: "gemv", 2: "quad256", 3: "gemv+scales", 4: "ring_gemv", 5: "ring_tile",
             6: "ring_gemv+pf", 7: "ring_gemv+pfn", 8: "ring_gemv+pf4", 9: "stream"}

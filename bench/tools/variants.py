@@ -1,6 +1,6 @@
 """Side-by-side kernel variants: one experiment file from the bench runs of several source trees.
 
-bench/tools/variants.sh builds one tree per `label:patch` and runs bench/kernels.py in each, interleaved and repeated;
+bench/tools/variants.sh builds one tree per `label:patch` and runs bench/moe_kernels.py in each, interleaved and repeated;
 this script folds those runs into ONE json (the device call returns only a few files, so separate run files get
 lost) with every run's code named, and prints the per-point time ratios of each variant over the first label:
 
@@ -34,7 +34,7 @@ def parse_spec(spec: str) -> tuple[str, str, list[str]]:
 
 
 def points(run: dict) -> dict[tuple[str, int, str], float]:
-    """(model, tokens, variant) -> us per layer of one bench/kernels.py result."""
+    """(model, tokens, variant) -> us per layer of one bench/moe_kernels.py result."""
     return {(e["model"], int(e["tokens"]), v): float(x["per_layer_us"])
             for e in run.get("decode", []) for v, x in e.get("variants", {}).items()}
 

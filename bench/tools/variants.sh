@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Kernel variants side by side in one device call (docs/KERNELS.md, "Reproducing"): one source tree per "label:patch" in
 # $VARIANTS (the first is the baseline; an empty patch = this tree), built in parallel with their own kernel
-# caches, then bench/kernels.py's decode section in each tree in turn, $REPS times, then one experiment file
+# caches, then bench/moe_kernels.py's decode section in each tree in turn, $REPS times, then one experiment file
 # (bench/tools/variants.py: every run with its code, ratios over the baseline) — a single file, because a device call
 # returns only a few. Usage, on the GPU machine at the repo root:
 #   VARIANTS="a: s1:/tmp/ns1.patch" BASE=$(git rev-parse --short HEAD) SITE=<wheels dir> \
@@ -22,7 +22,7 @@ for v in ${VARIANTS:?set VARIANTS=\"label:patch ...\"}; do
 done
 wait
 for rep in $(seq 1 "${REPS:-2}"); do for l in "${labels[@]}"; do
-  (cd "/tmp/v$l" && PYTHONPATH=${SITE:-}:/tmp/v$l MOETPLAN_KERNEL_CACHE=/tmp/kc$l timeout 150 python3 bench/kernels.py \
+  (cd "/tmp/v$l" && PYTHONPATH=${SITE:-}:/tmp/v$l MOETPLAN_KERNEL_CACHE=/tmp/kc$l timeout 150 python3 bench/moe_kernels.py \
      --quick --sections bw,decode --decode-kernels "${DK:-gemv}" --no-baselines ${BENCH_ARGS:-} \
      --out "$OUT/run_${l}_$rep.json" > "$OUT/run_${l}_$rep.log" 2>&1; echo "bench ${l}_$rep rc=$?")
 done; done

@@ -11,7 +11,7 @@ import typer
 from moetplan.cli.bench import bench_command
 from moetplan.cli.calibrate import calibrate_command
 from moetplan.cli.common import fail
-from moetplan.cli.kernels import build_kernels_command
+from moetplan.cli.build_kernels import build_kernels_command
 from moetplan.cli.plan import boxes_cmd, diff_cmd, gpus_cmd, models_cmd, plan_cmd, schema_cmd
 from moetplan.cli.probe import probe_command
 from moetplan.cli.quantize import quantize_command

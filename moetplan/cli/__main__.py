@@ -1,3 +1,4 @@
+"""The `python -m moetplan.cli` entry point."""
 from moetplan.cli import main
 
 main()

@@ -1,4 +1,4 @@
-"""`moetplan bench`: the typer command (the measuring lives in moetplan.bench)."""
+"""`moetplan bench`: the typer command (the measuring lives in moetplan.measure)."""
 from __future__ import annotations
 
 import sys
@@ -33,8 +33,8 @@ def bench_command(
 ) -> None:
     """Measure a served model: decode, prefill, TTFT, batch curve, and quality probes -> run record."""
     # Imported here: the CLI loads every command module at start, and `moetplan plan` must not pay for httpx.
-    from moetplan.bench.phases import parse_int_list, run_bench
-    from moetplan.bench.render import render_run
+    from moetplan.measure.phases import parse_int_list, run_bench
+    from moetplan.measure.render import render_run
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 

@@ -18,7 +18,7 @@ def probe_command(
     as_json: bool = typer.Option(False, "--json", help="Print the HardwareProfile JSON on stdout, no table"),
 ) -> None:
     """Measure what this machine can move: GPUs, host memory and memlock, pack-dir disk reads, copy rates."""
-    from moetplan.hw.probe import run_probe
+    from moetplan.hw.profile_probe import run_probe
     from moetplan.hw.render import render_profile
     from moetplan.contract import save_json
 

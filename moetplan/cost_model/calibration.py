@@ -226,7 +226,21 @@ def user_calibration_path() -> Path:
 _yaml_cache: dict[tuple[str, int], Any] = {}
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _hwdb_mapping(name: str) -> dict[str, Any]:
+    """A file of hwdb/calibration/ (read by moetplan.hwdb, the one reader of hwdb/), checked to be a mapping."""
+    from moetplan import hwdb
+
+    data = hwdb.calibration_table(name, missing=None)
+    if data is None:
+        raise ConfigError(f"{calibration_dir() / name}: missing; reinstall moetplan or run bench/calibrate.py to "
+                          "regenerate it")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{calibration_dir() / name}: expected a mapping at the top level")
+    return data
+
+
+def read_yaml_mapping(path: Path) -> dict[str, Any]:
+    """A YAML mapping outside hwdb/ (the user's calibration file), parsed once per modification."""
     # predict() loads the calibration on every call the solver makes: parse each file once per modification.
     try:
         key = (str(path), path.stat().st_mtime_ns)
@@ -271,12 +285,12 @@ def load_calibration(hw: HardwareProfile | None = None, *, user: bool = True) ->
     family is picked per call by Calibration.family(hw).
     """
     base_path = calibration_dir() / CALIBRATION_FILE
-    data = _read_yaml(base_path) if base_path.exists() else {}
+    data = _hwdb_mapping(CALIBRATION_FILE) if base_path.exists() else {}
     calib = _validate(data, base_path)
     if user:
         up = user_calibration_path()
         if up.exists():
-            top = _read_yaml(up)
+            top = read_yaml_mapping(up)
             top_fields = {k: v for k, v in top.items() if k in ("families", "links", "routing")}
             merged = _merge(calib.model_dump(), top_fields)
             merged["overrides_from"] = str(up)
@@ -309,7 +323,7 @@ class Prior:
 
 def load_priors() -> dict[str, Prior]:
     path = calibration_dir() / PRIORS_FILE
-    data = _read_yaml(path)
+    data = _hwdb_mapping(PRIORS_FILE)
     out: dict[str, Prior] = {}
     for key, entry in (data.get("priors") or {}).items():
         if key not in PARAMS:
@@ -335,7 +349,7 @@ class FitRow:
 def load_cpu_family() -> dict[str, float]:
     """Starting factors for GPU-less hosts (priors.yaml: cpu_family); estimated, refit with `moetplan calibrate`."""
     path = calibration_dir() / PRIORS_FILE
-    data = _read_yaml(path).get("cpu_family") or {}
+    data = _hwdb_mapping(PRIORS_FILE).get("cpu_family") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: 'cpu_family' must map factor names to numbers")
     return data
@@ -343,7 +357,7 @@ def load_cpu_family() -> dict[str, float]:
 
 def measurement_sigma() -> float:
     """Relative scatter assumed for one measurement (weights the rows against the priors)."""
-    data = _read_yaml(calibration_dir() / PRIORS_FILE)
+    data = _hwdb_mapping(PRIORS_FILE)
     return float(data.get("measurement_sigma", 0.1))
 
 

@@ -67,10 +67,9 @@ def _num(row: dict[str, str], key: str, default: float | None = None) -> float |
 
 
 def _annotations() -> dict:
-    import yaml
+    from moetplan import hwdb
 
-    path = calibration_dir() / ANNOTATIONS
-    return (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+    return hwdb.calibration_table(ANNOTATIONS, missing={}) or {}
 
 
 def load_reference(paths: list[str | Path] | None = None) -> list[Measurement]:

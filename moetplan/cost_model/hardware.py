@@ -9,10 +9,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-import yaml
 
 from moetplan import hwdb
-from moetplan.cost_model.calibration import calibration_dir
 from moetplan.contract.errors import UsageError
 from moetplan.contract import GPUInfo, HardwareProfile, Placement
 
@@ -25,12 +23,10 @@ GB = 1e9
 @lru_cache(maxsize=1)
 def _tables() -> dict[str, Any]:
     out: dict[str, Any] = {}
+    from moetplan import hwdb
+
     for name in ("gpu_compute.yaml", "links.yaml"):
-        path = calibration_dir() / name
-        try:
-            out[name] = yaml.safe_load(path.read_text()) or {}
-        except FileNotFoundError:
-            out[name] = {}
+        out[name] = hwdb.calibration_table(name, missing={}) or {}
     return out
 
 

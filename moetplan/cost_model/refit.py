@@ -11,7 +11,7 @@ from moetplan.cost_model.calibration import (
     Prior,
     load_priors,
     Calibration,
-    _read_yaml,
+    read_yaml_mapping,
     family_key,
     load_calibration,
     user_calibration_path,
@@ -96,7 +96,7 @@ def write_user_calibration(new: Calibration, hw: HardwareProfile, path: Path, ru
                            routing_fitted: bool = False, gate_measured: bool = False) -> None:
     """Only this machine's GPU family and the links are written: other families keep the checked-in factors."""
     fam = family_key(hw)
-    existing = _read_yaml(path) if path.exists() else {}
+    existing = read_yaml_mapping(path) if path.exists() else {}
     families = dict(existing.get("families") or {})
     families[fam] = new.families[fam].model_dump()
     data = {

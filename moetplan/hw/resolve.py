@@ -57,7 +57,7 @@ def resolve_hardware(hw_path: str | None = None, box: str | None = None, gpus: s
             notes.append(f"this machine has no NVIDIA GPU to plan for; planning for the default box '{default}' "
                          "(use --box, --gpus or --hw for another)")
             return hwdb.box_profile(default), notes
-        from moetplan.hw.probe import probe
+        from moetplan.hw.profile_probe import probe
 
         hw = probe(pack_dir=pack_dir, quick=True, progress=probe_progress)
         if not hw.gpus:

@@ -56,7 +56,7 @@ def cuda_torch() -> tuple[Any | None, str | None]:
     return torch, None
 
 
-def _norm_uuid(u: Any) -> str:
+def norm_uuid(u: Any) -> str:
     s = str(u).lower()
     return s[4:] if s.startswith("gpu-") else s
 
@@ -67,7 +67,7 @@ def torch_index_by_uuid(torch: Any) -> dict[str, int]:
     for i in range(torch.cuda.device_count()):
         u = getattr(torch.cuda.get_device_properties(i), "uuid", None)
         if u is not None:
-            out[_norm_uuid(u)] = i
+            out[norm_uuid(u)] = i
     return out
 
 

@@ -179,9 +179,9 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from moetplan.models.tiny import _SPECIAL_TOKENS, CHAT_TEMPLATE, _corpus, _VOCAB, byte_level_bpe
+    from moetplan.models.tiny import SPECIAL_TOKENS, CHAT_TEMPLATE, tokenizer_corpus, VOCAB, byte_level_bpe
 
-    tok = byte_level_bpe(_corpus(), min(_VOCAB, vocab_size), _SPECIAL_TOKENS, unk_token="<|unk|>")
+    tok = byte_level_bpe(tokenizer_corpus(), min(VOCAB, vocab_size), SPECIAL_TOKENS, unk_token="<|unk|>")
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]
     used = set(vocab.values()) | {t["id"] for t in data.get("added_tokens", [])}

@@ -32,7 +32,7 @@ from moetplan.contract.errors import UnknownNameError
 # Bump when the generator changes what it writes, so cached copies are regenerated.
 GENERATOR_VERSION = 6
 
-_SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"]  # ids 0..3, referenced by the configs below
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"]  # ids 0..3, referenced by the configs below
 # A ChatML-style template that also speaks tools, so what coding agents send works against the tiny models: the
 # tools are listed in a system turn, an assistant's tool calls are written the Hermes way
 # (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, the format vLLM's `hermes` tool-call parser reads;
@@ -65,11 +65,11 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|assistant|>\n' }}{%- endif %}"
 )
-_VOCAB = 512
+VOCAB = 512
 
 
 def qwen3_moe_config(*, hidden: int, moe_inter: int, experts: int, top_k: int, layers: int, heads: int,
-                     kv_heads: int, head_dim: int, vocab: int = _VOCAB, **extra: Any) -> dict[str, Any]:
+                     kv_heads: int, head_dim: int, vocab: int = VOCAB, **extra: Any) -> dict[str, Any]:
     """A Qwen3-MoE config.json (GQA attention, softmax router, no shared expert); dims multiples of 32."""
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -134,7 +134,7 @@ TINY_MODELS: dict[str, TinyModel] = {
         config={
             "architectures": ["DeepseekV3ForCausalLM"],
             "model_type": "deepseek_v3",
-            "vocab_size": _VOCAB,
+            "vocab_size": VOCAB,
             "hidden_size": 128,
             "intermediate_size": 256,
             "moe_intermediate_size": 64,
@@ -214,7 +214,7 @@ def checkpoint_dir(name: str, cache_root: str | os.PathLike[str] | None = None) 
     return root / f"{tm.name}-{_fingerprint(tm)}"
 
 
-def _corpus() -> list[str]:
+def tokenizer_corpus() -> list[str]:
     # Deterministic synthetic text: enough variety for BPE merges over common English fragments.
     words = (
         "the a of to and in is that it for on with as was be by this are at from or an have not they which "
@@ -234,7 +234,7 @@ def build_tokenizer(out_dir: Path) -> None:
     """A byte-level BPE tokenizer trained here (no hub), saved as tokenizer.json + tokenizer_config.json."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = byte_level_bpe(_corpus(), _VOCAB, _SPECIAL_TOKENS, unk_token="<|unk|>")
+    tok = byte_level_bpe(tokenizer_corpus(), VOCAB, SPECIAL_TOKENS, unk_token="<|unk|>")
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|bos|>",

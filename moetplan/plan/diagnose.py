@@ -3,23 +3,25 @@ written as the flags that reproduce it."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from moetplan.contract import Goals, HardwareProfile, Placement
 from moetplan.contract.errors import InfeasibleError
 from moetplan.contract.model import GIB, ModelSpec
 from moetplan.plan import ledger as L
-from moetplan.plan.solver import _kv_options, feasible
+
+# The solver's own check (solver.feasible), handed down so that what is printed as fitting is what it finds.
+Feasible = Callable[[ModelSpec, HardwareProfile, Goals], bool]
 
 MIN_CONTEXT = 4096
 
 
-def _shortfalls(model: ModelSpec, hw: HardwareProfile) -> list[str]:
+def _shortfalls(model: ModelSpec, hw: HardwareProfile, kv_dtype: str) -> list[str]:
     gpu, n = hw.gpus[0], hw.num_gpus
     out: list[str] = []
     # VRAM: what the smallest configuration needs per GPU, at the widest TP available.
     tp = max(t for t in (1, 2, 4, 8) if t <= n and model.splits_over(t))
-    probe = Placement(tp=tp, pp=1, context=MIN_CONTEXT, kv_dtype=_kv_options(model, hw, {})[0], max_num_seqs=1,
+    probe = Placement(tp=tp, pp=1, context=MIN_CONTEXT, kv_dtype=kv_dtype, max_num_seqs=1,
                       max_num_batched_tokens=256)
     dense = L.dense_gib(model, probe)
     fixed = sum(i.gib for i in L.fixed_gpu_items(model, probe)) + L.kv_floor_gib(model, probe)
@@ -62,7 +64,7 @@ def _flags(model: ModelSpec, goals: Goals, gpu_id: str, k: int, ram: float, free
     return " ".join(parts)
 
 
-def suggestions(model: ModelSpec, hw: HardwareProfile, goals: Goals) -> list[str]:
+def suggestions(model: ModelSpec, hw: HardwareProfile, goals: Goals, feasible: Feasible) -> list[str]:
     """Cheapest change first: more GPUs of this kind; then a pinned-RAM base, or an NVMe pack dir, on this many
     GPUs or the fewest more that make it fit. Each is solved on exactly the hardware its flags describe."""
     from moetplan import hwdb
@@ -103,9 +105,10 @@ def suggestions(model: ModelSpec, hw: HardwareProfile, goals: Goals) -> list[str
 
 
 def diagnose(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, Any],
-             problems: dict[str, list[str]]) -> InfeasibleError:
+             problems: dict[str, list[str]], feasible: Feasible, kv_dtype: str) -> InfeasibleError:
+    """The InfeasibleError of a search that found nothing; `kv_dtype`: the KV cache dtype the solver would plan."""
     gpu, n = hw.gpus[0], hw.num_gpus
-    shortfalls = _shortfalls(model, hw)
+    shortfalls = _shortfalls(model, hw, kv_dtype)
     if not shortfalls or pins:
         # With knobs pinned the generic picture is not the point: say what the pinned placement ran into.
         seen: list[str] = []
@@ -115,7 +118,7 @@ def diagnose(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str
                 if text not in seen and len(seen) < 4:
                     seen.append(text)
         shortfalls = seen + shortfalls
-    sugg = suggestions(model, hw, goals)
+    sugg = suggestions(model, hw, goals, feasible)
     if "context" in pins and pins["context"] > MIN_CONTEXT:
         shorter = goals.model_copy(update={"pinned": {**goals.pinned, "context": MIN_CONTEXT}})
         if feasible(model, hw, shorter):

@@ -17,24 +17,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Any
 
 from moetplan.contract import GPURankMemory, HardwareProfile, LedgerItem, MemoryLedger, Placement
 from moetplan.contract.model import DENSE_BYTES_PER_PARAM, GIB, ModelSpec
 from moetplan.contract.sizing import gate_floor_slots, step_working_set
+from moetplan.plan.ledger_host import guards, host_and_disk, host_reserve_gib, host_usable_gib
 
 
 # The solver rounds sizes down to this step; comparisons allow it, so a rounded pool is never refused for being
 # a rounding step below its own need.
 ROUND_GIB = 1e-3
-
-
-@lru_cache(maxsize=1)
-def guards() -> dict[str, Any]:
-    from moetplan.hwdb import guards as _g
-
-    return _g()
 
 
 def spec_tokens(model: ModelSpec, p: Placement) -> int:
@@ -219,28 +211,12 @@ def resident_guard(model: ModelSpec, p: Placement, vram: float) -> tuple[float, 
     return experts_resident_gib(model, p), free - margin
 
 
-def host_reserve_gib(hw: HardwareProfile) -> float:
-    g = guards()["host"]
-    return g["os_reserve_gib"] + g["per_gpu_reserve_gib"] * max(hw.num_gpus, 1)
-
-
-def host_usable_gib(hw: HardwareProfile) -> float:
-    return hw.host.ram_gib * guards()["host"]["usable_fraction"]
-
-
 def arena_budget_gib(hw: HardwareProfile, ranks: int) -> float:
     """Pinned arena per rank the host can give: usable RAM after the OS and workers, leaving the page cache its
     share (it serves the pack reads the arena misses)."""
     g = guards()["host"]
     total = host_usable_gib(hw) - host_reserve_gib(hw) - g["page_cache_share"] * hw.host.ram_gib
     return max(total, 0.0) / max(ranks, 1)
-
-
-def pack_disk_gib(model: ModelSpec, p: Placement) -> tuple[float, float]:
-    """(2-bit packs, FP4 packs) on disk, all ranks. FP4 packs only when a reserve is planned."""
-    base = model.routed_gib("2bit", 1)
-    fp4 = model.routed_gib("fp4", 1) if p.fp4_reserve_gib > 0 else 0.0
-    return base, fp4
 
 
 @dataclass
@@ -263,7 +239,6 @@ def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement, pinned: fr
     `pinned`: knobs the user fixed (--set). vLLM-Moet's resident guard is its own margin, not a byte count (its
     production recipe forces a pool past it): with the tier pinned, going past it is a warning that names the
     guard; what is physically short (VRAM, the KV pool's floor, the room above the budget) is refused always."""
-    from moetplan.plan import ledger_host
 
     problems: list[str] = []
     short: list[str] = []
@@ -370,7 +345,7 @@ def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement, pinned: fr
         guards_out.append(f"fp4 gate floor: {p.fp4_reserve_slots} slots >= 1.7 x working set = {gfloor}: "
                           f"{'ok' if gok else 'degraded (promotions capped)'}")
 
-    host = ledger_host.host_and_disk(model, hw, p)
+    host = host_and_disk(model, hw, p)
     for item, text in host.problems:
         fail(item, text)
     ledger = MemoryLedger(gpus=gpus, host_gib=host.host_gib, host_total_gib=hw.host.ram_gib,

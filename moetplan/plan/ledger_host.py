@@ -2,10 +2,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
 
 from moetplan.contract import HardwareProfile, LedgerItem, Placement
 from moetplan.contract.model import GIB, ModelSpec
-from moetplan.plan.ledger import host_reserve_gib, host_usable_gib, pack_disk_gib
+
+
+@lru_cache(maxsize=1)
+def guards() -> dict[str, Any]:
+    """hwdb/guards.yaml, read once per process (the solver asks on every sizing)."""
+    from moetplan.hwdb import guards as _g
+
+    return _g()
+
+
+def host_reserve_gib(hw: HardwareProfile) -> float:
+    g = guards()["host"]
+    return g["os_reserve_gib"] + g["per_gpu_reserve_gib"] * max(hw.num_gpus, 1)
+
+
+def host_usable_gib(hw: HardwareProfile) -> float:
+    return hw.host.ram_gib * guards()["host"]["usable_fraction"]
+
+
+def pack_disk_gib(model: ModelSpec, p: Placement) -> tuple[float, float]:
+    """(2-bit packs, FP4 packs) on disk, all ranks. FP4 packs only when a reserve is planned."""
+    base = model.routed_gib("2bit", 1)
+    fp4 = model.routed_gib("fp4", 1) if p.fp4_reserve_gib > 0 else 0.0
+    return base, fp4
 
 
 @dataclass

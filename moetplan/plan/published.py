@@ -46,15 +46,12 @@ class Outcome:
 
 
 def load() -> list[Published]:
-    import yaml
-
     from moetplan import hwdb
 
     path = hwdb.calibration_dir() / FILE
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: missing; restore it from the repository") from None
+    data = hwdb.calibration_table(FILE, missing=None)
+    if data is None:
+        raise ConfigError(f"{path}: missing; restore it from the repository")
     builds = data.get("builds") or {}
     out: list[Published] = []
     for c in data.get("configs") or []:

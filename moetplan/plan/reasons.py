@@ -8,7 +8,7 @@ from moetplan.contract import Alternative, Goals, HardwareProfile, Placement, Re
 from moetplan.contract.model import GIB, ModelSpec
 from moetplan.plan import ledger as L
 from moetplan.plan import support
-from moetplan.plan.solver import Candidate, context_tradeoff, goal_context, pareto
+from moetplan.plan.candidates import Candidate, context_tradeoff, goal_context, pareto
 
 
 def _summary(p: Placement) -> dict[str, Any]:

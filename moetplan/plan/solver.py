@@ -10,7 +10,6 @@ placement.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable, Iterator
 
@@ -19,10 +18,8 @@ from moetplan.contract import (
     Gate,
     Goals,
     HardwareProfile,
-    MemoryLedger,
     Placement,
     Plan,
-    Prediction,
 )
 from moetplan.contract.errors import InfeasibleError, UsageError
 from moetplan.contract.model import GIB, ModelSpec
@@ -31,6 +28,9 @@ from moetplan.contract.vocab import EXPERT_TIERS
 from moetplan.contract.sizing import reserve_slots, rows_in
 from moetplan.plan import ledger as L
 from moetplan.plan import support
+from moetplan.plan.candidates import Candidate, goal_context
+from moetplan.plan.diagnose import diagnose
+from moetplan.plan.reasons import alternatives, reasons, warnings
 
 _BYTE_SUFFIXES = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
                   "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
@@ -54,13 +54,6 @@ def kv_clamp_gib(pins: dict[str, Any]) -> float | None:
 
 
 SWEEP_TOP = 4  # discrete choices whose context range is swept in full
-
-
-@dataclass
-class Candidate:
-    placement: Placement
-    ledger: MemoryLedger
-    prediction: Prediction
 
 
 # --------------------------------------------------------------------------- pins
@@ -181,12 +174,6 @@ def _default_pack_dir() -> str:
     from moetplan.contract import default_pack_dir
 
     return str(default_pack_dir())
-
-
-def goal_context(goals: Goals, model: ModelSpec) -> int:
-    if goals.context:
-        return min(goals.context, model.max_position_embeddings)
-    return min(L.guards()["planner"]["default_context"][goals.objective], model.max_position_embeddings)
 
 
 def _batched_tokens_options(vram: float, pins: dict[str, Any]) -> list[int]:
@@ -399,9 +386,7 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
         if c is not None:
             first.append((choice, c))
     if not first:
-        from moetplan.plan.diagnose import diagnose
-
-        raise diagnose(model, hw, goals, pins, problems)
+        raise diagnose(model, hw, goals, pins, problems, feasible, _kv_options(model, hw, {})[0])
     # Phase 2: longer contexts only for the most promising choices (a context sweep never reorders them by much:
     # more KV only takes expert cache away), plus the best choice of each KV dtype, which decides context reach.
     first.sort(key=lambda fc: -fc[1].prediction.decode_tok_s)
@@ -424,8 +409,6 @@ def solve(model: ModelSpec, hw: HardwareProfile, goals: Goals | None = None, cal
     """Search (or, with every knob pinned, evaluate) and return the chosen Plan; InfeasibleError if nothing fits.
 
     The plan's `launch` section is left empty: the launch is built from the plan (`launch.command.build_launch`)."""
-    from moetplan.plan.reasons import alternatives, reasons, warnings
-
     goals = goals or Goals()
     cands = search(model, hw, goals, calib)
     chosen = _choose(cands, goals, model)
@@ -451,32 +434,3 @@ def _choose(cands: list[Candidate], goals: Goals, model: ModelSpec) -> Candidate
     keep = L.guards()["planner"]["balanced_keep_decode"]
     near = [c for c in ok if c.prediction.decode_tok_s >= keep * best]
     return max(near, key=lambda c: (c.placement.context, c.prediction.decode_tok_s))
-
-
-def context_tradeoff(chosen: Candidate, cands: list[Candidate]) -> str:
-    """What the windows beyond the chosen one would cost in decode speed (the same discrete choice, the Pareto front
-    above the chosen context), e.g. "524288 tokens: 39.8 tok/s (-6%)"; "" when no longer window fits."""
-    p = chosen.placement
-    same = [c for c in cands if (c.placement.tp, c.placement.pp, c.placement.expert_tier, c.placement.kv_dtype,
-                                 c.placement.mtp) == (p.tp, p.pp, p.expert_tier, p.kv_dtype, p.mtp)
-            and c.placement.context > p.context]
-    base = chosen.prediction.decode_tok_s
-    parts = [f"{c.placement.context} tokens: {c.prediction.decode_tok_s:.1f} tok/s "
-             f"({c.prediction.decode_tok_s / base - 1:+.0%})" for c in pareto(same)] if base > 0 else []
-    return ("longer windows cost decode: " + ", ".join(parts)) if parts else ""
-
-
-def pareto(cands: list[Candidate]) -> list[Candidate]:
-    """Non-dominated set over (context up, decode tok/s up), best decode per context first."""
-    best: dict[int, Candidate] = {}
-    for c in cands:
-        k = c.placement.context
-        if k not in best or c.prediction.decode_tok_s > best[k].prediction.decode_tok_s:
-            best[k] = c
-    out, top = [], -1.0
-    for ctx in sorted(best, reverse=True):
-        c = best[ctx]
-        if c.prediction.decode_tok_s > top:
-            out.append(c)
-            top = c.prediction.decode_tok_s
-    return sorted(out, key=lambda c: c.placement.context)

@@ -47,7 +47,7 @@ _MANT_THR = {torch.float32: _mantissa_threshold(24), torch.float64: _mantissa_th
 _POW2_CACHE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _pow2_table(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def pow2_table(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """2^k for k in [-127, 127], exact in float32 (2^-127 is a float32 subnormal) and float64."""
     key = (dtype, torch.device(device))
     t = _POW2_CACHE.get(key)
@@ -66,7 +66,7 @@ def _work_dtype(w: torch.Tensor) -> torch.dtype:
     raise UsageError(f"Cannot quantize a {w.dtype} tensor directly; dequantize it first (moetplan.runtime.sources)")
 
 
-def _check_shape(w: torch.Tensor | np.ndarray) -> tuple[int, int]:
+def check_shape(w: torch.Tensor | np.ndarray) -> tuple[int, int]:
     if w.ndim != 2:
         raise UsageError(f"Expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
     n, k = w.shape
@@ -81,7 +81,7 @@ def block_scaled(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Exact: frexp gives amax = m * 2^p, and e = p-3 when m >= 3/(4 sqrt 2) else p-4; scaling by a power of two
     only shifts exponents (underflow loses values far below every decision boundary, keeping their sign).
     """
-    n, k = _check_shape(w)
+    n, k = check_shape(w)
     wb = w.to(_work_dtype(w)).reshape(n, k // BLOCK, BLOCK)
     amax = wb.abs().amax(dim=-1)
     if not bool(torch.isfinite(amax).all()):
@@ -90,7 +90,7 @@ def block_scaled(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mant, p = torch.frexp(amax)
     e = p - 4 + (mant >= _MANT_THR[wb.dtype]).to(torch.int32)
     e = torch.where(amax == 0, torch.full_like(e, E_MIN), e).clamp_(E_MIN, E_MAX)
-    return wb * _pow2_table(wb.dtype, wb.device)[(E_MAX - e).long()].unsqueeze(-1), e
+    return wb * pow2_table(wb.dtype, wb.device)[(E_MAX - e).long()].unsqueeze(-1), e
 
 
 def resolve_zero_mode(w: torch.Tensor, zero_mode: ZeroMode = "auto") -> str:
@@ -164,7 +164,7 @@ class _Domain:
         return math.isqrt(9 * 2 ** (2 * p - 5)) + 1 - (1 << self.mant_bits)
 
 
-_DOMAINS = {
+DOMAINS = {
     torch.bfloat16: _Domain(torch.bfloat16, torch.int16, 7, 127, 8),
     torch.float32: _Domain(torch.float32, torch.int32, 23, 127, 8),
     torch.float64: _Domain(torch.float64, torch.int64, 52, 1023, 11),
@@ -188,13 +188,13 @@ def _thresholds(dom: _Domain, device: torch.device) -> tuple[torch.Tensor, torch
 def _source_bits(w: torch.Tensor) -> tuple[torch.Tensor, _Domain]:
     if w.dtype == torch.float16:
         w = w.to(torch.float32)
-    dom = _DOMAINS.get(w.dtype)
+    dom = DOMAINS.get(w.dtype)
     if dom is None:
         raise UsageError(f"Cannot quantize a {w.dtype} tensor directly; dequantize it first (moetplan.runtime.sources)")
     return w.contiguous().view(dom.int_dtype), dom
 
 
-def _exponents(amax_bits: torch.Tensor, dom: _Domain) -> torch.Tensor:
+def block_exponents(amax_bits: torch.Tensor, dom: _Domain) -> torch.Tensor:
     """Block exponent e (int32, clamped) from the bit pattern of the block max |w| (non-negative, finite)."""
     ef = (amax_bits >> dom.mant_bits).to(torch.int32)
     e = ef - (dom.bias + 3) + ((amax_bits & ((1 << dom.mant_bits) - 1)) >= dom.mant_threshold).to(torch.int32)
@@ -213,14 +213,14 @@ def _ieee_rule(dom: _Domain, device: torch.device) -> BlockRule:
         if int(amax.max()) >= dom.inf_bits:
             r, blk = (amax >= dom.inf_bits).nonzero()[0].tolist()
             raise ConfigError(f"Weight has NaN/Inf (row {r0 + r}, block {blk}); the checkpoint is corrupt")
-        e = _exponents(amax, dom)
+        e = block_exponents(amax, dom)
         idx = (e + 127).long()
         return e, four_t[idx], mids_t[idx]
 
     return rule
 
 
-def _quantize_core(bits: torch.Tensor, top: int, rule: BlockRule, fmt: str, zero_mode: ZeroMode,
+def quantize_core(bits: torch.Tensor, top: int, rule: BlockRule, fmt: str, zero_mode: ZeroMode,
                    q_out: torch.Tensor, s_out: torch.Tensor, sub: int = 1) -> str:
     """The element pass shared by all sources: `bits` are signed ints whose bit `top` is the sign and whose lower
     bits order magnitudes. Returns the zero mode used. `sub` > 1 splits each block of 32 into that many groups
@@ -231,7 +231,7 @@ def _quantize_core(bits: torch.Tensor, top: int, rule: BlockRule, fmt: str, zero
     non-negative, so the difference cannot overflow, and integer arithmetic vectorises where bool compares do not.
     """
     _check_zero_mode(zero_mode)
-    n, k = _check_shape(bits)
+    n, k = check_shape(bits)
     rows = max(1, _CHUNK_ELEMS // k)
     col_odd = -(torch.arange(k, device=bits.device, dtype=bits.dtype) & 1)  # -1 at odd columns
     neg_zero = -(1 << top)  # the bit pattern of -0 as a signed int
@@ -263,16 +263,16 @@ def _quantize_core(bits: torch.Tensor, top: int, rule: BlockRule, fmt: str, zero
                 nib = nib - ((mids[..., j:j + 1] - ab) >> top).view(m, k)
             q_out[r0:r0 + m] = _pack_nibbles(nib.to(torch.uint8))
     if zero_mode == "auto" and fmt == "2bit" and _mode_from_counts(zeros, neg_zeros) == "balanced":
-        return _quantize_core(bits, top, rule, fmt, "balanced", q_out, s_out, sub)  # rare: zeros alternate
+        return quantize_core(bits, top, rule, fmt, "balanced", q_out, s_out, sub)  # rare: zeros alternate
     return mode
 
 
 def _quantize_into(w: torch.Tensor, fmt: str, zero_mode: ZeroMode, q_out: torch.Tensor,
                    s_out: torch.Tensor) -> str:
     """Quantize float w [N, K] into q_out ([N, K/4] 2-bit or [N, K/2] e2m1) and s_out [N, K/32]."""
-    _check_shape(w)
+    check_shape(w)
     bits, dom = _source_bits(w)
-    return _quantize_core(bits, dom.mant_bits + dom.exp_bits, _ieee_rule(dom, bits.device), fmt, zero_mode,
+    return quantize_core(bits, dom.mant_bits + dom.exp_bits, _ieee_rule(dom, bits.device), fmt, zero_mode,
                           q_out, s_out)
 
 
@@ -286,7 +286,7 @@ def quantize_2bit(w: torch.Tensor, zero_mode: ZeroMode = "auto", return_zero_mod
     """
     if not isinstance(w, torch.Tensor):
         w = torch.from_numpy(np.asarray(w))
-    n, k = _check_shape(w)
+    n, k = check_shape(w)
     codes = torch.empty(n, k // 4, dtype=torch.uint8, device=w.device)
     scales = torch.empty(n, k // BLOCK, dtype=torch.uint8, device=w.device)
     mode = _quantize_into(w, "2bit", zero_mode, codes, scales)
@@ -303,8 +303,8 @@ def _scale_values(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if bool((scales == 255).any()):
         raise ConfigError("UE8M0 scale byte 255 (NaN) found; the source is corrupt")
     if dtype in (torch.float32, torch.float64):
-        return _pow2_table(dtype, scales.device)[scales.long()]
-    return _pow2_table(torch.float32, scales.device)[scales.long()].to(dtype)
+        return pow2_table(dtype, scales.device)[scales.long()]
+    return pow2_table(torch.float32, scales.device)[scales.long()].to(dtype)
 
 
 def dequantize_2bit(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -327,14 +327,14 @@ def quantize_fp4(w: torch.Tensor, return_zero_mode: bool = False):
     """
     if not isinstance(w, torch.Tensor):
         w = torch.from_numpy(np.asarray(w))
-    n, k = _check_shape(w)
+    n, k = check_shape(w)
     nib = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
     scales = torch.empty(n, k // BLOCK, dtype=torch.uint8, device=w.device)
     _quantize_into(w, "fp4", "signed", nib, scales)
     return (nib, scales, "signed") if return_zero_mode else (nib, scales)
 
 
-def _unpack_nibbles(x: torch.Tensor) -> torch.Tensor:
+def unpack_nibbles(x: torch.Tensor) -> torch.Tensor:
     lo, hi = x & 0xF, x >> 4
     return torch.stack([lo, hi], dim=-1).reshape(*x.shape[:-1], x.shape[-1] * 2)
 
@@ -346,7 +346,7 @@ def e2m1_values(dtype: torch.dtype = torch.float32, device: torch.device | str =
 
 def dequantize_fp4(nibbles: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-    vals = e2m1_values(work, nibbles.device)[_unpack_nibbles(nibbles).long()]
+    vals = e2m1_values(work, nibbles.device)[unpack_nibbles(nibbles).long()]
     s = _scale_values(scales, work).repeat_interleave(BLOCK, dim=-1)
     return (vals * s).to(dtype)
 
@@ -381,7 +381,7 @@ def _ref_snap_index(s: Fraction) -> int:
 def _ref_blocks(w: np.ndarray) -> tuple[np.ndarray, list[list[int]], list[list[list[int]]]]:
     """-> (float64 weights, exponents [N][K/32], e2m1 indices [N][K])."""
     w = np.asarray(w, dtype=np.float64)
-    n, k = _check_shape(w)
+    n, k = check_shape(w)
     if not np.isfinite(w).all():
         raise ConfigError("Weight has NaN/Inf; the checkpoint is corrupt")
     exps, idx = [], []
@@ -398,7 +398,7 @@ def _ref_blocks(w: np.ndarray) -> tuple[np.ndarray, list[list[int]], list[list[l
     return w, exps, idx
 
 
-def _ref_zero_mode(w: np.ndarray, zero_mode: str) -> str:
+def ref_zero_mode(w: np.ndarray, zero_mode: str) -> str:
     if zero_mode != "auto":
         return zero_mode
     flat = w.reshape(-1)
@@ -409,7 +409,7 @@ def _ref_zero_mode(w: np.ndarray, zero_mode: str) -> str:
     return "balanced" if max(neg, len(zeros) - neg) > ZERO_BALANCE_SHARE * len(zeros) else "signed"
 
 
-def _ref_sign(w: np.ndarray, r: int, c: int, mode: str) -> int:
+def ref_sign(w: np.ndarray, r: int, c: int, mode: str) -> int:
     x = w[r, c]
     if x == 0 and mode == "balanced":
         return (r * w.shape[1] + c) & 1
@@ -420,12 +420,12 @@ def quantize_2bit_reference(w: np.ndarray, zero_mode: ZeroMode = "auto") -> tupl
     """The rules of docs/FORMAT.md applied literally with exact rationals: snap to e2m1, then {0..2}->1, {3,4,6}->4."""
     w, exps, idx = _ref_blocks(w)
     n, k = w.shape
-    mode = _ref_zero_mode(w, zero_mode)
+    mode = ref_zero_mode(w, zero_mode)
     codes = np.zeros((n, k // 4), dtype=np.uint8)
     for r in range(n):
         for c in range(k):
             four = 1 if E2M1_GRID[idx[r][c]] >= 3.0 else 0
-            code = (_ref_sign(w, r, c, mode) << 1) | four
+            code = (ref_sign(w, r, c, mode) << 1) | four
             codes[r, c // 4] |= code << (2 * (c % 4))
     scales = np.array([[e + 127 for e in row] for row in exps], dtype=np.uint8).reshape(n, k // BLOCK)
     return codes, scales
@@ -464,11 +464,11 @@ def error_report(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt
     """
     if not isinstance(w, torch.Tensor):
         w = torch.from_numpy(np.asarray(w))
-    n, k = _check_shape(w)
+    n, k = check_shape(w)
     work = torch.float64 if w.dtype == torch.float64 else torch.float32
     lut = (torch.tensor(CODE_VALUES, dtype=work, device=w.device) if fmt == "2bit" else e2m1_values(work, w.device))
-    unpack = _unpack_crumbs if fmt == "2bit" else _unpack_nibbles
-    pw = _pow2_table(torch.float64, w.device)
+    unpack = _unpack_crumbs if fmt == "2bit" else unpack_nibbles
+    pw = pow2_table(torch.float64, w.device)
     rows = max(1, _CHUNK_ELEMS // k)
     err2 = ref2 = bias = 0.0
     for r0 in range(0, n, rows):

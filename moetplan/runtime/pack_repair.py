@@ -17,8 +17,8 @@ from moetplan.contract.errors import MoetplanError, UsageError
 from moetplan.runtime.packs import (
     Pack,
     PackCorruptError,
-    _load_sidecar,
-    _now,
+    load_sidecar,
+    utc_timestamp,
     checkpoint_identity,
     row_checksum,
 )
@@ -54,12 +54,12 @@ def rewrite_rows(pack: Pack, new: dict[int, Any]) -> list[int]:
         os.fsync(fd)
         changed = [r for r, c in sums.items() if pack.sidecar.checksums[r] != c]
         if changed:
-            sc = _load_sidecar(pack.sidecar_path)
+            sc = load_sidecar(pack.sidecar_path)
             if sc.identity != pack.sidecar.identity or len(sc.checksums) != len(pack.sidecar.checksums):
                 raise pack.corrupt_error(changed, f" and the sidecar of {pack.path.name} changed while it was open")
             for r in changed:
                 sc.checksums[r] = pack.sidecar.checksums[r] = sums[r]
-            sc.updated_at = _now()
+            sc.updated_at = utc_timestamp()
             atomic_write_text(pack.sidecar_path, sc.model_dump_json() + "\n")
         return changed
     except OSError as e:

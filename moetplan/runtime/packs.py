@@ -48,7 +48,7 @@ class PackCorruptError(MoetplanError):
         self.path, self.rows = path, list(rows)
 
 
-def _now() -> str:
+def utc_timestamp() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
@@ -104,8 +104,8 @@ class PackSidecar(BaseModel):
     checksums: list[str | None] = Field(description="xxh3_64 per row; null = row not written yet")
     layers: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Per-layer stats and timing")
     complete: bool = False
-    created_at: str = Field(default_factory=_now)
-    updated_at: str = Field(default_factory=_now)
+    created_at: str = Field(default_factory=utc_timestamp)
+    updated_at: str = Field(default_factory=utc_timestamp)
     runs: int = 0
 
     # The row geometry lives here, once: writer and reader both answer from their sidecar.
@@ -119,7 +119,7 @@ class PackSidecar(BaseModel):
         return self.checksums[row] is not None
 
 
-def _load_sidecar(path: Path) -> PackSidecar:
+def load_sidecar(path: Path) -> PackSidecar:
     try:
         return PackSidecar.model_validate(json.loads(path.read_text()))
     except FileNotFoundError:
@@ -184,7 +184,7 @@ class PackWriter:
         sc = None
         if self.sidecar_path.exists():
             try:
-                sc = _load_sidecar(self.sidecar_path)
+                sc = load_sidecar(self.sidecar_path)
                 bad = _mismatches(sc, expect)
                 if not bad and (not self.path.exists() or self.path.stat().st_size < self.total_bytes):
                     bad = ["pack file missing or truncated"]
@@ -284,7 +284,7 @@ class PackWriter:
         return bad
 
     def _save(self) -> None:
-        self.sidecar.updated_at = _now()
+        self.sidecar.updated_at = utc_timestamp()
         atomic_write_text(self.sidecar_path, self.sidecar.model_dump_json() + "\n")
 
     def close(self) -> None:
@@ -363,7 +363,7 @@ class Pack:
             p = find_pack(p, model_key, tp, tp_rank, fmt)
         elif p.name.endswith(".pack.json"):
             p = p.with_name(p.name[: -len(".json")])
-        sc = _load_sidecar(p.with_name(p.name + ".json"))
+        sc = load_sidecar(p.with_name(p.name + ".json"))
         fix = "; rebuild it with `moetplan quantize` (it replaces stale packs)"
         problems = _mismatches(sc, dict(kind=PACK_KIND, format_version=FORMAT_VERSION,
                                         quantizer_version=QUANTIZER_VERSION, identity=expect_identity,

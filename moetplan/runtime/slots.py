@@ -98,7 +98,7 @@ class SlotPool:
 
 
 @dataclass
-class _Counters:
+class CacheCounters:
     steps: int = 0
     zero_miss_steps: int = 0
     calls: int = 0
@@ -120,7 +120,7 @@ class _Counters:
 
 
 @dataclass
-class _Transfers:
+class Transfers:
     bytes_host: int = 0  # rows served from host RAM (pinned store, arena hits)
     bytes_nvme: int = 0  # rows read from the pack file
     bytes_h2d: int = 0
@@ -133,7 +133,7 @@ class _Transfers:
     pending: list = field(default_factory=list)  # (start event, end event, bytes) not yet resolved
 
 
-def _coalesce(views: list[torch.Tensor], slots: list[int], stride: int) -> list[tuple[torch.Tensor, int]]:
+def coalesce_runs(views: list[torch.Tensor], slots: list[int], stride: int) -> list[tuple[torch.Tensor, int]]:
     """Merge (source row, slot) pairs whose sources are adjacent in memory and whose slots are consecutive."""
     pairs = sorted(zip(slots, range(len(views))))
     runs: list[tuple[torch.Tensor, int]] = []
@@ -150,4 +150,4 @@ def _coalesce(views: list[torch.Tensor], slots: list[int], stride: int) -> list[
     return runs
 
 
-__all__ = ["SlotPool"]
+__all__ = ["CacheCounters", "SlotPool", "Transfers", "coalesce_runs"]

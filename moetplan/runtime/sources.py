@@ -17,7 +17,7 @@ import torch
 
 from moetplan.contract.errors import ConfigError
 from moetplan.contract.vocab import ZERO_MODES
-from moetplan.runtime.format import (BLOCK, E2M1_GRID, E2M1_MIDPOINTS, ZeroMode, _unpack_nibbles,
+from moetplan.runtime.format import (BLOCK, E2M1_GRID, E2M1_MIDPOINTS, ZeroMode, unpack_nibbles,
                                      e2m1_values)
 
 FP8_BLOCK = 128
@@ -138,10 +138,10 @@ def fp8_quantize(weight, scale32: torch.Tensor, fmt: str = "2bit", zero_mode: Ze
     """e4m3 weight [N, K] with positive per-block-32 scales [N, K/32] -> (codes, scale bytes, zero mode), bit-identical
     to dequantize_fp8 + quantize_2bit / quantize_fp4 but without materialising float64 weights: a block of 32 shares
     one scale S, so |q * S| > T is decided on the e4m3 code against a per-block code threshold."""
-    from moetplan.runtime.format import (_DOMAINS, _pow2_table, _exponents, _quantize_core, _check_shape)
+    from moetplan.runtime.format import (DOMAINS, pow2_table, block_exponents, quantize_core, check_shape)
 
     b = _as_bytes(weight)
-    n, k = _check_shape(b)
+    n, k = check_shape(b)
     s32 = scale32.to(device=b.device, dtype=torch.float64)
     if tuple(s32.shape) != (n, k // BLOCK):
         raise ConfigError(f"{name}: per-block scale shape {tuple(s32.shape)}, expected [{n}, {k // BLOCK}]")
@@ -149,8 +149,8 @@ def fp8_quantize(weight, scale32: torch.Tensor, fmt: str = "2bit", zero_mode: Ze
         raise ConfigError(f"{name}: FP8 scales must be positive and finite for the direct path; "
                           "use dequantize_fp8 + quantize_2bit")
     mags = _E4M3_MAGS.to(b.device)
-    dom = _DOMAINS[torch.float64]
-    pw = _pow2_table(torch.float64, b.device)
+    dom = DOMAINS[torch.float64]
+    pw = pow2_table(torch.float64, b.device)
     mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float64, device=b.device)
 
     def rule(r0: int, amax_code: torch.Tensor):
@@ -160,7 +160,7 @@ def fp8_quantize(weight, scale32: torch.Tensor, fmt: str = "2bit", zero_mode: Ze
                               "the checkpoint is corrupt")
         sc = s32[r0:r0 + amax_code.shape[0]]
         amax = mags[amax_code.long()] * sc  # exact
-        e = _exponents(amax.view(torch.int64), dom)
+        e = block_exponents(amax.view(torch.int64), dom)
         p2 = pw[(e + 127).long()]
         four = _code_threshold(2.5 * p2, sc, mags)
         mid = _code_threshold(mids * p2.unsqueeze(-1), sc.unsqueeze(-1), mags) if fmt == "fp4" else four
@@ -169,7 +169,7 @@ def fp8_quantize(weight, scale32: torch.Tensor, fmt: str = "2bit", zero_mode: Ze
     per = 4 if fmt == "2bit" else 2
     q = torch.empty(n, k // per, dtype=torch.uint8, device=b.device)
     sb = torch.empty(n, k // BLOCK, dtype=torch.uint8, device=b.device)
-    mode = _quantize_core(b.contiguous().view(torch.int8), 7, rule, fmt, zero_mode if fmt == "2bit" else "signed",
+    mode = quantize_core(b.contiguous().view(torch.int8), 7, rule, fmt, zero_mode if fmt == "2bit" else "signed",
                           q, sb)
     return q, sb, mode
 
@@ -214,7 +214,7 @@ def dequantize_nvfp4(packed, block_scale, scale_2, name: str = "weight") -> torc
         raise ConfigError(f"{name}: NVFP4 weight_scale shape {tuple(bs.shape)}, expected [{n}, {k // NVFP4_BLOCK}]")
     if bool(((bs == _E4M3_NAN[0]) | (bs == _E4M3_NAN[1])).any()):
         raise ConfigError(f"{name}: NVFP4 block scale holds NaN codes; the checkpoint is corrupt")
-    vals = e2m1_values(torch.float64, p.device)[_unpack_nibbles(p).long()]
+    vals = e2m1_values(torch.float64, p.device)[unpack_nibbles(p).long()]
     s = bs.view(torch.float8_e4m3fn).to(torch.float64).repeat_interleave(NVFP4_BLOCK, 1)
     s2 = _as_torch(scale_2).to(device=p.device, dtype=torch.float64).reshape(-1)
     if s2.numel() != 1:
@@ -251,11 +251,11 @@ def nvfp4_quantize(packed, scale16: torch.Tensor, fmt: str = "2bit", zero_mode: 
     """NVFP4 [N, K/2] with positive float64 scales per block of 16 [N, K/16] (nvfp4_scale_per_block16) ->
     (codes, scale bytes, zero mode), bit-identical to dequantize_nvfp4 + quantize_2bit / quantize_fp4: each block
     of 16 shares one scale, so the decisions are made on the e2m1 index against per-16 code thresholds."""
-    from moetplan.runtime.format import _DOMAINS, _check_shape, _exponents, _pow2_table, _quantize_core
+    from moetplan.runtime.format import DOMAINS, check_shape, block_exponents, pow2_table, quantize_core
 
     p = _as_bytes(packed)
     n, k = p.shape[0], p.shape[1] * 2
-    _check_shape(torch.empty(0, k))
+    check_shape(torch.empty(0, k))
     sc = scale16.to(device=p.device, dtype=torch.float64)
     if tuple(sc.shape) != (n, k // NVFP4_BLOCK):
         raise ConfigError(f"{name}: per-block-16 scale shape {tuple(sc.shape)}, expected [{n}, {k // NVFP4_BLOCK}]")
@@ -263,15 +263,15 @@ def nvfp4_quantize(packed, scale16: torch.Tensor, fmt: str = "2bit", zero_mode: 
         raise ConfigError(f"{name}: NVFP4 scales must be positive and finite for the direct path; "
                           "use dequantize_nvfp4 + quantize_2bit")
     grid = torch.tensor(E2M1_GRID, dtype=torch.float64, device=p.device)
-    dom = _DOMAINS[torch.float64]
-    pw = _pow2_table(torch.float64, p.device)
+    dom = DOMAINS[torch.float64]
+    pw = pow2_table(torch.float64, p.device)
     mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float64, device=p.device)
 
     def rule(r0: int, amax_idx: torch.Tensor):
         m = amax_idx.shape[0]
         s = sc[r0:r0 + m]
         amax = (grid[amax_idx.long()] * s).view(m, -1, 2).amax(dim=-1)  # exact products; max over the two halves
-        e = _exponents(amax.view(torch.int64), dom)
+        e = block_exponents(amax.view(torch.int64), dom)
         p2 = pw[(e + 127).long()].repeat_interleave(2, dim=1)
         four = _code_threshold(2.5 * p2, s, grid)
         mid = _code_threshold(mids * p2.unsqueeze(-1), s.unsqueeze(-1), grid) if fmt == "fp4" else four
@@ -280,7 +280,7 @@ def nvfp4_quantize(packed, scale16: torch.Tensor, fmt: str = "2bit", zero_mode: 
     per = 4 if fmt == "2bit" else 2
     q = torch.empty(n, k // per, dtype=torch.uint8, device=p.device)
     sb = torch.empty(n, k // BLOCK, dtype=torch.uint8, device=p.device)
-    mode = _quantize_core(_nibbles_signed(p), 3, rule, fmt, zero_mode if fmt == "2bit" else "signed", q, sb,
+    mode = quantize_core(_nibbles_signed(p), 3, rule, fmt, zero_mode if fmt == "2bit" else "signed", q, sb,
                           sub=BLOCK // NVFP4_BLOCK)
     return q, sb, mode
 
@@ -289,7 +289,7 @@ def dequantize_nvfp4_per_block16(packed, scale16: torch.Tensor, dtype: torch.dty
     """e2m1 [N, K/2] x per-block-16 scales [N, K/16] -> floats (float64 is exact)."""
     p = _as_bytes(packed)
     n, k = p.shape[0], p.shape[1] * 2
-    vals = e2m1_values(dtype, p.device)[_unpack_nibbles(p).long()]
+    vals = e2m1_values(dtype, p.device)[unpack_nibbles(p).long()]
     return (vals.view(n, k // NVFP4_BLOCK, NVFP4_BLOCK) * scale16.to(dtype).unsqueeze(-1)).view(n, k)
 
 
@@ -329,7 +329,7 @@ def dequantize_mxfp4(packed, scales, name: str = "weight") -> torch.Tensor:
     """e2m1 packed [N, K/2] x UE8M0 [N, K/32] -> float64 [N, K] (float64: 6 * 2^127 overflows float32)."""
     p, s = _as_bytes(packed), _as_bytes(scales)
     n, k = _check_mx(p, s, name)
-    vals = e2m1_values(torch.float64, p.device)[_unpack_nibbles(p.reshape(n, k // 2)).long()]
+    vals = e2m1_values(torch.float64, p.device)[unpack_nibbles(p.reshape(n, k // 2)).long()]
     pw = torch.tensor([math.ldexp(1.0, b - 127) for b in range(255)], dtype=torch.float64, device=p.device)
     return vals * pw[s.long()].repeat_interleave(BLOCK, 1)
 
@@ -428,18 +428,18 @@ def mxfp4_error_report(packed, scales, fmt: str = "2bit", zero_mode: str = "sign
 
 def mxfp4_to_2bit_reference(values: np.ndarray, scales: np.ndarray, zero_mode: ZeroMode = "auto"):
     """From exact float64 values and the source scale bytes: |w| / scale is an e2m1 grid value; map its index."""
-    from moetplan.runtime.format import _ref_sign, _ref_zero_mode
+    from moetplan.runtime.format import ref_sign, ref_zero_mode
 
     w = np.asarray(values, dtype=np.float64)
     s = np.asarray(scales, dtype=np.uint8)
     n, k = w.shape
-    mode = _ref_zero_mode(w, zero_mode)
+    mode = ref_zero_mode(w, zero_mode)
     codes = np.zeros((n, k // 4), dtype=np.uint8)
     for r in range(n):
         for c in range(k):
             mag = abs(w[r, c]) / math.ldexp(1.0, int(s[r, c // BLOCK]) - 127)
             idx = E2M1_GRID.index(mag)  # exact: ValueError if the value is not on the grid
-            code = (_ref_sign(w, r, c, mode) << 1) | (1 if idx >= 5 else 0)
+            code = (ref_sign(w, r, c, mode) << 1) | (1 if idx >= 5 else 0)
             codes[r, c // 4] |= code << (2 * (c % 4))
     return codes, s.copy()
 

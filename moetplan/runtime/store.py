@@ -42,7 +42,7 @@ import torch
 
 from moetplan.contract.errors import InfeasibleError, UsageError
 from moetplan.runtime.backing import BackingStore, Key
-from moetplan.runtime.slots import SlotPool, _coalesce, _Counters, _Transfers
+from moetplan.runtime.slots import SlotPool, coalesce_runs, CacheCounters, Transfers
 
 log = logging.getLogger("moetplan.store")
 
@@ -83,8 +83,8 @@ class ExpertStore:
         self._step_id, self._last_layer, self._step_prefill, self._step_missed = 0, -1, False, False
         self._step_open = False
         self._retry_layer: int | None = None  # a refused layer may be asked again (in chunks) in the same step
-        self.decode, self.prefill = _Counters(), _Counters()
-        self.xfer = _Transfers()
+        self.decode, self.prefill = CacheCounters(), CacheCounters()
+        self.xfer = Transfers()
         self.kpi_every_steps, self.kpi_every_s = int(kpi_every_steps), float(kpi_every_s)
         self._kpi_t = time.monotonic()
         self._kpi_steps = 0
@@ -415,7 +415,7 @@ class ExpertStore:
         nbytes = len(views) * self.stride
         self.xfer.bytes_h2d += nbytes
         self.xfer.batches += 1
-        runs = _coalesce(views, slots, self.stride)
+        runs = coalesce_runs(views, slots, self.stride)
         if not self._cuda:
             t0 = time.perf_counter()
             for src, s0 in runs:
@@ -587,7 +587,7 @@ class ExpertStore:
         """Start counting afresh (after warm-up / profiling runs); heat and residency are kept."""
         self._close_step()
         self.synchronize()
-        self.decode, self.prefill, self.xfer = _Counters(), _Counters(), _Transfers()
+        self.decode, self.prefill, self.xfer = CacheCounters(), CacheCounters(), Transfers()
         self.backing.stats = type(self.backing.stats)()
 
     def kpi_line(self) -> str:

@@ -1,4 +1,4 @@
-// bench/tools/extension_errors/probe.py: errors raised from nvcc-compiled host code, built as csrc/ is.
+// bench/tools/extension_errors/probe_errors.py: errors raised from nvcc-compiled host code, built as csrc/ is.
 #include <torch/extension.h>
 #include <stdexcept>
 

@@ -1,4 +1,4 @@
-// Crash probe for bench/extension_errors/probe.py: a SIGSEGV handler that prints the native stack (the frames
+// Crash probe for bench/extension_errors/probe_errors.py: a SIGSEGV handler that prints the native stack (the frames
 // Python's faulthandler does not show), and errors raised from g++-compiled extension code.
 #include <torch/extension.h>
 #include <execinfo.h>

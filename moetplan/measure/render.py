@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetplan.bench.phases import DECODE_PROMPT_TOKENS
+from moetplan.measure.phases import DECODE_PROMPT_TOKENS
 from moetplan.contract import RunRecord
 
 def _fmt(v: Any, digits: int = 1) -> str:

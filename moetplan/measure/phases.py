@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import httpx
 
-from moetplan.bench import probes
-from moetplan.bench.client import BenchClient, StreamResult, _describe
-from moetplan.bench.window import record_window, server_side_record
+from moetplan.measure import probes
+from moetplan.measure.client import BenchClient, StreamResult, describe_error
+from moetplan.measure.window import record_window, server_side_record
 from moetplan.contract import Plan, RunRecord, SchemaError, load_json, save_json
 from moetplan.contract.errors import UsageError
 
@@ -100,7 +100,7 @@ async def _server_info(client: BenchClient, want_model: str | None) -> tuple[dic
         return info, want_model, (f"/v1/models answered HTTP {e.response.status_code}; "
                                   f"is {client.url} an OpenAI-compatible server?")
     except (httpx.HTTPError, ValueError) as e:
-        return info, want_model, f"/v1/models: {_describe(e, client.url, client.timeout)}"
+        return info, want_model, f"/v1/models: {describe_error(e, client.url, client.timeout)}"
     cards = [c for c in (data.get("data") or []) if isinstance(c, dict)] if isinstance(data, dict) else []
     ids = [str(c.get("id")) for c in cards]
     info["models"] = ids

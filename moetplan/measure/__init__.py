@@ -4,5 +4,4 @@
     phases.py       the bench phases (decode, prefill, TTFT, batch curve, probes), resume, plan defaults
     probes.py       quality probes (needle, arithmetic, coherence)
     render.py       rich tables of a run record
-    fake_server.py  a scriptable OpenAI-compatible server that misbehaves on purpose (tests)
 """

@@ -99,7 +99,7 @@ class StreamResult:
         return None
 
 
-def _describe(exc: BaseException, url: str, timeout: float) -> str:
+def describe_error(exc: BaseException, url: str, timeout: float) -> str:
     if isinstance(exc, httpx.ConnectError):
         return f"cannot connect to {url} ({exc}); is the server running and the --url right?"
     if isinstance(exc, httpx.ConnectTimeout):
@@ -214,7 +214,7 @@ class BenchClient:
         try:
             res = await asyncio.wait_for(self._stream(prompt, max_tokens, ignore_eos), timeout=cap)
         except (TimeoutError, asyncio.TimeoutError) as e:
-            res = StreamResult(t_start=time.perf_counter(), error=_describe(e, self.url, self.timeout),
+            res = StreamResult(t_start=time.perf_counter(), error=describe_error(e, self.url, self.timeout),
                                unresponsive=True)
         if res.unresponsive:
             self.unresponsive_streak += 1
@@ -244,7 +244,7 @@ class BenchClient:
                         return res
                     await self._read_events(resp, res)
             except Exception as e:  # noqa: BLE001 - every transport failure becomes this request's error
-                res.error = _describe(e, self.url, self.timeout)
+                res.error = describe_error(e, self.url, self.timeout)
                 res.unresponsive = isinstance(e, (httpx.TimeoutException, httpx.ConnectError))
             res.t_end = time.perf_counter()
             return res

@@ -16,7 +16,7 @@ from typing import Any
 from moetplan.hw.gpus import query_gpus
 from moetplan.hw.host import query_host
 from moetplan.hw.storage import probe_storage
-from moetplan.hw.transfer import _norm_uuid, cuda_torch, measure_device, torch_index_by_uuid
+from moetplan.hw.transfer import norm_uuid, cuda_torch, measure_device, torch_index_by_uuid
 from moetplan.contract import HardwareProfile
 
 
@@ -48,14 +48,14 @@ def _measure_transfers(profile: HardwareProfile, quick: bool, progress: bool, de
         )
         return
     by_uuid = torch_index_by_uuid(torch)
-    nvml_uuids = {_norm_uuid(g.uuid) for g in profile.gpus if g.uuid}
+    nvml_uuids = {norm_uuid(g.uuid) for g in profile.gpus if g.uuid}
     if (not nvml_uuids & by_uuid.keys() and torch.cuda.device_count() == len(profile.gpus)
             and not os.environ.get("CUDA_VISIBLE_DEVICES")):
         # torch gave no comparable UUIDs; the same set of devices is visible, so pair them by order.
-        by_uuid = {_norm_uuid(g.uuid): g.index for g in profile.gpus if g.uuid}
+        by_uuid = {norm_uuid(g.uuid): g.index for g in profile.gpus if g.uuid}
         details["torch_mapping"] = "by index (no UUID match)"
     for g in profile.gpus:
-        tidx = by_uuid.get(_norm_uuid(g.uuid)) if g.uuid else None
+        tidx = by_uuid.get(norm_uuid(g.uuid)) if g.uuid else None
         if tidx is None:
             profile.warnings.append(f"GPU {g.index} ({g.name}) is not visible to torch (CUDA_VISIBLE_DEVICES?): "
                                     "its copy rates were not measured")

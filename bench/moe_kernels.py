@@ -9,7 +9,7 @@ In one run:
      torch bf16 baseline (gather + einsum) and the torch 2-bit reference on the same routing;
   3. prefill tokens/s at 512..8192-token chunks against a torch bf16 grouped matmul over the same experts.
 
-    PYTHONPATH=. python3 bench/kernels.py --out bench/results/kernels_h200.json [--quick]
+    PYTHONPATH=. python3 bench/moe_kernels.py --out bench/results/kernels_h200.json [--quick]
 
 Results are written (atomically) after every section, so a run cut short keeps what it measured.
 """
@@ -498,7 +498,7 @@ def main() -> int:
     global SCALES
     SCALES = args.scales
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("bench/moe_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     out = Path(args.out)
     mod = kernels.get_module()

@@ -5,7 +5,7 @@ number, on the lent H200 (torch 2.11 + CUDA 13, g++ 13), while string-only messa
 MOET_CHECK now formats numbers itself). Each case runs in its own process under a SIGSEGV handler that prints the
 native stack; the results go to one JSON file:
 
-    python3 bench/tools/extension_errors/probe.py [--out extension_errors.json] [--cases a,b]
+    python3 bench/tools/extension_errors/probe_errors.py [--out extension_errors.json] [--cases a,b]
 
 Cases: cpp_check / cpp_num / cpp_std (g++-compiled extension: TORCH_CHECK with a string, with a number,
 std::runtime_error), cu_check / cu_num / cu_std (the same from nvcc-compiled host code, csrc/'s flags), torch_num
@@ -69,7 +69,7 @@ def main() -> int:
         return 0
     import torch
 
-    from bench.kernels import atomic_write_json, machine_info
+    from bench.moe_kernels import atomic_write_json, machine_info
 
     machine = machine_info() if torch.cuda.is_available() else {"gpu": None, "torch": torch.__version__,
                                                                "host": platform.node()}

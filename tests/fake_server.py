@@ -388,7 +388,7 @@ class FakeOpenAIServer:
 
 
 def main(argv: list[str] | None = None) -> None:  # pragma: no cover - manual use
-    """`python -m moetplan.bench.fake_server [--decode-tok-s N] [modes...]`: print the URL, serve until Ctrl-C."""
+    """`python tests/fake_server.py [--decode-tok-s N] [modes...]`: print the URL, serve until Ctrl-C."""
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
