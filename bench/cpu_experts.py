@@ -30,7 +30,7 @@ from moetplan import hwdb  # noqa: E402
 from moetplan.contract import atomic_write_text  # noqa: E402
 from moetplan.contract.layout import RowLayout  # noqa: E402
 from moetplan.contract.runtime import KernelPolicy  # noqa: E402
-from moetplan.runtime import cpu_kernels, ops  # noqa: E402
+from moetplan.runtime.op import cpu_kernels, ops  # noqa: E402
 
 GB = 1e9
 MODELS = ("deepseek-v4-flash", "glm-5.2", "kimi-k2.7-code", "qwen3-30b-a3b")

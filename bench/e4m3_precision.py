@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_kernels import atomic_write_json, machine_info, model_shapes, resident_layer  # noqa: E402
-from moetplan.runtime import kernels as kmod  # noqa: E402
-from moetplan.runtime.format import RowLayout  # noqa: E402
+from moetplan.runtime.op import kernels as kmod  # noqa: E402
+from moetplan.runtime.format.format import RowLayout  # noqa: E402
 
 
 def w13_act(mod, x, ids, pool, slot_of, lay, f8: bool) -> torch.Tensor:

@@ -35,10 +35,11 @@ from moetplan import contract as schema  # noqa: E402
 from moetplan.contract import atomic_write_text  # noqa: E402
 from moetplan.contract.layout import RowLayout  # noqa: E402
 from moetplan.contract.machine import machine_info  # noqa: E402
-from moetplan.runtime import cuda_paths, kernels, moe_op, ops, worker as worker_mod  # noqa: E402
-from moetplan.runtime.backing import ArrayRowSource, PinnedHostStore  # noqa: E402
-from moetplan.runtime.store import ExpertStore  # noqa: E402
-from moetplan.runtime.worker import WorkerRuntime  # noqa: E402
+from moetplan.runtime.op import cuda_paths, kernels, ops  # noqa: E402
+from moetplan.runtime.vllm import moe_op, worker as worker_mod  # noqa: E402
+from moetplan.runtime.store.backing import ArrayRowSource, PinnedHostStore  # noqa: E402
+from moetplan.runtime.store.store import ExpertStore  # noqa: E402
+from moetplan.runtime.vllm.worker import WorkerRuntime  # noqa: E402
 
 # Per-layer decode kernel time on an H200 (docs/KERNELS.md, bench/results/kernels_h200.json): the yardstick.
 KERNEL_US_H200 = (26.0, 45.0)

@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_kernels import atomic_write_json, machine_info, model_shapes, resident_layer  # noqa: E402
-from moetplan.runtime import kernels as kmod  # noqa: E402
+from moetplan.runtime.op import kernels as kmod  # noqa: E402
 from moetplan.contract.runtime import KernelPolicy  # noqa: E402
-from moetplan.runtime import ops  # noqa: E402
-from moetplan.runtime.format import RowLayout  # noqa: E402
-from moetplan.runtime.reference import expert_weights, moe_forward_reference  # noqa: E402
+from moetplan.runtime.op import ops  # noqa: E402
+from moetplan.runtime.format.format import RowLayout  # noqa: E402
+from moetplan.runtime.op.reference import expert_weights, moe_forward_reference  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.moe_kernels import (MIB, atomic_write_json, capture, decode_case, machine_info, model_shapes,  # noqa: E402
                            read_bandwidth, routing, time_events)
 from bench.tools.read_pattern import PATTERNS, load_module  # noqa: E402
-from moetplan.runtime.format import RowLayout  # noqa: E402
+from moetplan.runtime.format.format import RowLayout  # noqa: E402
 
 STREAM = next(m for m, n in PATTERNS.items() if n == "stream")
 ROW_BYTES = 1024  # the kernel reads whole 16 x ROW_BYTES tiles: regions are rounded to 16 KiB

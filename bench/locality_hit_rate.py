@@ -23,9 +23,9 @@ from moetplan.contract.machine import machine_info
 from moetplan.contract.runtime import RuntimeKnobs, runtime_section
 from moetplan.cost_model import predict
 from moetplan.cost_model.coverage import expert_popularity
-from moetplan.runtime.dummy_experts import RandomRowSource
-from moetplan.runtime.routers import router_for
-from moetplan.runtime.tiers import expert_store
+from moetplan.runtime.vllm.dummy_experts import RandomRowSource
+from moetplan.runtime.vllm.routers import router_for
+from moetplan.runtime.vllm.tiers import expert_store
 
 
 def one(model: str, cache_gib: float, steps: int, warmup: int, seqs: int, prompt: int) -> dict:

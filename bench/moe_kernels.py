@@ -1,4 +1,4 @@
-"""Kernel benchmark: MoE decode and prefill through moetplan.runtime.ops on one CUDA GPU.
+"""Kernel benchmark: MoE decode and prefill through moetplan.runtime.op.ops on one CUDA GPU.
 
 In one run:
   1. the device's streaming-read bandwidth: a large torch.sum over several GB, and a CUDA graph of back-to-back
@@ -32,9 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moetplan.contract.runtime import KernelPolicy  # noqa: E402
-from moetplan.runtime import cuda_paths, kernels, ops  # noqa: E402
-from moetplan.runtime.reference import moe_forward_reference  # noqa: E402
-from moetplan.runtime.format import RowLayout  # noqa: E402
+from moetplan.runtime.op import cuda_paths, kernels, ops  # noqa: E402
+from moetplan.runtime.op.reference import moe_forward_reference  # noqa: E402
+from moetplan.runtime.format.format import RowLayout  # noqa: E402
 
 GIB = 1024**3
 MIB = 1024**2

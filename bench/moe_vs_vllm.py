@@ -5,7 +5,7 @@ decode step size (1, 4, 16 tokens), every backend runs the same routed step of a
 CUDA graph (eager where a backend cannot be captured; the result says which), each layer with its own routing and
 its weights taken from enough copies that the step's bytes come from DRAM, not the L2:
 
-  moetplan_2bit     moetplan.runtime.ops.moe_forward, 2-bit rows (docs/FORMAT.md), the default kernel policy;
+  moetplan_2bit     moetplan.runtime.op.ops.moe_forward, 2-bit rows (docs/FORMAT.md), the default kernel policy;
   vllm_triton_bf16  vLLM's fused_experts (Triton fused_moe), bf16 weights: what an unquantized checkpoint runs;
   vllm_marlin_w4a16 vLLM's fused_marlin_moe, GPTQ int4 (uint4b8) weights, group 128 bf16 scales: a w4a16 checkpoint;
   vllm_marlin_mxfp4 vLLM's fused_marlin_moe, FP4 e2m1 weights, group 32 e8m0 scales: what stock vLLM 0.26 runs for
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.moe_kernels import GIB, atomic_write_json, capture, machine_info, random_pool, time_events  # noqa: E402
 from moetplan.contract.layout import RowLayout  # noqa: E402
 from moetplan.contract.runtime import KernelPolicy  # noqa: E402
-from moetplan.runtime import ops  # noqa: E402
+from moetplan.runtime.op import ops  # noqa: E402
 
 MODELS = ("deepseek-v4-flash", "glm-5.2")
 # Weight copies per backend: enough that one step's weights total at least this much (the H200's L2 is 60 MB).

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from moetplan.contract import atomic_write_text  # noqa: E402
-from moetplan.runtime.format import RowLayout  # noqa: E402
-from moetplan.runtime.packs import Pack, PackWriter, aligned_rows, row_checksum  # noqa: E402
+from moetplan.runtime.format.format import RowLayout  # noqa: E402
+from moetplan.runtime.format.packs import Pack, PackWriter, aligned_rows, row_checksum  # noqa: E402
 
 GB = 1e9
 

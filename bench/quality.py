@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from moetplan import hwdb  # noqa: E402
 from moetplan.contract import atomic_write_text  # noqa: E402
-from moetplan.runtime import quality as Q  # noqa: E402
+from moetplan.runtime.offline import quality as Q  # noqa: E402
 
 
 def machine_info() -> dict[str, object]:

@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moetplan.contract import atomic_write_text  # noqa: E402
-from moetplan.runtime import format as F  # noqa: E402
-from moetplan.runtime import sources as S  # noqa: E402
-from moetplan.runtime.packs import Pack, PackWriter, aligned_rows  # noqa: E402
+from moetplan.runtime.format import format as F  # noqa: E402
+from moetplan.runtime.format import sources as S  # noqa: E402
+from moetplan.runtime.format.packs import Pack, PackWriter, aligned_rows  # noqa: E402
 
 GB = 1e9
 
@@ -148,7 +148,7 @@ def write_layer_checkpoint(d: Path, h: int, i: int, experts: int, kind: str) -> 
 
 
 def bench_all_cores(h: int, i: int, experts: int, work: Path) -> dict:
-    from moetplan.runtime.quantize_ckpt import quantize_checkpoint
+    from moetplan.runtime.format.quantize_ckpt import quantize_checkpoint
 
     out = {}
     for kind in ("bf16", "mxfp4"):

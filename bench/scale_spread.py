@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_kernels import atomic_write_json  # noqa: E402
 from moetplan.contract.machine import machine_info  # noqa: E402
-from moetplan.runtime.format import quantize_2bit  # noqa: E402
+from moetplan.runtime.format.format import quantize_2bit  # noqa: E402
 
 
 def distributions(rows: int, cols: int, gen: torch.Generator) -> dict[str, torch.Tensor]:

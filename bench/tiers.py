@@ -37,11 +37,11 @@ sys.path.insert(0, str(ROOT))
 from moetplan import hwdb  # noqa: E402
 from moetplan.contract.errors import MoetplanError  # noqa: E402
 from moetplan.contract import atomic_write_text  # noqa: E402
-from moetplan.runtime.backing import (  # noqa: E402
+from moetplan.runtime.store.backing import (  # noqa: E402
     FileRowSource, PackArenaStore, PackPageCacheStore, PinnedHostStore, host_buffer,
 )
-from moetplan.runtime.format import RowLayout  # noqa: E402
-from moetplan.runtime.store import ExpertStore  # noqa: E402
+from moetplan.runtime.format.format import RowLayout  # noqa: E402
+from moetplan.runtime.store.store import ExpertStore  # noqa: E402
 
 GB = 1e9
 

@@ -12,7 +12,7 @@ before 0.32, the default splitting ops, MegaMoE) is handled below; docs/VLLM_VER
 Nothing here imports vLLM at module import: the launcher (planning machines may not have vLLM) reads the version
 from the installed distribution's metadata and the attention splitting ops from vLLM's source text.
 
-The CUDA fixes the plugin carries (`moetplan.runtime.cuda_fixes`) ask `fix_applies` whether this vLLM and this GPU
+The CUDA fixes the plugin carries (`moetplan.runtime.vllm.cuda_fixes`) ask `fix_applies` whether this vLLM and this GPU
 need them; `FIXES` is the table of which releases lack which fix.
 """
 from __future__ import annotations

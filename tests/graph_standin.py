@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from moetplan.contract.layout import RowLayout
-from moetplan.runtime.reference import expert_weights, swiglu
+from moetplan.runtime.op.reference import expert_weights, swiglu
 
 
 class HostSyncError(AssertionError):

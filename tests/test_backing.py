@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moetplan.contract.errors import MoetplanError, UsageError
-from moetplan.runtime import backing as bk
-from moetplan.runtime.backing import (
+from moetplan.runtime.store import backing as bk
+from moetplan.runtime.store.backing import (
     ArrayRowSource, FileRowSource, PackArenaStore, PackPageCacheStore, PinnedHostStore, PinnedMemoryError,
     host_buffer, make_backing,
 )
@@ -156,10 +156,10 @@ def test_os_has_preadv():
 
 
 def test_real_pack_through_every_tier_and_the_store(tmp_path):
-    """H2's pack file (moetplan.runtime.packs) is a row source as is: rows read back match their checksums."""
-    from moetplan.runtime.format import RowLayout
-    from moetplan.runtime.packs import Pack, PackWriter
-    from moetplan.runtime.store import ExpertStore
+    """H2's pack file (moetplan.runtime.format.packs) is a row source as is: rows read back match their checksums."""
+    from moetplan.runtime.format.format import RowLayout
+    from moetplan.runtime.format.packs import Pack, PackWriter
+    from moetplan.runtime.store.store import ExpertStore
 
     layout = RowLayout.for_expert(64, 64, 1, "2bit")
     nl, ne = 2, 6

@@ -345,7 +345,7 @@ def test_runtime_kpis_come_from_the_server_record_and_metrics(tmp_path: Path) ->
     import os
 
     from moetplan.report.compare import compare
-    from moetplan.runtime.records import run_record_path
+    from moetplan.runtime.vllm.records import run_record_path
 
     plan = tiny_plan(concurrency=1)
     plan_path = tmp_path / "plan.json"

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from moetplan.runtime import cpu_amx
+from moetplan.runtime.vllm import cpu_amx
 
 
 def test_no_amx_reported_asks_nothing():

@@ -12,8 +12,8 @@ import torch
 from moetplan.contract.errors import UsageError
 from moetplan.contract.layout import RowLayout
 from moetplan.contract.runtime import KernelPolicy
-from moetplan.runtime import cpu_kernels, ops
-from moetplan.runtime.reference import ResidencyError, dequantize_rows, moe_forward_reference
+from moetplan.runtime.op import cpu_kernels, ops
+from moetplan.runtime.op.reference import ResidencyError, dequantize_rows, moe_forward_reference
 
 TOL = 2e-4
 
@@ -137,7 +137,7 @@ def test_tiny_moe_greedy_tokens_are_the_references(mod, monkeypatch):
     import transformers
 
     from moetplan.models.tiny import ensure_tiny_checkpoint
-    from moetplan.runtime.quality import VariantState, quantize_model
+    from moetplan.runtime.offline.quality import VariantState, quantize_model
 
     path = ensure_tiny_checkpoint("tiny-moe")
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

@@ -1,4 +1,4 @@
-"""The CUDA fixes the plugin carries (runtime/cuda_fixes.py), checked without a GPU.
+"""The CUDA fixes the plugin carries (runtime/vllm/cuda_fixes.py), checked without a GPU.
 
 The Triton MLA one is checked on the installed vLLM's own kernel: its launch parameters for a 576-wide MLA head
 with an fp8 KV cache are recorded from vLLM's launcher (with the kernel swapped for a recorder), then the kernel
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from moetplan.runtime import cuda_fixes as cf
+from moetplan.runtime.vllm import cuda_fixes as cf
 
 # --------------------------------------------------------------------------- Triton MLA decode stages
 

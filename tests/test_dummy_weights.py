@@ -16,9 +16,9 @@ from moetplan.cost_model.coverage import curve_for, expert_popularity
 from moetplan.models import resolve_model
 from moetplan.models.dummy_config import ensure_dummy_model, hf_config, is_dummy_model_dir
 from moetplan.models.from_config import spec_from_config
-from moetplan.runtime.dummy_experts import SCALE_BYTE, RandomRowSource, device_rows
-from moetplan.runtime.format import row_views, unpack_expert_row
-from moetplan.runtime.routers import LocalityRouter, inclusion_probs, router_for
+from moetplan.runtime.vllm.dummy_experts import SCALE_BYTE, RandomRowSource, device_rows
+from moetplan.runtime.format.format import row_views, unpack_expert_row
+from moetplan.runtime.vllm.routers import LocalityRouter, inclusion_probs, router_for
 
 SHAPES = ("num_layers", "moe_layers", "hidden_size", "moe_intermediate_size", "n_routed_experts", "top_k",
           "n_shared_experts", "vocab_size", "max_position_embeddings", "dense_intermediate_size", "mtp_layers")
@@ -267,14 +267,14 @@ def test_dummy_rows_land_in_their_tier_and_nothing_is_loaded_or_quantized(tier, 
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 
     from moetplan.plan.cpu_backend import plan_for_cpu
-    from moetplan.runtime import vllm_config, vllm_method
-    from moetplan.runtime.worker import WorkerRuntime
+    from moetplan.runtime.vllm import vllm_config, vllm_method
+    from moetplan.runtime.vllm.worker import WorkerRuntime
 
     def never(*a, **k):
         raise AssertionError("a checkpoint path ran with dummy weights")
 
     monkeypatch.setattr(vllm_method, "source_expert_weights", never)
-    monkeypatch.setattr("moetplan.runtime.format.pack_expert_row", never)
+    monkeypatch.setattr("moetplan.runtime.format.format.pack_expert_row", never)
     spec = resolve_model("qwen3-30b-a3b")
     plan = plan_for_cpu(spec, context=512, max_num_seqs=1, expert_tier=tier,
                         gpu_expert_cache_gib=0.2 if tier == "host" else None)
@@ -311,8 +311,8 @@ def test_dummy_rows_land_in_their_tier_and_nothing_is_loaded_or_quantized(tier, 
 def test_nvme_tier_writes_the_random_rows_into_a_pack_once(tmp_path, dummy_root):
     from moetplan.contract.layout import RowLayout
     from moetplan.contract.runtime import RuntimeSection
-    from moetplan.runtime.pack_resolve import PackResolver
-    from moetplan.runtime.tiers import TieredExperts
+    from moetplan.runtime.vllm.pack_resolve import PackResolver
+    from moetplan.runtime.vllm.tiers import TieredExperts
 
     folder = ensure_dummy_model(resolve_model("qwen3-30b-a3b"), dummy_root)
     lay = RowLayout.for_expert(64, 64, 1, "2bit")

@@ -31,7 +31,7 @@ def server(tmp_path_factory, e2e_env):
     import httpx
 
     # The first request a new user sends: a short prompt. On CPUs whose CPUID reports AMX this once killed the
-    # server (vLLM's AMX attention ran before the process had the AMX tile permission; runtime/cpu_amx.py).
+    # server (vLLM's AMX attention ran before the process had the AMX tile permission; runtime/vllm/cpu_amx.py).
     first = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
                        json={"model": ready["model"], "prompt": "Hello", "max_tokens": 8})
     yield {"url": f"http://127.0.0.1:{port}", "model": ready["model"], "plan": str(run_dir / "plan.json"),

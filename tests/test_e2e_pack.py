@@ -41,8 +41,8 @@ def setup(tmp_path_factory, e2e_env):
     tmp = tmp_path_factory.mktemp("e2e_pack")
     env = e2e_env
     from moetplan.models.tiny import ensure_tiny_checkpoint
-    from moetplan.runtime.packs import Pack
-    from moetplan.runtime.quantize_ckpt import quantize_checkpoint
+    from moetplan.runtime.format.packs import Pack
+    from moetplan.runtime.format.quantize_ckpt import quantize_checkpoint
 
     ckpt = ensure_tiny_checkpoint("tiny-moe")
     res = quantize_checkpoint(ckpt, tmp / "good", report=False, workers=1)

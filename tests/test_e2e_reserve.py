@@ -55,7 +55,7 @@ def runs(tmp_path_factory, e2e_env):
     plan_of = {name: args[2] for name, args in jobs.items()}
     records: dict[str, dict] = {}
     from moetplan.contract import RunRecord, load_json
-    from moetplan.runtime.records import run_record_path
+    from moetplan.runtime.vllm.records import run_record_path
 
     # gate_a and gate_b share a plan (and so a run-record path): read gate_a's record before gate_b runs
     first = {k: jobs[k] for k in ("plain", "reserve", "gate_a")}

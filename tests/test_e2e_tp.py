@@ -157,7 +157,7 @@ def served(tmp_path_factory, e2e_env):
         pytest.skip("tp=2 on the CPU backend binds each worker to its own core: this process may use one")
     tmp = tmp_path_factory.mktemp("e2e_tp")
     from moetplan.models.tiny import ensure_tiny_checkpoint
-    from moetplan.runtime.quantize_ckpt import quantize_checkpoint
+    from moetplan.runtime.format.quantize_ckpt import quantize_checkpoint
 
     ckpt = ensure_tiny_checkpoint("tiny-moe")
     packs = quantize_checkpoint(ckpt, tmp / "packs", tp=2, report=False, workers=1)["packs"]

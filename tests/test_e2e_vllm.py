@@ -180,7 +180,7 @@ def test_unquantized_through_our_method_equals_vllm_own_output(served_tokens, of
 
 def _record(plan_path: str):
     from moetplan.contract import RunRecord, load_json
-    from moetplan.runtime.records import run_record_path
+    from moetplan.runtime.vllm.records import run_record_path
 
     return load_json(RunRecord, run_record_path(plan_path))
 
@@ -197,7 +197,7 @@ def test_2bit_experts_are_deterministic_across_runs_tiers_and_packs(offline):
     ra, rn, rp = _record(plans["2bit"]), _record(plans["nvme"]), _record(plans["from_pack"])
     assert ra.runtime["expert_sources"] == ["float32"] and ra.runtime["token_hit_rate"] == 1.0
     # which kernel path ran: on the CPU backend the CPU kernels (named by their ISA), never the reference
-    from moetplan.runtime import cpu_kernels
+    from moetplan.runtime.op import cpu_kernels
 
     assert set(ra.runtime["kernel_paths"]) == {f"cpu:{cpu_kernels.best_isa(cpu_kernels.get_module())}"}
     assert ra.runtime["kernel_fallbacks"] == 0

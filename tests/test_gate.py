@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from moetplan.contract.errors import ConfigError, UsageError
-from moetplan.runtime.format import RowLayout, pack_expert_row
-from moetplan.runtime.gate import GateController, run_record_kpis
-from moetplan.runtime.ops import moe_forward
-from moetplan.runtime.reserve import FP4Reserve
-from moetplan.runtime.reserve_sources import QuantizingRowSource
+from moetplan.runtime.format.format import RowLayout, pack_expert_row
+from moetplan.runtime.reserve.gate import GateController, run_record_kpis
+from moetplan.runtime.op.ops import moe_forward
+from moetplan.runtime.reserve.reserve import FP4Reserve
+from moetplan.runtime.reserve.reserve_sources import QuantizingRowSource
 
 L, E, H, I, V = 2, 8, 64, 64, 16
 LAY2 = RowLayout.for_expert(H, I, 1, "2bit")
@@ -180,7 +180,7 @@ def test_from_the_runtime_section():
 def test_wrap_vllm_model_recomputes_inside_the_saved_forward_context():
     from vllm.forward_context import get_forward_context, is_forward_context_available, override_forward_context
 
-    from moetplan.runtime.gate import wrap_vllm_model
+    from moetplan.runtime.reserve.gate import wrap_vllm_model
 
     r = make_reserve(8)
     g = GateController(r, enabled=True, tau=0.9)
@@ -249,10 +249,10 @@ import json, os
 
 def install(model):
     import torch
-    from moetplan.runtime.format import RowLayout
-    from moetplan.runtime.gate import GateController, wrap_vllm_model
-    from moetplan.runtime.reserve import FP4Reserve
-    from moetplan.runtime.reserve_sources import QuantizingRowSource
+    from moetplan.runtime.format.format import RowLayout
+    from moetplan.runtime.reserve.gate import GateController, wrap_vllm_model
+    from moetplan.runtime.reserve.reserve import FP4Reserve
+    from moetplan.runtime.reserve.reserve_sources import QuantizingRowSource
 
     cfg = json.loads(os.environ["GATE_TEST_CFG"])
     h, i, layers, e = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"], cfg["num_experts"]

@@ -16,10 +16,10 @@ from csrc_source import decode_constant, kernels_constant
 
 from moetplan.contract.errors import UsageError
 from moetplan.contract.runtime import KernelPolicy
-from moetplan.runtime import cuda_paths as cp
-from moetplan.runtime import kernels, ops
-from moetplan.runtime.reference import moe_forward_reference
-from moetplan.runtime.format import RowLayout
+from moetplan.runtime.op import cuda_paths as cp
+from moetplan.runtime.op import kernels, ops
+from moetplan.runtime.op.reference import moe_forward_reference
+from moetplan.runtime.format.format import RowLayout
 
 pytestmark = pytest.mark.gpu
 
@@ -495,7 +495,7 @@ def test_extension_errors_raise_with_their_numbers(mod):
     # from the nvcc-compiled source segfaulted on the H200; MOET_CHECK formats them itself). In a child process,
     # so that a crash fails this test instead of ending the run.
     code = textwrap.dedent("""
-        from moetplan.runtime import kernels
+        from moetplan.runtime.op import kernels
         mod = kernels.get_module()
         for args, want in (((True, False, False, 100, 1, -1), "positive multiple of 256"),
                            ((True, False, False, 4096 + 256, 1, -1, 1), "multiple of 512 (got 4352)"),

@@ -18,13 +18,13 @@ from moetplan.contract.model import Attention, ModelSpec  # noqa: E402
 from moetplan import contract as schema  # noqa: E402
 from moetplan.contract.runtime import RuntimeKnobs  # noqa: E402
 from moetplan.contract.sizing import reserve_slots  # noqa: E402
-from moetplan.runtime import records  # noqa: E402
-from moetplan.runtime import vllm_config as vc  # noqa: E402
-from moetplan.runtime import vllm_method as vm  # noqa: E402
-from moetplan.runtime.expert_source import source_expert_weights  # noqa: E402
-from moetplan.runtime.format import RowLayout, pack_expert_row, unpack_expert_row  # noqa: E402
-from moetplan.runtime.layer import LayerState  # noqa: E402
-from moetplan.runtime.worker import WorkerRuntime  # noqa: E402
+from moetplan.runtime.vllm import records  # noqa: E402
+from moetplan.runtime.vllm import vllm_config as vc  # noqa: E402
+from moetplan.runtime.vllm import vllm_method as vm  # noqa: E402
+from moetplan.runtime.vllm.expert_source import source_expert_weights  # noqa: E402
+from moetplan.runtime.format.format import RowLayout, pack_expert_row, unpack_expert_row  # noqa: E402
+from moetplan.runtime.vllm.layer import LayerState  # noqa: E402
+from moetplan.runtime.vllm.worker import WorkerRuntime  # noqa: E402
 
 
 def _plan(knobs: RuntimeKnobs | None = None, **placement) -> schema.Plan:
@@ -126,7 +126,7 @@ def test_the_process_worker_needs_the_plan(monkeypatch, tmp_path):
 
 
 def test_moe_reference_matches_naive_per_pair_sum():
-    from moetplan.runtime.reference import moe_reference
+    from moetplan.runtime.op.reference import moe_reference
 
     w13, w2 = _experts()
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
@@ -136,7 +136,7 @@ def test_moe_reference_matches_naive_per_pair_sum():
 
 
 def test_swiglu_limit_clamps_gate_and_up():
-    from moetplan.runtime.reference import swiglu
+    from moetplan.runtime.op.reference import swiglu
 
     h = torch.tensor([[10.0, -10.0, 10.0, -10.0]])
     out = swiglu(h, limit=1.0)  # gate [10,-10]->[1,-10], up [10,-10]->[1,-1]
@@ -301,7 +301,7 @@ def test_rotary_fix_matches_native_for_strided_3d_inputs():
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    from moetplan.runtime.rotary_fix import apply_rotary_fix
+    from moetplan.runtime.vllm.rotary_fix import apply_rotary_fix
 
     assert apply_rotary_fix() is True
     assert apply_rotary_fix() is True  # idempotent
@@ -538,7 +538,7 @@ def test_reserve_slots_are_the_plans_slots():
 
 
 def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_path, workers):
-    from moetplan.runtime.reference import moe_forward_reference
+    from moetplan.runtime.op.reference import moe_forward_reference
 
     # moe_graphs=split: the layer heats the reserve per call (replay plans heat it from the step record)
     w, weights = _load_through_method(_plan(GATE_ONLY, fp4_reserve_slots=4, moe_graphs="split"), workers, tmp_path)
@@ -573,7 +573,7 @@ def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_pa
     assert kp["fp4_reserve"]["gate_promotions"] == 1 and kp["fp4_reserve"]["slots"] == 4
     assert "gate" not in kp  # no controller installed
     # the kernel path log saw every call (CPU: the CPU kernels, named by their ISA)
-    from moetplan.runtime import cpu_kernels
+    from moetplan.runtime.op import cpu_kernels
 
     rec = w.store_kpis()
     assert rec["kernel_paths"] == {f"cpu:{cpu_kernels.best_isa(cpu_kernels.get_module())}": 3}

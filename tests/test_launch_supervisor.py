@@ -144,7 +144,7 @@ def test_progress_events(line, expect):
 
 @pytest.mark.parametrize("lines,needle", [
     (["RuntimeError: CUDA error: no kernel image is available for execution on the device"], "missing kernel"),
-    (["moetplan.runtime.backing.PinnedMemoryError: pinned allocation failed (RLIMIT_MEMLOCK 64 KiB)"], "memlock"),
+    (["moetplan.runtime.store.backing.PinnedMemoryError: pinned allocation failed (RLIMIT_MEMLOCK 64 KiB)"], "memlock"),
     (["OSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 8000): address already in use"],
      "--port"),
     (["ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`"],

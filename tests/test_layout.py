@@ -9,9 +9,9 @@ from moetplan.contract.errors import UsageError
 from moetplan.contract.layout import RowLayout as ContractLayout
 from moetplan.contract.units import GIB
 from moetplan.plan.ledger import build_ledger
-from moetplan.runtime.format import RowLayout
-from moetplan.runtime.slots import SlotPool
-from moetplan.runtime.tiers import expert_store
+from moetplan.runtime.format.format import RowLayout
+from moetplan.runtime.store.slots import SlotPool
+from moetplan.runtime.vllm.tiers import expert_store
 
 TPS = (1, 2, 4, 8)
 CASES = [(m, tp) for m in hwdb.model_ids() for tp in TPS]

@@ -15,13 +15,14 @@ from moetplan import vllm_compat
 from moetplan.contract.errors import ConfigError
 from moetplan.contract.model import Attention, ModelSpec
 from moetplan.contract.layout import RowLayout
-from moetplan.runtime import cuda_paths, kernels, moe_op, ops
-from moetplan.runtime import worker as worker_mod
-from moetplan.runtime.format import pack_expert_row
-from moetplan.runtime.graph_counters import CallPaths, GraphCounters
-from moetplan.runtime.layer import LayerState
-from moetplan.runtime.reference import moe_forward_reference
-from moetplan.runtime.worker import WorkerRuntime
+from moetplan.runtime.op import cuda_paths, kernels, ops
+from moetplan.runtime.vllm import moe_op
+from moetplan.runtime.vllm import worker as worker_mod
+from moetplan.runtime.format.format import pack_expert_row
+from moetplan.runtime.vllm.graph_counters import CallPaths, GraphCounters
+from moetplan.runtime.vllm.layer import LayerState
+from moetplan.runtime.op.reference import moe_forward_reference
+from moetplan.runtime.vllm.worker import WorkerRuntime
 
 E, H, INTER, K, T = 8, 256, 256, 2, 4  # the decode kernels read K in 256-weight chunks
 
@@ -303,7 +304,7 @@ def test_a_replay_runs_until_the_routing_settles_and_matches_the_resident_result
 
 
 def test_a_replay_that_misses_again_says_the_cache_is_too_small():
-    from moetplan.runtime.miss_replay import ReplayDriver, ReplayError, StepMisses
+    from moetplan.runtime.store.miss_replay import ReplayDriver, ReplayError, StepMisses
 
     misses = StepMisses(1, E)
     slot_of = torch.full((E,), -1, dtype=torch.int32)
@@ -317,7 +318,7 @@ def test_a_replay_that_misses_again_says_the_cache_is_too_small():
 
 
 def test_a_batch_the_cache_cannot_hold_is_a_replay_error_not_wrong_tokens(expert_rows):
-    from moetplan.runtime.miss_replay import ReplayError
+    from moetplan.runtime.store.miss_replay import ReplayError
 
     w = _tiered_worker(expert_rows, slots=3, in_graphs=False)  # a step of 2 tokens x top-2 needs up to 4
     x, wt, ids = _inputs(40, tokens=2)
@@ -538,7 +539,7 @@ def test_moe_graphs_takes_only_its_values():
 def test_tensor_parallel_ranks_replay_together():
     """Another rank missed (the agreed flag says so): this rank runs the forward again with it, fetching nothing,
     so every rank's all-reduces pair up."""
-    from moetplan.runtime.miss_replay import ReplayDriver, StepMisses
+    from moetplan.runtime.store.miss_replay import ReplayDriver, StepMisses
 
     misses = StepMisses(1, E)
     slot_of = torch.zeros(E, dtype=torch.int32)  # everything resident here
@@ -552,7 +553,7 @@ def test_tensor_parallel_ranks_replay_together():
 
 
 def test_a_pack_backed_store_keeps_its_heat_and_restarts_warm(expert_rows, tmp_path):
-    """runtime/heat.py in serving: the NVMe tier's store saves its heat beside the pack (the record-fed heat of
+    """runtime/store/heat.py in serving: the NVMe tier's store saves its heat beside the pack (the record-fed heat of
     replayed steps) and the next worker preloads the hot rows."""
     def worker() -> WorkerRuntime:
         w = WorkerRuntime(_plan(expert_tier="nvme", gpu_expert_cache_slots=10, max_num_seqs=2, pack_dir=str(tmp_path)).runtime,

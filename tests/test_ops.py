@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from moetplan.contract.errors import UsageError
 from moetplan.contract.runtime import KernelPolicy
-from moetplan.runtime import cuda_paths as cp
-from moetplan.runtime import kernels, ops, reference
-from moetplan.runtime.format import (
+from moetplan.runtime.op import cuda_paths as cp
+from moetplan.runtime.op import kernels, ops, reference
+from moetplan.runtime.format.format import (
     RowLayout,
     dequantize_2bit,
     dequantize_fp4,
@@ -254,7 +254,7 @@ def _decode_2bit(w: int, b: int) -> list[tuple[float, float]]:
 def test_decode_2bit_emulation_all_scales():
     g = np.random.default_rng(0)
     lo = [0, 1, 2, 3, 8, 9, 10, 11]  # register r holds weights (lo[r], lo[r] + 4)
-    from moetplan.runtime.format import CODE_VALUES
+    from moetplan.runtime.format.format import CODE_VALUES
 
     # b=0 (2^-127) decodes +-1 to zero and b>=253 overflows +-4 (as in float32): documented, never quantized
     # from real weights (|w| would have to be ~1e-38 or ~1e38).
@@ -300,7 +300,7 @@ def _decode_2bit_fast(w: int, b: int, k: int = 0, others: int = 0x5A) -> list[tu
 
 
 def test_decode_2bit_fast_emulation_all_scales():
-    from moetplan.runtime.format import CODE_VALUES
+    from moetplan.runtime.format.format import CODE_VALUES
 
     g = np.random.default_rng(1)
     lo = [0, 1, 2, 3, 8, 9, 10, 11]  # same register pairing as the first decode: the B operand layout relies on it
@@ -314,7 +314,7 @@ def test_decode_2bit_fast_emulation_all_scales():
 
 def test_decode_fp4_emulation_all_scales():
     vals = torch.tensor(list(range(16)), dtype=torch.int64)
-    from moetplan.runtime.format import e2m1_values
+    from moetplan.runtime.format.format import e2m1_values
 
     e2m1 = e2m1_values(torch.float64)
     for b in range(0, 255):

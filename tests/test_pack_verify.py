@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from moetplan.launch.supervisor import Server, ServerDiedError
-from moetplan.runtime import packs as P
-from moetplan.runtime.backing import PackArenaStore
-from moetplan.runtime.format import RowLayout
-from moetplan.runtime.pack_repair import CheckpointRepair
-from moetplan.runtime.pack_resolve import PackResolver
-from moetplan.runtime.quantize_ckpt import quantize_checkpoint
+from moetplan.runtime.format import packs as P
+from moetplan.runtime.store.backing import PackArenaStore
+from moetplan.runtime.format.format import RowLayout
+from moetplan.runtime.format.pack_repair import CheckpointRepair
+from moetplan.runtime.vllm.pack_resolve import PackResolver
+from moetplan.runtime.format.quantize_ckpt import quantize_checkpoint
 
 HIDDEN, INTER, LAYERS, EXPERTS = 64, 64, 3, 4
 BAD = [(1, 2), (2, 0), (2, 3)]  # (MoE layer, expert) rows given flipped bytes
@@ -182,7 +182,7 @@ def test_another_checkpoint_or_an_unwritable_pack_is_refused(ckpt, fresh, tmp_pa
             raise PermissionError(13, "Read-only file system")
         return real_open(p, flags, *a)
 
-    import moetplan.runtime.pack_repair as R
+    import moetplan.runtime.format.pack_repair as R
 
     monkeypatch.setattr(R.os, "open", read_only)
     with P.Pack.open(path) as pk:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moetplan.contract.errors import UsageError
-from moetplan.runtime import packs as P
-from moetplan.runtime.format import RowLayout
+from moetplan.runtime.format import packs as P
+from moetplan.runtime.format.format import RowLayout
 
 L, E = 3, 5
 

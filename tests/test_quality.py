@@ -11,10 +11,10 @@ import torch
 
 from moetplan import hwdb
 from moetplan.contract.errors import UsageError
-from moetplan.runtime import quality as Q
-from moetplan.runtime.format import dequantize_2bit, dequantize_fp4, quantize_2bit, quantize_fp4
-from moetplan.runtime.gate import GateController
-from moetplan.runtime.reserve import FP4Reserve
+from moetplan.runtime.offline import quality as Q
+from moetplan.runtime.format.format import dequantize_2bit, dequantize_fp4, quantize_2bit, quantize_fp4
+from moetplan.runtime.reserve.gate import GateController
+from moetplan.runtime.reserve.reserve import FP4Reserve
 
 FLOOR = float(hwdb.guards()["fp4_gate"]["floor_factor"])  # the planner's gate floor
 SMALL = Q.TinyMoeSpec(hidden=64, moe_inter=64, experts=8, top_k=2, layers=2, heads=2, kv_heads=1, vocab=320,
@@ -125,7 +125,7 @@ def test_checkpoint_cache_trains_once(tmp_path, monkeypatch):
 
 
 def test_run_quality_end_to_end_small(model, monkeypatch):
-    from moetplan.runtime.quality import build_tokenizer, module_text
+    from moetplan.runtime.offline.quality import build_tokenizer, module_text
 
     monkeypatch.setattr(Q, "TRAIN_MODULES", ("colorsys",))
     tok = build_tokenizer(module_text(("colorsys", "bisect")), SMALL.vocab)

@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from moetplan.cli import app
-from moetplan.runtime import format as F
-from moetplan.runtime import packs as P
-from moetplan.runtime import sources as S
+from moetplan.runtime.format import format as F
+from moetplan.runtime.format import packs as P
+from moetplan.runtime.format import sources as S
 
 HIDDEN, INTER, LAYERS, EXPERTS = 64, 64, 3, 4
 REPO = Path(__file__).resolve().parents[1]
@@ -315,7 +315,7 @@ def test_human_output_and_bad_input(bf16_ckpt, tmp_path):
 
 
 def test_worker_count_does_not_change_bytes(bf16_ckpt, tmp_path):
-    from moetplan.runtime.quantize_ckpt import quantize_checkpoint
+    from moetplan.runtime.format.quantize_ckpt import quantize_checkpoint
 
     a = quantize_checkpoint(bf16_ckpt, tmp_path / "a", workers=1, tp=2)
     b = quantize_checkpoint(bf16_ckpt, tmp_path / "b", workers=3, tp=2)
@@ -327,7 +327,7 @@ def test_worker_count_does_not_change_bytes(bf16_ckpt, tmp_path):
 
 def test_checkpoint_discovery_errors_name_the_problem(tmp_path):
     from moetplan.contract.errors import ConfigError
-    from moetplan.runtime.checkpoint import CheckpointExperts
+    from moetplan.runtime.format.checkpoint import CheckpointExperts
 
     def ckpt(name: str, tensors: dict) -> Path:
         d = tmp_path / name

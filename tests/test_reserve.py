@@ -10,11 +10,11 @@ import torch
 
 from moetplan.contract.errors import ConfigError, UsageError
 from moetplan.contract.runtime import RuntimeSection
-from moetplan.runtime.backing import ArrayRowSource
-from moetplan.runtime.format import RowLayout, dequantize_fp4, pack_expert_row, quantize_fp4, unpack_expert_row
-from moetplan.runtime.ops import moe_forward
-from moetplan.runtime.reserve import FP4Reserve, reserve_from_section
-from moetplan.runtime.reserve_sources import Mxfp4RowSource, QuantizingRowSource
+from moetplan.runtime.store.backing import ArrayRowSource
+from moetplan.runtime.format.format import RowLayout, dequantize_fp4, pack_expert_row, quantize_fp4, unpack_expert_row
+from moetplan.runtime.op.ops import moe_forward
+from moetplan.runtime.reserve.reserve import FP4Reserve, reserve_from_section
+from moetplan.runtime.reserve.reserve_sources import Mxfp4RowSource, QuantizingRowSource
 
 L, E, H, I = 2, 8, 64, 64
 LAY2 = RowLayout.for_expert(H, I, 1, "2bit")
@@ -231,7 +231,7 @@ def test_worker_error_is_counted_not_fatal():
 
 
 def test_fp4_pack_source_matches_requantization(tmp_path):
-    from moetplan.runtime.packs import Pack, PackWriter
+    from moetplan.runtime.format.packs import Pack, PackWriter
 
     with PackWriter(tmp_path, "m", 0, 1, LAY4, L, E, identity="id") as w:
         for l in range(L):

@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moetplan.contract.errors import ConfigError, UsageError
-from moetplan.runtime.backing import (
+from moetplan.runtime.store.backing import (
     ArrayRowSource, FileRowSource, PackArenaStore, PackPageCacheStore, PinnedHostStore,
 )
 from moetplan.contract.runtime import RuntimeSection
-from moetplan.runtime.store import ExpertStore, StoreCapacityError
-from moetplan.runtime.tiers import expert_store
+from moetplan.runtime.store.store import ExpertStore, StoreCapacityError
+from moetplan.runtime.vllm.tiers import expert_store
 
 L, E, S = 4, 10, 4096
 ROWS = np.random.default_rng(11).integers(0, 256, (L * E, S), dtype=np.uint8)
@@ -309,7 +309,7 @@ def test_cuda_pool_matches_pack_rows(kind):
 
 
 def test_coalesce_merges_adjacent_rows_into_one_copy():
-    from moetplan.runtime.slots import coalesce_runs
+    from moetplan.runtime.store.slots import coalesce_runs
 
     src = torch.arange(10 * 64, dtype=torch.int64).to(torch.uint8).view(10, 64)
     views = [src[2], src[3], src[4], src[7], src[1]]

@@ -7,9 +7,9 @@ import logging
 import numpy as np
 import pytest
 
-from moetplan.runtime.backing import FileRowSource, PackArenaStore, PinnedHostStore
-from moetplan.runtime.heat import HEAT_VERSION, heat_path, load_heat, restore_heat, save_heat
-from moetplan.runtime.store import ExpertStore
+from moetplan.runtime.store.backing import FileRowSource, PackArenaStore, PinnedHostStore
+from moetplan.runtime.store.heat import HEAT_VERSION, heat_path, load_heat, restore_heat, save_heat
+from moetplan.runtime.store.store import ExpertStore
 
 L, E, S = 3, 12, 4096
 ROWS = np.random.default_rng(2).integers(0, 256, (L * E, S), dtype=np.uint8)
@@ -98,8 +98,8 @@ def test_rebuilt_pack_changes_identity(pack):
 
 
 def test_heat_keeper_saves_periodically_and_survives_a_bad_disk(pack, tmp_path, monkeypatch, caplog):
-    from moetplan.runtime import heat as heat_mod
-    from moetplan.runtime.heat import HeatKeeper
+    from moetplan.runtime.store import heat as heat_mod
+    from moetplan.runtime.store.heat import HeatKeeper
 
     store = ExpertStore(PinnedHostStore(FileRowSource(pack, L, E, S), pin=False), 6)
     keeper = HeatKeeper(store, every_s=0.0).attach()  # every_s=0: periodic saving off

@@ -8,7 +8,7 @@ import pytest
 
 from moetplan.contract.errors import UsageError
 from moetplan.cli.replay import replay_command
-from moetplan.runtime.trace import Trace, fit_skew, replay, replay_curve, run_replay, synthetic_trace
+from moetplan.runtime.offline.trace import Trace, fit_skew, replay, replay_curve, run_replay, synthetic_trace
 
 
 def test_synthetic_trace_shape_determinism_and_distinct_topk():
@@ -147,7 +147,7 @@ def test_registered_as_moetplan_replay():
 def test_recorder_stacks_decode_steps_and_replays(tmp_path):
     import torch
 
-    from moetplan.runtime.trace import TraceRecorder
+    from moetplan.runtime.offline.trace import TraceRecorder
 
     src = synthetic_trace(3, 16, 2, 20, seed=8)
     rec = TraceRecorder(3, 16)

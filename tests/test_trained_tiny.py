@@ -20,7 +20,7 @@ def short_training(tmp_path_factory):
     root = tmp_path_factory.mktemp("trained")
     mp.setenv("MOETPLAN_CACHE_DIR", str(root / "cache"))
     mp.setenv("MOETPLAN_QUALITY_CACHE", str(root / "quality"))
-    from moetplan.runtime import quality as Q
+    from moetplan.runtime.offline import quality as Q
 
     short = replace(Q.TinyMoeSpec(), train_steps=2, batch=2)
     mp.setattr(Q, "TinyMoeSpec", lambda: short)

@@ -26,9 +26,9 @@ from moetplan.contract.errors import ConfigError  # noqa: E402
 from moetplan import vllm_compat  # noqa: E402
 from moetplan import contract as schema  # noqa: E402
 from moetplan.models import tiny_arch  # noqa: E402
-from moetplan.runtime import vllm_config  # noqa: E402
-from moetplan.runtime import vllm_method as vm  # noqa: E402
-from moetplan.runtime.worker import WorkerRuntime  # noqa: E402
+from moetplan.runtime.vllm import vllm_config  # noqa: E402
+from moetplan.runtime.vllm import vllm_method as vm  # noqa: E402
+from moetplan.runtime.vllm.worker import WorkerRuntime  # noqa: E402
 
 # The CPU-sized configs of moetplan.models.tiny_arch (the GPU end-to-end test serves their CUDA-sized twins).
 _D = tiny_arch.CPU_DIMS

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.moe_kernels import (atomic_write_json, capture, machine_info, model_shapes, resident_layer,  # noqa: E402
                            time_events)
 from moetplan.contract.runtime import KernelPolicy  # noqa: E402
-from moetplan.runtime import kernels as kmod, ops  # noqa: E402
-from moetplan.runtime.format import RowLayout  # noqa: E402
+from moetplan.runtime.op import kernels as kmod, ops  # noqa: E402
+from moetplan.runtime.format.format import RowLayout  # noqa: E402
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:

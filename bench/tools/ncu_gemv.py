@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.moe_kernels import model_shapes, resident_layer  # noqa: E402
 from moetplan.contract.runtime import KernelPolicy  # noqa: E402
-from moetplan.runtime import ops  # noqa: E402
-from moetplan.runtime.format import RowLayout  # noqa: E402
+from moetplan.runtime.op import ops  # noqa: E402
+from moetplan.runtime.format.format import RowLayout  # noqa: E402
 
 
 def main() -> None:

@@ -8,13 +8,13 @@ from typing import Annotated, Any, Optional
 import typer
 
 from moetplan.contract.errors import UsageError
-from moetplan.runtime.kernels import KernelBuildError, build, build_key, cache_root, normalize_archs, nvcc_path
+from moetplan.runtime.op.kernels import KernelBuildError, build, build_key, cache_root, normalize_archs, nvcc_path
 
 TARGETS = ("auto", "cuda", "cpu")
 
 
 def _build_cpu(verbose: bool) -> dict[str, Any]:
-    from moetplan.runtime import cpu_kernels
+    from moetplan.runtime.op import cpu_kernels
 
     try:
         mod = cpu_kernels.build(verbose=verbose)

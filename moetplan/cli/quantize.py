@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from moetplan.contract.vocab import ZERO_MODES
-from moetplan.runtime.quantize_ckpt import quantize_checkpoint
+from moetplan.runtime.format.quantize_ckpt import quantize_checkpoint
 
 
 def _render(result: dict[str, Any]) -> None:

@@ -47,7 +47,7 @@ def replay_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table"),
 ) -> None:
     """Replay a routing trace through the expert store: token hit rate and zero-miss steps vs cache size."""
-    from moetplan.runtime.trace import run_replay  # numpy: loaded when replaying, not for every command
+    from moetplan.runtime.offline.trace import run_replay  # numpy: loaded when replaying, not for every command
 
     try:
         share_list = [float(x) for x in shares.split(",") if x.strip()]

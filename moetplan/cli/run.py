@@ -162,7 +162,7 @@ def trained_checkpoint() -> Path:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from moetplan.models import tiny
-    from moetplan.runtime import quality as Q
+    from moetplan.runtime.offline import quality as Q
 
     spec = Q.TinyMoeSpec()
     with Progress(TextColumn("training tiny-moe-py on Python's standard library"), BarColumn(),

@@ -182,7 +182,7 @@ class RuntimeSection(_Frozen):
 
     @property
     def replays(self) -> bool:
-        """Tiered layers run inside vLLM's graphs and a step that missed is run again (runtime/miss_replay.py)."""
+        """Tiered layers run inside vLLM's graphs and a step that missed is run again (runtime/store/miss_replay.py)."""
         return self.records_steps and self.expert_tier != "resident"
 
     @property

@@ -1,7 +1,7 @@
 """A missed routed expert computed on the CPU from its host copy vs fetched over the host link (issue 39).
 
 Both read the expert's 2-bit row from host RAM once; the CPU path reads it through the memory bus at the rate
-`moetplan.runtime.cpu_kernels.measure_expert_throughput` measures (GB/s of 2-bit rows at batch 1, all cores), the
+`moetplan.runtime.op.cpu_kernels.measure_expert_throughput` measures (GB/s of 2-bit rows at batch 1, all cores), the
 fetch path over PCIe at the pinned H2D rate. The two links work at once, so a step's misses are split to finish
 both at the same time. Torch-free: the planner and the cost model call it with measured rates.
 """

@@ -387,7 +387,7 @@ def ensure_tiny_checkpoint(name: str, cache_root: str | os.PathLike[str] | None 
 # --------------------------------------------------------------------------- the trained tiny MoE
 
 # A tiny MoE trained here on the standard library's Python source (the model bench/quality.py measures,
-# moetplan.runtime.quality): its completions look like Python, so a first request says something. Trained once
+# moetplan.runtime.offline.quality): its completions look like Python, so a first request says something. Trained once
 # (minutes on a laptop CPU) into the quality cache, then exported here as a served checkpoint.
 TRAINED_NAME = "tiny-moe-py"
 TRAINED_DESCRIPTION = "Qwen3-MoE-style, 4 layers, 16 experts top-2, trained here on Python's standard library"

@@ -13,7 +13,7 @@ its MoE methods hold (`WorkerRuntime.after_model_loaded`), which does nothing un
 
 The runner hook (`prepare_replay`, plans with moe_graphs=replay): Model Runner V1 calls each step's model through
 one method (`vllm_compat.install_forward_hook`); wrapping it puts the replay driver around the graph replay, before
-sampling (runtime/miss_replay.py, docs/CUDA_GRAPHS.md).
+sampling (runtime/store/miss_replay.py, docs/CUDA_GRAPHS.md).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def install_load_hook(loader_cls: Any = None) -> bool:
     @functools.wraps(orig)
     def load_model(self: Any, vllm_config: Any, model_config: Any, *args: Any, **kwargs: Any) -> Any:
         model = orig(self, vllm_config, model_config, *args, **kwargs)
-        from moetplan.runtime.vllm_method import after_model_loaded
+        from moetplan.runtime.vllm.vllm_method import after_model_loaded
 
         return after_model_loaded(model, vllm_config)
 
@@ -57,20 +57,20 @@ def register() -> None:
         prepare_replay()  # a later engine of this process may serve another plan (offline scripts)
         return
     from moetplan import vllm_compat
-    from moetplan.runtime import cpu_amx
+    from moetplan.runtime.vllm import cpu_amx
 
     note = vllm_compat.check_supported()  # raises for a vLLM older than the range
     if note:
         log.warning("moetplan: %s", note)
-    from moetplan.runtime.rotary_fix import apply_rotary_fix
-    from moetplan.runtime.vllm_config import register_method
+    from moetplan.runtime.vllm.rotary_fix import apply_rotary_fix
+    from moetplan.runtime.vllm.vllm_config import register_method
 
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         cpu_amx.prepare()
     elif current_platform.is_cuda():
-        from moetplan.runtime.cuda_fixes import apply_fixes
+        from moetplan.runtime.vllm.cuda_fixes import apply_fixes
 
         apply_fixes()
     register_method()
@@ -105,7 +105,7 @@ def prepare_replay() -> bool:
         return False
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from moetplan import vllm_compat
-    from moetplan.runtime import worker
+    from moetplan.runtime.vllm import worker
 
     worker.FORWARD_HOOKED = vllm_compat.install_forward_hook(worker.around_forward)
     if not worker.FORWARD_HOOKED:

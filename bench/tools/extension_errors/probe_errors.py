@@ -39,7 +39,7 @@ def run_case(case: str) -> None:
         if case.startswith("cpp"):
             getattr(segv, case)(*([5] if case == "cpp_num" else []))
         elif case.startswith("cu"):
-            from moetplan.runtime.kernels import gencode_flags, normalize_archs
+            from moetplan.runtime.op.kernels import gencode_flags, normalize_archs
 
             archs = normalize_archs(None)
             os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
@@ -50,7 +50,7 @@ def run_case(case: str) -> None:
         elif case == "torch_num":
             torch.zeros(6).view(4)
         else:
-            from moetplan.runtime import kernels
+            from moetplan.runtime.op import kernels
 
             kernels.get_module().gemv_plan(True, False, False, 100, 1, -1)
         print("RESULT no exception")
