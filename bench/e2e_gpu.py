@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -189,8 +190,23 @@ def spec_decode_counters(url: str) -> dict[str, float]:
     return out
 
 
+def _tail(path: Path, lines: int) -> list[str]:
+    """The last lines of a log (the MoE layers' one-line-per-layer notes left out), for the result file."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line[-400:] for line in text if "experts=" not in line or "tier=" not in line][-lines:]
+
+
+class CallLimit(Exception):
+    """The device call's limit is near (SIGTERM from `timeout`): stop the case, keep what was measured."""
+
+
 def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any, root: Path,
-             deadline: float, vllm_args: str) -> dict[str, Any]:
+             deadline: float, vllm_args: str, res: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Plan, serve, bench and stop one case; fills and returns `res` (given by the caller, so what a case stopped
+    by the call's limit had found, its plan and predictions, is kept)."""
     from moetplan.measure.phases import run_bench
     from moetplan.launch.harness import RunFailed, RunProcess
 
@@ -199,9 +215,10 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any,
     folder = root / (name + ("-eager" if "--enforce-eager" in vllm_args else ""))
     t0 = time.monotonic()
     plan_path, plan = make_plan(args.model, hw, case, args.context, max(streams), card, folder)
-    res: dict[str, Any] = {"plan": str(plan_path), "placement": plan.placement.model_dump(mode="json"),
-                           "prediction_served_plan": plan.prediction.model_dump(mode="json"),
-                           "runtime_section": plan.runtime.model_dump(mode="json")}
+    res = {} if res is None else res
+    res.update({"plan": str(plan_path), "placement": plan.placement.model_dump(mode="json"),
+                "prediction_served_plan": plan.prediction.model_dump(mode="json"),
+                "runtime_section": plan.runtime.model_dump(mode="json")})
     res["predicted"] = predictions(args.model, hw, case, args.context, max(streams), card, streams)
     port = 8100 + len(list(root.iterdir()))
     left = deadline - time.monotonic()
@@ -238,7 +255,12 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any,
     except RunFailed as e:
         res["error"] = str(e)[-2000:]
         res["ready_failed"] = not res.get("startup_s")
+    except BaseException as e:  # the call's limit (SIGTERM) or Ctrl-C: say so, stop the server, pass it on
+        res["error"] = f"stopped before it finished: {type(e).__name__}: {e}"
+        raise
     finally:
+        if "measured" not in res:
+            res["server_log_tail"] = _tail(folder / "plan.server.log", 60)
         res["stopped"] = {k: v for k, v in run.stop().items() if k in ("leftover", "leftover_killed", "returncode")}
         res["wall_s"] = round(time.monotonic() - t0, 1)
     return res
@@ -300,6 +322,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--work", type=Path, default=Path("/tmp/moetplan-e2e"))
     ap.add_argument("--deadline-s", type=float, default=540.0, help="stop starting cases after this many seconds")
+    ap.add_argument("--deadline-at", type=float, help="the same as a Unix time (the device call's end less a margin; "
+                    "bench/gpu_e2e.sh passes it): the earlier of the two counts")
     ap.add_argument("--min-case-s", type=float, default=200.0, help="a case needs at least this long to start")
     ap.add_argument("--vllm-args", default="", help="extra vLLM arguments for every server (e.g. --enforce-eager: "
                     "then the case names say eager)")
@@ -310,6 +334,13 @@ def main() -> int:
     args.streams = tuple(int(s) for s in args.streams.split(",") if s)
     start = time.monotonic()
     deadline = start + args.deadline_s
+    if args.deadline_at is not None:
+        deadline = min(deadline, start + args.deadline_at - time.time())
+
+    def on_term(signum: int, _frame: Any) -> None:
+        raise CallLimit(f"signal {signum}: the device call's limit")
+
+    signal.signal(signal.SIGTERM, on_term)
     hw = _profile(args.hw)
     from moetplan.measure.phases import machine_info
 
@@ -355,10 +386,17 @@ def main() -> int:
             if deadline - time.monotonic() < args.min_case_s:
                 doc["skipped"][name] = f"not started: {deadline - time.monotonic():.0f} s left of the call's budget"
                 break
+            stop = None
+            res: dict[str, Any] = {}
             try:
-                res = run_case(name, case, args, hw, args.work, deadline, vllm_args.strip())
+                run_case(name, case, args, hw, args.work, deadline, vllm_args.strip(), res)
+            except CallLimit as e:
+                res["error"] = f"stopped at the device call's limit ({e}) before the server was measured"
+                res.setdefault("vllm_extra_args", vllm_args.strip() or None)
+                res.setdefault("server_log_tail", _tail(args.work / name / "plan.server.log", 60))
+                stop = e
             except Exception as e:  # noqa: BLE001 - the other cases still run
-                res = {"error": f"{type(e).__name__}: {e}", "vllm_extra_args": vllm_args.strip() or None}
+                res.update({"error": f"{type(e).__name__}: {e}", "vllm_extra_args": vllm_args.strip() or None})
             key = name + ("-eager" if "--enforce-eager" in vllm_args else "")
             doc["runs"][key] = res
             doc["cases"] += case_rows(name, case, res, args.model)
@@ -369,6 +407,8 @@ def main() -> int:
             if check is not None:
                 doc["token_check"] = check
                 atomic_write_json(args.out, doc)
+            if stop is not None:
+                return 3
             if not res.get("ready_failed"):
                 break  # measured, or failed after it started: an eager retry would not tell more
     return 0

@@ -181,3 +181,19 @@ def test_install_check_follows_deepseek_v4s_function_level_imports(tmp_path):
     got = vi.function_imports(vi.Tree(tmp_path), "vllm.models.deepseek_v4")
     assert got == {"vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl": "vllm.models.deepseek_v4.compressor",
                    "quack.compile_utils": "vllm.models.deepseek_v4.compressor"}
+
+
+def test_moetplans_own_needs_end_up_in_one_piece(tmp_path):
+    def item(name, mib):
+        p = tmp_path / name
+        p.write_bytes(bytes(int(mib * device_pack.MiB)))
+        return device_pack.Item(p, "core")
+
+    items = [item("big-a.tar.xz", 50), item("pydantic-2.tar.xz", 2), item("big-b.tar.xz", 40),
+             item("pydantic_core-2.tar.xz", 3), item("platformdirs-4.tar.xz", 1)]
+    budget = int(55 * device_pack.MiB)
+    pieces = device_pack.fill(items, budget)
+    device_pack.gather(pieces, device_pack.MOETPLAN_NEEDS, budget)
+    homes = {i.path.name: n for n, p in enumerate(pieces) for i in p.items}
+    assert homes["pydantic-2.tar.xz"] == homes["pydantic_core-2.tar.xz"] == homes["platformdirs-4.tar.xz"]
+    assert all(p.size <= budget for p in pieces)

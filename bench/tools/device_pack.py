@@ -239,6 +239,32 @@ def split_oversize(items: list[Item], budget: int, work: Path) -> list[Item]:
     return out
 
 
+# What `moetplan build-kernels` imports that the GPU image lacks: kept in one piece, so the first call can start the
+# kernel build (bench/tools/device_install.sh MOETPLAN_BUILD_KERNELS=1).
+MOETPLAN_NEEDS = ("pydantic-", "pydantic_core-", "annotated_types-", "typing_inspection-", "platformdirs-")
+
+
+def gather(pieces: list[Piece], prefixes: tuple[str, ...], budget: int) -> None:
+    """Move the items named by `prefixes` into one piece that can hold them all (the one already holding most of
+    their bytes); left as they are where none can."""
+    named = [(piece, item) for piece in pieces for item in piece.items if item.path.name.startswith(prefixes)]
+    if not named:
+        return
+    total = sum(i.size for _, i in named)
+
+    def held(pc: Piece) -> int:
+        return sum(i.size for q, i in named if q is pc)
+
+    fits = [pc for pc in pieces if pc.size - held(pc) + total <= budget]
+    if not fits:
+        return
+    home = max(fits, key=held)
+    for piece, item in named:
+        if piece is not home:
+            piece.items.remove(item)
+            home.items.append(item)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-wheel", type=Path, required=True)
@@ -275,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = int(a.budget_mib * MiB)
     items = split_oversize(items, budget, work)
     pieces = fill(items, budget)
+    gather(pieces, MOETPLAN_NEEDS, budget)
     manifest = {"vllm_wheel": a.vllm_wheel.name, "arch": f"sm_{a.arch}", "budget_mib": a.budget_mib,
                 "vllm": stats, "pieces": []}
     for n, piece in enumerate(pieces, 1):
