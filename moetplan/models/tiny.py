@@ -391,6 +391,11 @@ def ensure_tiny_checkpoint(name: str, cache_root: str | os.PathLike[str] | None 
 # (minutes on a laptop CPU) into the quality cache, then exported here as a served checkpoint.
 TRAINED_NAME = "tiny-moe-py"
 TRAINED_DESCRIPTION = "Qwen3-MoE-style, 4 layers, 16 experts top-2, trained here on Python's standard library"
+# Bump when export_trained writes something else, so exported folders are rewritten (training stays cached).
+TRAINED_EXPORT_VERSION = 2
+# vLLM's default sampling for requests that set none (it reads generation_config.json): a model this small loops
+# under greedy decoding, and samples at 0.7 read as Python.
+TRAINED_SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.95}
 
 
 def is_trained(name: str) -> bool:
@@ -399,7 +404,8 @@ def is_trained(name: str) -> bool:
 
 def trained_dir(info: dict[str, Any], cache_root: str | os.PathLike[str] | None = None) -> Path:
     """Where the served export of a trained model goes: keyed by its training record (spec, steps, losses)."""
-    key = hashlib.sha256(json.dumps({"v": GENERATOR_VERSION, "info": info}, sort_keys=True,
+    key = hashlib.sha256(json.dumps({"v": GENERATOR_VERSION, "export": TRAINED_EXPORT_VERSION, "info": info},
+                                    sort_keys=True,
                                     default=str).encode()).hexdigest()[:12]
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     return root / f"{TRAINED_NAME}-{key}"
@@ -429,6 +435,8 @@ def export_trained(model: Any, tokenizer: Any, info: dict[str, Any],
         fast.model_max_length = int(getattr(cfg, "max_position_embeddings", 4096))
         fast.chat_template = CHAT_TEMPLATE
         fast.save_pretrained(str(tmp))
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {**TRAINED_SAMPLING, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}, indent=2) + "\n")
         (tmp / "moetplan_tiny.json").write_text(json.dumps({"name": TRAINED_NAME, "trained": info}, indent=2,
                                                            default=str) + "\n")
         try:
