@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moetplan.contract import atomic_write_text  # noqa: E402
-from moetplan.runtime.format.format import format as F  # noqa: E402
-from moetplan.runtime.format.format import sources as S  # noqa: E402
+from moetplan.runtime.format import format as F  # noqa: E402
+from moetplan.runtime.format import sources as S  # noqa: E402
 from moetplan.runtime.format.packs import Pack, PackWriter, aligned_rows  # noqa: E402
 
 GB = 1e9

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moetplan.contract.errors import MoetplanError, UsageError
-from moetplan.runtime.store.store import backing as bk
+from moetplan.runtime.store import backing as bk
 from moetplan.runtime.store.backing import (
     ArrayRowSource, FileRowSource, PackArenaStore, PackPageCacheStore, PinnedHostStore, PinnedMemoryError,
     host_buffer, make_backing,

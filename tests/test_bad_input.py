@@ -92,7 +92,7 @@ def test_quantize_onto_a_disk_without_room_says_how_much_is_needed(tmp_path, ckp
 
 
 def test_a_write_that_runs_out_of_space_leaves_no_partial_pack(tmp_path, ckpt, monkeypatch):
-    from moetplan.runtime.format.format import packs as P
+    from moetplan.runtime.format import packs as P
 
     real = os.pwrite
     calls = {"n": 0}

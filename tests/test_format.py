@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moetplan.contract.errors import ConfigError, UsageError
-from moetplan.runtime.format.format import format as F
+from moetplan.runtime.format import format as F
 
 
 def _agree(w: torch.Tensor, zero_mode: str = "auto") -> None:

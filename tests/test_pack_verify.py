@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moetplan.launch.supervisor import Server, ServerDiedError
-from moetplan.runtime.format.format import packs as P
+from moetplan.runtime.format import packs as P
 from moetplan.runtime.store.backing import PackArenaStore
 from moetplan.runtime.format.format import RowLayout
 from moetplan.runtime.format.pack_repair import CheckpointRepair

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moetplan.contract.errors import UsageError
-from moetplan.runtime.format.format import packs as P
+from moetplan.runtime.format import packs as P
 from moetplan.runtime.format.format import RowLayout
 
 L, E = 3, 5

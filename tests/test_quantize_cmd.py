@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from moetplan.cli import app
-from moetplan.runtime.format.format import format as F
-from moetplan.runtime.format.format import packs as P
-from moetplan.runtime.format.format import sources as S
+from moetplan.runtime.format import format as F
+from moetplan.runtime.format import packs as P
+from moetplan.runtime.format import sources as S
 
 HIDDEN, INTER, LAYERS, EXPERTS = 64, 64, 3, 4
 REPO = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moetplan.contract.errors import ConfigError
-from moetplan.runtime.format.format import format as F
-from moetplan.runtime.format.format import sources as S
+from moetplan.runtime.format import format as F
+from moetplan.runtime.format import sources as S
 
 
 def _rng(seed: int) -> np.random.Generator:

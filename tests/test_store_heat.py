@@ -98,7 +98,7 @@ def test_rebuilt_pack_changes_identity(pack):
 
 
 def test_heat_keeper_saves_periodically_and_survives_a_bad_disk(pack, tmp_path, monkeypatch, caplog):
-    from moetplan.runtime.store.store import heat as heat_mod
+    from moetplan.runtime.store import heat as heat_mod
     from moetplan.runtime.store.heat import HeatKeeper
 
     store = ExpertStore(PinnedHostStore(FileRowSource(pack, L, E, S), pin=False), 6)

@@ -45,7 +45,7 @@ class SourceTensor:
     def dequantize(self) -> torch.Tensor:
         """Exact float values: float sources as stored (the quantizer reads bf16/fp16/fp32 directly), float64 for
         FP8 / NVFP4 / MXFP4."""
-        from moetplan.runtime.format.format import sources as S
+        from moetplan.runtime.format import sources as S
 
         p = self.parts
         if self.kind == "plain":

@@ -63,8 +63,8 @@ def _expert_rows(src: dict, layout, ranks: list[int], zero_mode: str, stats: dic
     """Yield (rank, row) for one expert; float sources are dequantized once, MXFP4 remapped without it."""
     import torch
 
-    from moetplan.runtime.format.format import format as F
-    from moetplan.runtime.format.format import sources as S
+    from moetplan.runtime.format import format as F
+    from moetplan.runtime.format import sources as S
 
     ir = layout.inter_per_rank
     gate, up, down = src["gate"], src["up"], src["down"]
@@ -113,7 +113,7 @@ def _coded_row(layout, r: int, w13: tuple, w2: tuple, quantize, dequantize, name
                stats: dict[int, list[dict]] | None):
     """One expert row from coded source parts ((codes, scales) of w13 and w2): quantized by the source format's
     `quantize`, with error statistics on sampled rows dequantized in float32 by `dequantize` (plenty for them)."""
-    from moetplan.runtime.format.format import format as F
+    from moetplan.runtime.format import format as F
 
     q13, s13, z13 = quantize(*w13, layout.fmt, zero_mode, names[0])
     q2, s2, z2 = quantize(*w2, layout.fmt, zero_mode, names[1])
@@ -131,7 +131,7 @@ def _fp8_rows(src: dict, layout, ranks: list[int], zero_mode: str, stats: dict[i
     """FP8 experts straight to rows: per-block code thresholds, no float64 weights (sources.fp8_quantize)."""
     import torch
 
-    from moetplan.runtime.format.format import sources as S
+    from moetplan.runtime.format import sources as S
 
     ir = layout.inter_per_rank
     byt = {p: src[p].parts["weight"].view(torch.uint8) for p in ("gate", "up", "down")}
@@ -149,7 +149,7 @@ def _nvfp4_rows(src: dict, sc16: dict, layout, ranks: list[int], zero_mode: str,
     """NVFP4 experts straight to rows: per-16 code thresholds on the e2m1 indices (sources.nvfp4_quantize)."""
     import torch
 
-    from moetplan.runtime.format.format import sources as S
+    from moetplan.runtime.format import sources as S
 
     ir = layout.inter_per_rank
     byt = {p: src[p].parts["weight"].view(torch.uint8) for p in ("gate", "up", "down")}
