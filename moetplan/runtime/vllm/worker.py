@@ -51,8 +51,10 @@ def tp_any(flag: bool) -> bool:
     from vllm.distributed import get_tp_group
 
     group = get_tp_group()
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=group.device)
-    return bool(int(group.all_reduce(t).item()) > 0)
+    # float32: vLLM's CPU shared-memory all-reduce has no integer kernel ("shm_allreduce_sum" not implemented for
+    # 'Int'), and every backend reduces float32; 0/1 sums are exact.
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float32, device=group.device)
+    return bool(group.all_reduce(t).item() > 0.5)
 
 
 def is_warmup() -> bool:
