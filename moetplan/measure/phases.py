@@ -33,7 +33,7 @@ import httpx
 
 from moetplan.measure import probes
 from moetplan.measure.client import BenchClient, StreamResult, describe_error
-from moetplan.measure.window import record_window, server_side_record
+from moetplan.measure.window import record_window, settled_record
 from moetplan.contract import Plan, RunRecord, SchemaError, load_json, save_json
 from moetplan.contract.errors import UsageError
 
@@ -558,11 +558,12 @@ async def _run(url: str, model: str | None, s: BenchSettings, plan: Plan | None,
         after_warmup: dict[str, Any] = {}
         for phase in phases:
             await phase()
-            if phase == b.warmup:
-                after_warmup = server_side_record(plan_path, since=started)
+            if phase == b.warmup and plan_path:
+                after_warmup = await settled_record(plan_path, since=time.time(), valid_since=started)
             b.finish()
             b.save()  # partial results survive a crash or Ctrl-C in a later phase
-        kpis = {**server_side_record(plan_path, since=started), **await runtime_metrics(client)}
+        served = await settled_record(plan_path, since=time.time(), valid_since=started) if plan_path else {}
+        kpis = {**served, **await runtime_metrics(client)}
         if kpis:
             rec.runtime.update(kpis)
             record_window(rec, after_warmup, kpis)

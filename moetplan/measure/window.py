@@ -26,6 +26,23 @@ def server_side_record(plan_path: str | None, since: float) -> dict[str, Any]:
     return {**served.runtime, "runtime_record": str(path)}
 
 
+async def settled_record(plan_path: str | None, since: float, valid_since: float,
+                         wait_s: float = 5.0) -> dict[str, Any]:
+    """server_side_record once the runtime has written the file after `since` (the end of the requests just
+    made): its flusher writes about once a second when counters changed, so a snapshot read right after the last
+    response may predate that response's decode steps. Waits at most `wait_s`, then takes what is there if it was
+    written after `valid_since` (the bench's start: never a record of an earlier server)."""
+    import asyncio
+    import time
+
+    end = time.monotonic() + wait_s
+    while True:
+        fresh = server_side_record(plan_path, since=since)
+        if fresh or time.monotonic() >= end:
+            return fresh or server_side_record(plan_path, since=valid_since)
+        await asyncio.sleep(0.25)
+
+
 def _counts(runtime: dict[str, Any]) -> tuple[float, float, float, float, float] | None:
     d = runtime.get("decode")
     if not isinstance(d, dict) or not d.get("routings") or d.get("token_hit_rate") is None:
@@ -61,4 +78,4 @@ def record_window(rec: Any, after_warmup: dict[str, Any], at_end: dict[str, Any]
                      "decode steps after the warm-up (runtime: since the server started)")
 
 
-__all__ = ["record_window", "server_side_record", "window_kpis"]
+__all__ = ["record_window", "server_side_record", "settled_record", "window_kpis"]
