@@ -160,6 +160,16 @@ def test_no_diagnosis_for_unknown_failures():
     assert diagnose(["Traceback (most recent call last):", "KeyError: 'foo'"]) is None
 
 
+def _fake_spec(tmp_path):
+    """A one-layer local model for plans whose server is a stand-in script."""
+    from moetplan.contract.model import Attention, ModelSpec
+
+    return ModelSpec(id="local:fake", name="fake", local_path=str(tmp_path), num_layers=1, moe_layers=1,
+                     hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, top_k=2, vocab_size=64,
+                     max_position_embeddings=128, attention=Attention(kind="gqa", num_heads=1),
+                     kv_bytes_per_token={"bf16": 1.0}, non_routed_params_b=1e-6)
+
+
 def test_run_command_flow_with_a_stand_in_server(tmp_path, monkeypatch):
     """`moetplan run plan.json --json --logs` end to end without vLLM: progress, ready, the server dying on its
     own (non-zero exit, last lines), and the stop report."""
@@ -170,7 +180,6 @@ def test_run_command_flow_with_a_stand_in_server(tmp_path, monkeypatch):
     from moetplan.cli import app
     from moetplan.launch import run as run_mod
     from moetplan.launch.command import build_launch as real_build
-    from moetplan.contract.model import Attention, ModelSpec
     from moetplan.contract import save_json
 
     script = tmp_path / "fake_server.py"
@@ -183,10 +192,7 @@ def test_run_command_flow_with_a_stand_in_server(tmp_path, monkeypatch):
         return la
 
     monkeypatch.setattr(run_mod, "build_launch", fake_build)
-    spec = ModelSpec(id="local:fake", name="fake", local_path=str(tmp_path), num_layers=1, moe_layers=1,
-                     hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, top_k=2, vocab_size=64,
-                     max_position_embeddings=128, attention=Attention(kind="gqa", num_heads=1),
-                     kv_bytes_per_token={"bf16": 1.0}, non_routed_params_b=1e-6)
+    spec = _fake_spec(tmp_path)
     plan_path = tmp_path / "plan.json"
     from moetplan.plan.cpu_backend import plan_for_cpu
 
@@ -288,7 +294,6 @@ def test_a_killed_engine_is_restarted_and_the_restarts_are_recorded(tmp_path, mo
 
     from moetplan.cli import app
     from moetplan.contract import load_json, run_record_path, RunRecord, save_json
-    from moetplan.contract.model import Attention, ModelSpec
     from moetplan.launch import run as run_mod
     from moetplan.launch.command import build_launch as real_build
     from moetplan.plan.cpu_backend import plan_for_cpu
@@ -305,10 +310,7 @@ def test_a_killed_engine_is_restarted_and_the_restarts_are_recorded(tmp_path, mo
 
     monkeypatch.setattr(run_mod, "build_launch", fake_build)
     monkeypatch.setattr(run_mod, "DEAD_CHILD_GRACE_S", 1.0)
-    spec = ModelSpec(id="local:fake", name="fake", local_path=str(tmp_path), num_layers=1, moe_layers=1,
-                     hidden_size=64, moe_intermediate_size=32, n_routed_experts=4, top_k=2, vocab_size=64,
-                     max_position_embeddings=128, attention=Attention(kind="gqa", num_heads=1),
-                     kv_bytes_per_token={"bf16": 1.0}, non_routed_params_b=1e-6)
+    spec = _fake_spec(tmp_path)
     plan_path = tmp_path / "plan.json"
     save_json(plan_for_cpu(spec, context=128), plan_path)
     res = CliRunner().invoke(app, ["run", str(plan_path), "--json", "--port", str(port), "--max-restarts", "1"])

@@ -18,6 +18,7 @@ attention backend supports.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -25,7 +26,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from moetplan.contract.errors import UnknownNameError
 
@@ -362,26 +363,33 @@ def ensure_tiny_checkpoint(name: str, cache_root: str | os.PathLike[str] | None 
     target = checkpoint_dir(name, cache_root)
     if (target / "moetplan_tiny.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     base = ensure_tiny_checkpoint(tm.fp8_of, cache_root) if tm.fp8_of else None
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
-    try:
+    with _written_into(target) as tmp:
         if base is not None:
             _write_fp8_export(base, tmp)
             (tmp / "moetplan_tiny.json").write_text(json.dumps(
                 {"name": tm.name, "generator_version": GENERATOR_VERSION, "fp8_of": tm.fp8_of}, indent=2) + "\n")
         else:
             _write_checkpoint(tm, tmp)
+    return target
+
+
+@contextlib.contextmanager
+def _written_into(target: Path) -> Iterator[Path]:
+    """A temp folder beside `target`, renamed into place when the block ends without error (an interrupted write
+    leaves nothing a later run would trust); if another process finished first, its folder is kept."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        yield tmp
         try:
             os.replace(tmp, target)
         except OSError:
-            # Another process finished first (target exists and is non-empty): keep theirs.
             if not (target / "moetplan_tiny.json").is_file():
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 # --------------------------------------------------------------------------- the trained tiny MoE
@@ -421,9 +429,7 @@ def export_trained(model: Any, tokenizer: Any, info: dict[str, Any],
     target = trained_dir(info, cache_root)
     if (target / "moetplan_tiny.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
-    try:
+    with _written_into(target) as tmp:
         model.to(torch.bfloat16).save_pretrained(str(tmp))
         cfg = model.config
         # transformers 5 writes num_local_experts; checkpoints (and vLLM's readers) name it num_experts
@@ -439,12 +445,4 @@ def export_trained(model: Any, tokenizer: Any, info: dict[str, Any],
             {**TRAINED_SAMPLING, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}, indent=2) + "\n")
         (tmp / "moetplan_tiny.json").write_text(json.dumps({"name": TRAINED_NAME, "trained": info}, indent=2,
                                                            default=str) + "\n")
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / "moetplan_tiny.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
