@@ -4,7 +4,7 @@
 # Usage (on the GPU machine, repo root):  OUT=/path bash bench/gpu_session.sh [probe] [tests] [tiers] [kernels]
 #                                                                          [pattern] [ncu] [ncu-prefill]
 #                                                                          [timeline] [e4m3] [errors]
-#                                                                          [pipes]
+#                                                                          [pipes] [agreement]
 set -u
 OUT=${OUT:-/tmp/moetplan-gpu}
 mkdir -p "$OUT"
@@ -19,6 +19,14 @@ for s in $steps; do
     errors)  # do errors raised in extension code reach Python here, or crash the process (docs/KERNELS.md)
              timeout 300 python3 bench/tools/extension_errors/probe_errors.py --out "$OUT/extension_errors_h200.json" \
                > "$OUT/errors.log" 2>&1; echo "errors rc=$?"; cat "$OUT/errors.log" ;;
+    agreement) # tiny GLM / DeepSeek-V4 / Kimi served three ways (kernels + graphs, kernels eager, torch reference
+             # eager): the kernels' error alone and what compilation adds (tests/test_e2e_cuda.py; needs vLLM in /tmp/site)
+             while [ -e /tmp/kc-build.pid ] && kill -0 "$(cat /tmp/kc-build.pid)" 2>/dev/null; do sleep 2; done
+             MOETPLAN_KERNEL_CACHE=${MOETPLAN_KERNEL_CACHE:-/tmp/kc} PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH" VLLM_USE_FLASHINFER_SAMPLER=0 \
+               MOETPLAN_E2E_OUT="$OUT" MOETPLAN_E2E_STARTUP_S=${AGREEMENT_STARTUP_S:-400} \
+               timeout "${AGREEMENT_S:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_e2e_cuda.py \
+               > "$OUT/agreement.log" 2>&1
+             echo "agreement rc=$?"; tail -30 "$OUT/agreement.log" ;;
     tests)   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ > "$OUT/pytest_gpu.log" 2>&1
              echo "pytest rc=$?"; tail -25 "$OUT/pytest_gpu.log" ;;
     tiers)   timeout 200 python3 bench/tiers.py --out "$OUT/tiers_h200.json" > "$OUT/tiers.log" 2>&1
