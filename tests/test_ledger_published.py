@@ -193,3 +193,21 @@ def test_the_sampler_peak_grows_with_the_sequences():
     few, many = Placement(max_num_seqs=4, mtp=2), Placement(max_num_seqs=192, mtp=2)
     assert L.sampler_gib(ds4, many) == pytest.approx(L.sampler_gib(ds4, few) * 48)
     assert L.sampler_gib(ds4, many) > 1.0  # 576 rows of 129,280 logits: GiB the pool does not get
+
+
+@pytest.mark.parametrize("cid", [c.id for c in CONFIGS if c.kv_gib is not None])
+def test_kv_memory_vllm_reported_is_what_the_ledger_leaves(cid):
+    """The 5.5 GiB FP4 recipe at util 0.95 left vLLM 1.04 GiB of KV (and failed the MTP floor): the ledger's every
+    other item on that rank, with the build's dense size, leaves the same."""
+    cfg = next(c for c in CONFIGS if c.id == cid)
+    assert published.kv_left_gib(cfg) == pytest.approx(cfg.kv_gib, abs=0.05)
+
+
+def test_the_production_recipe_plans_past_the_resident_guard_with_a_warning():
+    """vLLM-Moet's 5.5 GiB recipe at util 0.97 boots past its own resident guard at 128K: planned, the guard named;
+    the same recipe at util 0.95 (1.04 GiB of KV) is refused naming the KV pool."""
+    cfgs = {c.id: c for c in CONFIGS}
+    out = published.evaluate(cfgs["ds4-pro1-fp4-5.5-128k"])
+    assert out.feasible and any("resident guard" in w for w in out.placement_guards)
+    refused = published.evaluate(cfgs["oom-ds4-pro1-fp4-5.5-util-0.95"])
+    assert not refused.feasible and "kv_cache" in refused.short
