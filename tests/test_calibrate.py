@@ -344,3 +344,14 @@ def test_calibrate_reads_bench_records_on_a_cpu_run(tmp_path):
     # The GPU families are untouched by a CPU refit.
     assert load_calibration(hwdb.box_profile("rtx-5090x1")).family(hwdb.box_profile("rtx-5090x1")) == \
         load_calibration(user=False).families["sm120"]
+
+
+def test_a_user_file_from_before_the_drafter_factor_was_retired_still_loads():
+    """An older `moetplan calibrate` wrote drafter_overhead_ms; the model prices a drafter pass from its bytes and
+    the MTP rows' proposer cost now, so the key is dropped, and the rest of the refit still applies."""
+    path = user_calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("families:\n  sm120:\n    drafter_overhead_ms: 9.8\n    step_overhead_ms: 3.25\n")
+    calib = load_calibration(hwdb.box_profile("rtx-5090x1"))
+    assert calib.family(hwdb.box_profile("rtx-5090x1")).step_overhead_ms == 3.25
+    assert not hasattr(calib.family(hwdb.box_profile("rtx-5090x1")), "drafter_overhead_ms")
