@@ -36,9 +36,16 @@ def main() -> int:
         if c.kv_tokens:
             row.update(kv_tokens=o.kv_tokens, published_kv_tokens=c.kv_tokens,
                        kv_error=round(o.kv_tokens / c.kv_tokens - 1, 4) if o.kv_tokens else None)
+        if c.kv_gib is not None:
+            left = published.kv_left_gib(c)
+            row.update(kv_gib=round(left, 3), published_kv_gib=c.kv_gib, kv_gib_error=round(left - c.kv_gib, 3))
         rows.append(row)
         mark = "ok " if o.as_published else "OPEN" if c.open else "BAD"
         extra = f"  KV {o.kv_tokens:,} vs {c.kv_tokens:,} tokens ({row['kv_error']:+.1%})" if c.kv_tokens else ""
+        if c.kv_gib is not None:
+            extra += f"  KV left {row['kv_gib']:.2f} vs {c.kv_gib:.2f} GiB reported"
+        if o.placement_guards:
+            extra += "  (WARN past vLLM-Moet's resident guard)"
         print(f"{mark} {c.id:36s} {'booted' if c.booted else 'OOM':6s} -> {'plans' if o.feasible else 'refused'}"
               f" {','.join(o.short)}{extra}")
     booted = [r for r in rows if r["booted"]]
@@ -47,7 +54,8 @@ def main() -> int:
                "oom_refused_naming_the_short_item": sum(r["as_published"] for r in oom),
                "open": {r["id"]: r["open"] for r in rows if r["open"]},
                "planned_past_a_guard": [r["id"] for r in rows if r["warnings"]],
-               "kv_pool_errors": {r["id"]: r["kv_error"] for r in rows if "kv_error" in r}}
+               "kv_pool_errors": {r["id"]: r["kv_error"] for r in rows if "kv_error" in r},
+               "kv_gib_errors": {r["id"]: r["kv_gib_error"] for r in rows if "kv_gib_error" in r}}
     print(json.dumps(summary, indent=2))
     doc = {"bench": "ledger_check", "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "command": "python bench/ledger_check.py", "machine": machine_info(), "summary": summary, "rows": rows}

@@ -412,3 +412,29 @@ def test_a_cpu_step_is_priced_from_what_it_does():
     assert ms_slow[CPU_EXPERT_CALLS] == pytest.approx(ms[CPU_EXPERT_CALLS])
     if "compute-bound" not in next(t for t in a.terms if t.name == EXPERTS).note:
         assert ms_slow[EXPERTS] == pytest.approx(4 * ms[EXPERTS])
+
+
+def test_a_separate_drafter_pass_is_its_bytes_plus_the_proposer_cost_mtp_rows_pin():
+    """An Eagle3 drafter (no MTP head) drafts one token per pass: its weights less the copy of the embedding table
+    it only indexes, read at the dense rate, one layer launch, its all-reduces and the proposer's bookkeeping
+    (draft_overhead_ms, the same vLLM path as MTP): no factor of its own for one published row to set."""
+    from moetplan import hwdb
+    from moetplan.contract.model import GIB
+    from moetplan.cost_model.calibration import load_calibration
+    from moetplan.cost_model.terms import DRAFT, embedding_bytes
+
+    kimi = hwdb.model_spec("kimi-k2.7-code")
+    assert kimi.mtp_layers == 0 and kimi.drafter_gib > 0
+    hw = hwdb.box_profile("rtx-pro-6000x4")
+    calib = load_calibration(user=False)
+    p = Placement.for_model(kimi, tp=4, expert_tier="resident", kv_dtype="fp8", context=32768, mtp=2)
+    step = decode_step(kimi, hw, p, calib)
+    (draft,) = [t for t in step.terms if t.name == DRAFT]
+    assert set(draft.parts) == {"family.dense_bw_eff", "family.layer_overhead_us", "family.draft_overhead_ms",
+                                "family.allreduce_latency_us"}
+    per_pass_bytes = (kimi.drafter_gib * GIB - embedding_bytes(kimi)) / 4
+    bw = step.rates.mem_bw_gbps * 1e9
+    assert draft.parts["family.dense_bw_eff"] == pytest.approx(2 * per_pass_bytes / bw * 1e3)
+    assert draft.parts["family.draft_overhead_ms"] == 2.0
+    # Two drafted tokens cost a few ms at TP4, far from the ~10 ms per token one row alone once fitted.
+    assert 1.0 < draft.ms(calib, hw) < 8.0

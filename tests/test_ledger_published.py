@@ -193,3 +193,44 @@ def test_the_sampler_peak_grows_with_the_sequences():
     few, many = Placement(max_num_seqs=4, mtp=2), Placement(max_num_seqs=192, mtp=2)
     assert L.sampler_gib(ds4, many) == pytest.approx(L.sampler_gib(ds4, few) * 48)
     assert L.sampler_gib(ds4, many) > 1.0  # 576 rows of 129,280 logits: GiB the pool does not get
+
+
+@pytest.mark.parametrize("cid", [c.id for c in CONFIGS if c.kv_gib is not None])
+def test_kv_memory_vllm_reported_is_what_the_ledger_leaves(cid):
+    """The 5.5 GiB FP4 recipe at util 0.95 left vLLM 1.04 GiB of KV (and failed the MTP floor): the ledger's every
+    other item on that rank, with the build's dense size, leaves the same."""
+    cfg = next(c for c in CONFIGS if c.id == cid)
+    assert published.kv_left_gib(cfg) == pytest.approx(cfg.kv_gib, abs=0.05)
+
+
+def test_the_production_recipe_plans_past_the_resident_guard_with_a_warning():
+    """vLLM-Moet's 5.5 GiB recipe at util 0.97 boots past its own resident guard at 128K: planned, the guard named;
+    the same recipe at util 0.95 (1.04 GiB of KV) is refused naming the KV pool."""
+    cfgs = {c.id: c for c in CONFIGS}
+    out = published.evaluate(cfgs["ds4-pro1-fp4-5.5-128k"])
+    assert out.feasible and any("resident guard" in w for w in out.placement_guards)
+    refused = published.evaluate(cfgs["oom-ds4-pro1-fp4-5.5-util-0.95"])
+    assert not refused.feasible and "kv_cache" in refused.short
+
+
+def test_the_dense_term_alone_makes_the_earlier_build_recipes_short_on_todays_build():
+    """The recipes that ran on DeepSeek-V4-Flash's earlier build (dense ~2 GiB smaller by the source's account) plan
+    on it; with today's dense size each MTP one is refused naming the KV pool, short by less than the ~0.56 GiB
+    between the two builds' dense sizes: no other ledger item differs between the two evaluations."""
+    earlier = [c for c in CONFIGS if c.booted and c.model.id == "deepseek-v4-flash"
+               and c.model.dense_gib_published != hwdb.model_spec("deepseek-v4-flash").dense_gib_published]
+    assert {c.id for c in earlier} >= {"ds4-pro1-fp4-5.5", "ds4-pro1-fp4-5.5-128k", "ds4-5090-host-14-fp4-1"}
+    today = hwdb.model_spec("deepseek-v4-flash")
+    gap = today.dense_gib_published - earlier[0].model.dense_gib_published
+    for c in earlier:
+        assert published.evaluate(c).feasible
+        if int(c.pins["mtp"]) > 0:
+            now = published.Published(c.id, today, c.hw, c.pins, c.booted)
+            out = published.evaluate(now)
+            assert not out.feasible and out.short == ["kv_cache"], (c.id, out.problems)
+            assert 0 < L.kv_floor_gib(today, _pinned_placement(now)) - published.kv_left_gib(now) < gap + 0.01
+
+
+def _pinned_placement(c: published.Published) -> Placement:
+    pins = {k: v for k, v in c.pins.items() if k not in ("gate_tau", "kv_cache_memory_bytes")}
+    return Placement.for_model(c.model, **pins)

@@ -25,6 +25,9 @@ PRIORS_FILE = "priors.yaml"
 USER_FILE = "calibration.yaml"
 DEFAULT_FAMILY = "default"
 CPU_FAMILY = "cpu"  # vLLM's CPU backend: no GPU in the profile
+# Factors an older `moetplan calibrate` wrote that the model no longer has: dropped from a user file, not an error
+# (drafter_overhead_ms: a separate drafter's pass is now its bytes plus the proposer cost MTP rows pin).
+RETIRED_FAMILY_FACTORS = ("drafter_overhead_ms",)
 
 
 class _Model(BaseModel):
@@ -39,9 +42,8 @@ class FamilyFactors(_Model):
     compute_eff: float = Field(0.5, description="Share of dense BF16 tensor TFLOPs reached in prefill GEMMs")
     layer_overhead_us: float = Field(15.0, description="Per decoder-layer forward: launches / graph replay")
     step_overhead_ms: float = Field(1.5, description="Per decode step: scheduler, sampler, host round trip")
-    draft_overhead_ms: float = Field(1.0, description="Per speculative (MTP) token: proposer bookkeeping")
-    drafter_overhead_ms: float = Field(1.0, description="Per token a separate drafter (Eagle3) proposes: its "
-                                                        "forward's launches, input assembly, sampling")
+    draft_overhead_ms: float = Field(1.0, description="Per speculative token (MTP head or separate drafter): "
+                                                      "proposer bookkeeping, draft and rejection sampling")
     allreduce_latency_us: float = Field(12.0, description="One small TP all-reduce over PCIe, per ring hop "
                                                           "(tp - 1 hops): the latency part")
     allreduce_bw_eff: float = Field(0.6, description="Share of the PCIe link reached by large all-reduces")
@@ -165,7 +167,6 @@ PARAMS: dict[str, Param] = {
         Param("family.layer_overhead_us", False, 1e-3),
         Param("family.step_overhead_ms", False, 1.0),
         Param("family.draft_overhead_ms", False, 1.0),
-        Param("family.drafter_overhead_ms", False, 1.0),
         Param("family.allreduce_latency_us", False, 1e-3),
         Param("family.allreduce_bw_eff", True, 1.0),
         Param("family.prefill_chunk_overhead_ms", False, 1.0),
@@ -292,6 +293,10 @@ def load_calibration(hw: HardwareProfile | None = None, *, user: bool = True) ->
         if up.exists():
             top = read_yaml_mapping(up)
             top_fields = {k: v for k, v in top.items() if k in ("families", "links", "routing")}
+            for fam in (top_fields.get("families") or {}).values():
+                if isinstance(fam, dict):
+                    for key in RETIRED_FAMILY_FACTORS:
+                        fam.pop(key, None)
             merged = _merge(calib.model_dump(), top_fields)
             merged["overrides_from"] = str(up)
             calib = _validate(merged, up)

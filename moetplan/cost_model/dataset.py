@@ -116,6 +116,9 @@ def _load_csv(p: Path, prefix: str, notes: dict) -> list[Measurement]:
             gate=Gate(enabled=tau is not None, tau=tau if tau is not None else 0.5),
         )
         note = notes.get(rid) or {}
+        if note.get("mtp_accept") is not None and placement.mtp > 0:
+            # The row's acceptance was assumed by whoever wrote it down: the published figure the note cites.
+            placement.mtp_acceptance = float(note["mtp_accept"])
         for knob in ("gpu_memory_utilization", "max_num_batched_tokens"):
             if note.get(knob) is not None:
                 setattr(placement, knob, type(getattr(placement, knob))(note[knob]))

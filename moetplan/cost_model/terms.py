@@ -270,16 +270,20 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
             e_b = draft_union * b2
             t.add("family.expert_bw_eff", k_spec * _ms(e_b, rt.mem_bw_gbps))
         elif model.drafter_gib > 0:
-            d_b = model.drafter_gib * GIB / tp
+            # A separate drafter (Eagle3: one decoder layer, an fc over the target's hidden states, a small-vocab LM
+            # head) reads its weights once per drafted token; its checkpoint carries a copy of the target's
+            # embedding table, which a pass only looks rows up in.
+            d_bytes = model.drafter_gib * GIB
+            emb = embedding_bytes(model)
+            d_b = (d_bytes - emb if d_bytes > emb else d_bytes) / tp
         else:
             d_b = embedding_bytes(model) / tp
             notes.append(f"{model.id} has no MTP head or drafter; draft passes costed as an LM-head read only")
         t.add("family.dense_bw_eff", k_spec * _ms(d_b, rt.mem_bw_gbps))
         t.add("family.layer_overhead_us", float(k_spec))
-        # A separate drafter is a second model the proposer runs (own forward, inputs from the target's hidden
-        # states, its own sampling); an MTP head is one more layer of the target.
-        separate = model.mtp_layers == 0 and model.drafter_gib > 0
-        t.add("family.drafter_overhead_ms" if separate else "family.draft_overhead_ms", float(k_spec))
+        # The proposer's bookkeeping per drafted token (draft sampling, rejection sampling, metadata) is vLLM's one
+        # speculative-decoding path whether an MTP head or a separate drafter proposes: the MTP rows pin it.
+        t.add("family.draft_overhead_ms", float(k_spec))
         if tp > 1:
             t.add("family.allreduce_latency_us", 2.0 * k_spec * (tp - 1))
         terms.append(t)

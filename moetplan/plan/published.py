@@ -25,6 +25,7 @@ class Published:
     note: str = ""
     assumed: list[str] = field(default_factory=list)
     open: str = ""  # why the ledger does not reproduce this outcome (a known miss, stated), else ""
+    kv_gib: float | None = None  # KV memory vLLM reported for this configuration (GiB/rank), when published
 
 
 @dataclass
@@ -66,7 +67,8 @@ def load() -> list[Published]:
                 hw.host.ram_gib = float(c["host_ram_gib"])
             out.append(Published(c["id"], model, hw, dict(c["set"]), bool(c["booted"]), list(c.get("short") or []),
                                  c.get("kv_tokens"), c.get("note", ""), list(c.get("assumed") or []),
-                                 str(c.get("open") or "")))
+                                 str(c.get("open") or ""),
+                                 float(c["kv_gib"]) if c.get("kv_gib") is not None else None))
         except (KeyError, TypeError) as e:
             raise ConfigError(f"{path}: config {c.get('id', '?')}: missing or malformed {e}") from None
     return out
@@ -92,3 +94,17 @@ def evaluate(c: Published) -> Outcome:
 
     past = build_ledger(c.model, c.hw, p, frozenset(pins)).warnings
     return Outcome(c, True, [], [], p.kv_tokens, p, past)
+
+
+def kv_left_gib(c: Published) -> float:
+    """What the ledger leaves for the KV pool on rank 0 of the pinned configuration, planned or not: the budget
+    (with the share of the FP4 reserve above it) less every other item. Compared with a published `kv_gib`."""
+    from moetplan.contract import Placement
+    from moetplan.plan import ledger as L
+
+    pins = {k: v for k, v in c.pins.items() if k not in ("gate_tau", "kv_cache_memory_bytes")}
+    p = Placement.for_model(c.model, **pins)
+    vram = c.hw.gpus[0].vram_gib
+    pools = L.experts_resident_gib(c.model, p) if p.expert_tier == "resident" else p.gpu_expert_cache_gib
+    used = sum(i.gib for i in L.fixed_gpu_items(c.model, p)) + pools + p.fp4_reserve_gib
+    return vram * p.gpu_memory_utilization + L.fp4_outside_gib(p, vram) - used
