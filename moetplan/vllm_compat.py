@@ -403,6 +403,51 @@ def check_serving_name(kind: str, name: str, known: frozenset[str] | None) -> tu
                   "out (upgrade vLLM, or pick another with --{} NAME)".format(kind.replace("_", "-")))
 
 
+# --------------------------------------------------------------------------- breakable CUDA graphs
+
+# vLLM >= 0.26 captures some architectures (DeepSeek-V3.2/V4, GLM-5, ...: VLLM_USE_BREAKABLE_CUDAGRAPH, set by vLLM
+# itself) without torch.compile: one stream capture per step that ends at each op marked as a break, runs it eagerly
+# and resumes. The splitting ops of a compilation config do not apply there. Read in 0.26.0 and 0.32.0: the class
+# method `current()`, the `_capturing` flag and `add_eager(fn)` (ends the segment, runs fn, records it for replay).
+BREAKABLE_CAPTURE = ("vllm.compilation.breakable_cudagraph", "BreakableCUDAGraphCapture")
+
+
+def breakable_capture() -> Any:
+    """The breakable CUDA-graph capture recording a segment on this thread now, or None (no such capture, or a
+    vLLM without them: the module is looked up, never imported, so this costs nothing outside a capture)."""
+    import sys
+
+    cls = getattr(sys.modules.get(BREAKABLE_CAPTURE[0]), BREAKABLE_CAPTURE[1], None)
+    current = getattr(cls, "current", None)
+    cap = current() if current is not None else None
+    return cap if cap is not None and getattr(cap, "_capturing", False) else None
+
+
+def graph_break(fn: Any, *args: Any) -> Any:
+    """`fn(*args)`; inside a breakable capture, run as an eager segment of the captured step: every replay of the
+    step calls `fn` again on the same (graph-owned) inputs and copies its result into the buffer the capture-time
+    call returned, which the graph segments after it read. That buffer is held by the capture (one per layer and
+    captured batch size, tokens x hidden)."""
+    cap = breakable_capture()
+    if cap is None:
+        return fn(*args)
+    from vllm.utils.torch_utils import weak_ref_tensor
+
+    # Weak references, as vLLM's own breaks hold them: strong ones would pin graph-pool memory across captures.
+    weak = tuple(weak_ref_tensor(a) if hasattr(a, "data_ptr") else a for a in args)
+    static: list[Any] = []
+
+    def segment() -> None:
+        out = fn(*weak)
+        if static:
+            static[0].copy_(out)
+        else:
+            static.append(out)
+
+    cap.add_eager(segment)
+    return static[0]
+
+
 # --------------------------------------------------------------------------- the step's forward call (replay)
 
 # Model Runner V1 (GPUModelRunner; the CPU runner subclasses it) calls the model of each step through this one

@@ -175,3 +175,64 @@ def test_finish_dummy_load_runs_the_models_own_post_load_step():
         model = object()
 
     assert vc.finish_dummy_load(Qwen3MoeForCausalLM()) == []
+
+
+def test_graph_break_runs_the_layer_again_on_every_replay_of_a_breakable_capture(monkeypatch):
+    """A split plan's MoE layer inside vLLM's breakable CUDA-graph capture (DeepSeek-V4, GLM-5): an eager segment
+    that reruns on each replay with the inputs then in the graph's buffers, its result in the buffer the graph
+    segments after it read. The capture's own CUDA segments are stood in for (no GPU here): what is checked is
+    the segment list vLLM replays."""
+    torch = pytest.importorskip("torch")
+    bc = pytest.importorskip("vllm.compilation.breakable_cudagraph")
+    cap_cls = bc.BreakableCUDAGraphCapture
+
+    def begin(self):
+        self._capturing = True
+
+    def end(self):
+        if self._capturing:
+            self._capturing = False
+            self.segments.append(lambda: None)  # the graph segment's replay
+            self._num_graphs += 1
+
+    monkeypatch.setattr(cap_cls, "_begin_segment", begin)
+    monkeypatch.setattr(cap_cls, "_end_segment", end)
+    # vLLM's weak reference is a CUDA op (a tensor view that does not own its storage); a plain view here.
+    monkeypatch.setattr("vllm.utils.torch_utils.weak_ref_tensor", lambda t: t.view(t.shape))
+    calls = []
+
+    def layer(x, w):
+        calls.append(float(x.sum()))
+        return x * w
+
+    x, w = torch.ones(4), torch.full((4,), 2.0)
+    assert vc.breakable_capture() is None
+    assert torch.equal(vc.graph_break(layer, x, w), x * w) and len(calls) == 1  # no capture: a plain call
+    with cap_cls() as cap:
+        assert vc.breakable_capture() is cap
+        out = vc.graph_break(layer, x, w)
+        assert vc.breakable_capture() is cap  # capturing again after the eager segment
+    assert cap.num_eager_breaks == 1 and cap.num_graphs == 2
+    assert torch.equal(out, torch.full((4,), 2.0))
+    x.fill_(3.0)  # the next step's inputs, written into the same buffers
+    cap.replay()
+    assert torch.equal(out, torch.full((4,), 6.0)) and calls[-1] == 12.0
+    assert vc.breakable_capture() is None  # outside the capture
+
+
+def test_split_layers_break_the_capture_and_graph_layers_do_not(monkeypatch):
+    """MoetplanMoEMethod.apply goes through graph_break only where the worker's MoE layers are not recorded."""
+    pytest.importorskip("vllm")
+    from moetplan.runtime.vllm import vllm_method
+
+    seen = []
+    monkeypatch.setattr(vc, "graph_break", lambda fn, *a: seen.append(fn.__name__) or fn(*a))
+    m = object.__new__(vllm_method.MoetplanMoEMethod)
+    m.__dict__.update(key=0, worker_id=0)
+    monkeypatch.setattr(vllm_method.MoetplanMoEMethod, "_routed", lambda self, x, w, ids: ("routed", x))
+    layer = SimpleNamespace(layer_name="model.layers.1.mlp.experts")
+    for in_graphs, broke in ((False, ["<lambda>"]), (True, [])):
+        seen.clear()
+        m.__dict__["worker"] = SimpleNamespace(in_graphs=in_graphs)
+        assert m.apply(layer, "x", "w", "ids") == ("routed", "x")
+        assert seen == broke

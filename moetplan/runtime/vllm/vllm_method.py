@@ -208,6 +208,14 @@ class MoetplanMoEMethod(FusedMoEMethodBase):
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         if self.key is None:
             raise ConfigError(f"{layer.layer_name}: moetplan experts used before weights were processed")
+        if not self.worker.in_graphs:
+            # This plan's MoE layers do host work every step (a split plan): where vLLM captures breakable CUDA
+            # graphs (DeepSeek-V3.2/V4, GLM-5: no torch.compile, so no splitting ops) the layer is an eager
+            # segment between two graph segments instead of being recorded once.
+            return vllm_compat.graph_break(self._routed, x, topk_weights, topk_ids)
+        return self._routed(x, topk_weights, topk_ids)
+
+    def _routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         topk_ids = self.worker.route(self.key, topk_ids)
         return torch.ops.moetplan.routed_experts(x, topk_weights, topk_ids, self.worker_id, self.key)
 
