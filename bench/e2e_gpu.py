@@ -203,6 +203,21 @@ class CallLimit(Exception):
     """The device call's limit is near (SIGTERM from `timeout`): stop the case, keep what was measured."""
 
 
+def capture_sizes_arg(plan: Any, streams: tuple[int, ...], vllm_args: str) -> list[str]:
+    """CUDA graphs captured at the batch sizes the bench decodes at only (streams x tokens per step): a device call
+    has minutes, and DeepSeek-V4's TileLang kernels compile again for each new batch shape during capture (vLLM's
+    default list runs to 512 tokens). The measured sizes replay the same graphs as under the default list. The
+    plan's own compilation config (a split plan's) is kept: a later --compilation-config replaces an earlier one."""
+    from moetplan.launch.command import compilation_config
+
+    if "--enforce-eager" in vllm_args or "--compilation-config" in vllm_args:
+        return []
+    per_step = 1 + int(plan.placement.mtp or 0)
+    comp = dict(compilation_config(plan) or {})
+    comp["cudagraph_capture_sizes"] = sorted({int(s) * per_step for s in streams})
+    return ["--compilation-config", json.dumps(comp, separators=(",", ":"))]
+
+
 def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any, root: Path,
              deadline: float, vllm_args: str, res: dict[str, Any] | None = None) -> dict[str, Any]:
     """Plan, serve, bench and stop one case; fills and returns `res` (given by the caller, so what a case stopped
@@ -222,8 +237,9 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace, hw: Any,
     res["predicted"] = predictions(args.model, hw, case, args.context, max(streams), card, streams)
     port = 8100 + len(list(root.iterdir()))
     left = deadline - time.monotonic()
-    extra = ["--", *vllm_args.split()] if vllm_args else []
-    res["vllm_extra_args"] = vllm_args or None
+    extra_args = vllm_args.split() + capture_sizes_arg(plan, streams, vllm_args)
+    extra = ["--", *extra_args] if extra_args else []
+    res["vllm_extra_args"] = " ".join(extra_args) or None
     run = RunProcess([str(plan_path), "--port", str(port), "--timeout", str(int(max(left - 30, 60))), *extra],
                      log_path=folder / "events.log").start()
     try:
