@@ -167,7 +167,7 @@ def moe_cpu(mod: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     if T == 0 or k == 0:
         res = torch.zeros(T, H, dtype=x.dtype)
         return res if out is None else out.copy_(res)
-    per_token = 4 * k * (H + layout.inter_per_rank) * 3  # y, act and its prepared planes
+    per_token = 4 * k * (H + layout.inter_per_rank) * 3  # y, act and its prepared plane
     chunk = max(1, PARTIAL_BYTES_CAP // max(1, per_token))
     parts = []
     for t0 in range(0, T, chunk):
