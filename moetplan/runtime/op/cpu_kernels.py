@@ -28,6 +28,10 @@ log = logging.getLogger("moetplan.kernels")
 EXT_NAME = "moetplan_moe_cpu"
 SOURCE = "moe_cpu.cpp"
 ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512")  # the extension's ISA codes are the indices
+# int8 activation planes per stage (docs/CPU_KERNELS.md, "Tolerance"): one (q8_0, as llama.cpp: ~1e-2 relative to
+# the reference) costs half the dot-product instructions of two (float32-class, ~5e-5). Two for the w2 stage alone
+# buys little (its error comes mostly from x's plane), so both stages take one.
+PLANES_W13, PLANES_W2 = 1, 1
 # Pairs whose per-pair fp32 buffers ([T*k, H] + [T*k, Ir]) would exceed this are computed in token chunks.
 PARTIAL_BYTES_CAP = 256 << 20
 
@@ -133,8 +137,10 @@ def _offsets(layout: RowLayout) -> list[int]:
 def moe_cpu(mod: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pool: torch.Tensor,
             slot_of: torch.Tensor, layout: RowLayout, fp4_pool: torch.Tensor | None,
             fp4_slot_of: torch.Tensor | None, fp4_layout: RowLayout | None, swiglu_limit: float | None,
-            out: torch.Tensor | None, isa: str | None = None) -> torch.Tensor:
-    """The op on the CPU kernels: same contract as ops.moe_forward (inputs already validated there)."""
+            out: torch.Tensor | None, isa: str | None = None,
+            planes: tuple[int, int] = (PLANES_W13, PLANES_W2)) -> torch.Tensor:
+    """The op on the CPU kernels: same contract as ops.moe_forward (inputs already validated there). `planes`:
+    the int8 activation planes (1 or 2) of the w13 and the w2 stage (tests, benches)."""
     E = slot_of.numel()
     ids = topk_ids.to(torch.int64).contiguous()
     flat = ids.view(-1)
@@ -161,6 +167,8 @@ def moe_cpu(mod: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     empty_i64 = torch.empty(0, dtype=torch.int64)
     limit = math.nan if swiglu_limit is None else float(swiglu_limit)
     code = isa_code(mod, isa)
+    if any(p not in (1, 2) for p in planes):
+        raise UsageError(f"planes {planes}: each stage takes 1 or 2 int8 activation planes")
     offs4 = _offsets(fp4_layout) if fp4_layout is not None else [0, 0, 0, 0]
     T, H = xf.shape
     k = ids.shape[1]
@@ -174,7 +182,7 @@ def moe_cpu(mod: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         parts.append(mod.moe_forward_cpu(
             xf[t0:t0 + chunk], ids[t0:t0 + chunk], wf[t0:t0 + chunk], pool.contiguous(), so,
             fp4_pool.contiguous() if fp4_pool is not None else empty_u8, so4 if so4 is not None else empty_i64,
-            _offsets(layout), offs4, layout.inter_per_rank, limit, code))
+            _offsets(layout), offs4, layout.inter_per_rank, limit, code, *planes))
     res = parts[0] if len(parts) == 1 else torch.cat(parts)
     if out is None:
         return res if x.dtype == torch.float32 else res.to(x.dtype)
@@ -211,7 +219,7 @@ def measure_expert_throughput(layout: RowLayout, threads: int | None = None, min
             ids = torch.tensor([[n % rows]])
             mod.moe_forward_cpu(x, ids, w, pool, slot_of, torch.empty(0, dtype=torch.uint8),
                                 torch.empty(0, dtype=torch.int64), _offsets(layout), [0, 0, 0, 0],
-                                layout.inter_per_rank, math.nan, int(mod.best_isa()))
+                                layout.inter_per_rank, math.nan, int(mod.best_isa()), PLANES_W13, PLANES_W2)
             n += 1
             dt = time.perf_counter() - t0
             if dt >= min_seconds and n >= 4:
@@ -222,5 +230,5 @@ def measure_expert_throughput(layout: RowLayout, threads: int | None = None, min
     return {"gbps": n * row / dt / 1e9, "experts_per_s": n / dt, "threads": float(threads or old)}
 
 
-__all__ = ["ISAS", "CpuKernelBuildError", "best_isa", "build", "build_key", "fallback_reason", "get_module", "isa_code",
+__all__ = ["ISAS", "PLANES_W13", "PLANES_W2", "CpuKernelBuildError", "best_isa", "build", "build_key", "fallback_reason", "get_module", "isa_code",
            "measure_expert_throughput", "moe_cpu", "shape_ok"]
