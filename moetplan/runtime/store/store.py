@@ -581,6 +581,7 @@ class ExpertStore:
             "fetch_batches": x.batches,
             "evictions": x.evictions,
             "prefetched_rows": x.prefetched_rows,
+            "cpu_computed_rows": x.cpu_rows,
         }
 
     def reset_stats(self) -> None:
