@@ -175,6 +175,9 @@ def test_misses_computed_on_the_cpu_give_the_fetched_result_and_the_reference(mo
     assert stats[0.0]["cpu_computed_rows"] == 0 and stats[0.0]["bytes_fetched"]["host"] == routed * lay.stride
     assert 0 < stats[2.0]["cpu_computed_rows"] < routed  # both links at once
     assert stats[100.0]["cpu_computed_rows"] == routed and stats[100.0]["bytes_fetched"]["host"] == 0
+    # the CPU's misses count as misses and feed the heat, as fetched ones do
+    assert len({(s["decode"]["misses"], s["decode"]["routings"], s["token_hit_rate"]) for s in stats.values()}) == 1
+    assert stats[2.0]["decode"]["misses"] == routed
     for ratio, y in outs.items():
         assert y.shape == x.shape and _rel(y, ref) < 2e-2, ratio  # the CPU kernels' tolerance (q8_0 activations)
         # the same kernels, the same per-pair sums: only the order of the final additions differs

@@ -136,7 +136,8 @@ class LayerState:
             mask = on_cpu.to(topk_weights.device)
             wts_d = torch.where(mask, torch.zeros_like(topk_weights), topk_weights)
             try:
-                store.ensure(layer, ids_d)  # queues the link's share
+                # the link's share, queued; only the device's own pairs count (not the riders)
+                store.ensure(layer, ids_h[~on_cpu], num_tokens=int(ids_h.shape[0]))
             except StoreCapacityError:
                 return None
         t_idx, j_idx = on_cpu.nonzero(as_tuple=True)
@@ -147,7 +148,7 @@ class LayerState:
                               slot_of, self.layout, swiglu_limit=self.swiglu_limit, policy=self.policy,
                               paths=self.paths)
         y_cpu = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32).index_add_(0, t_idx, y_pairs)
-        store.xfer.cpu_rows += int(n_cpu)
+        store.count_cpu_computed(layer, ids_h[on_cpu], ensured=ids_d is not None)
         if ids_d is None:
             return y_cpu.to(x.device, x.dtype)
         y = self._op(x, ids_d, wts_d, store.data, store.residency[layer], {})
