@@ -22,6 +22,7 @@ from moetplan.runtime.store.backing import ArrayRowSource, PinnedHostStore
 from moetplan.runtime.store.store import ExpertStore
 from moetplan.runtime.vllm.layer import LayerState
 from test_cost_model import CAL, toy_hw, toy_model
+from test_launch_runtime import workers  # noqa: F401 (the fixture)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -182,3 +183,21 @@ def test_misses_computed_on_the_cpu_give_the_fetched_result_and_the_reference(mo
         assert y.shape == x.shape and _rel(y, ref) < 2e-2, ratio  # the CPU kernels' tolerance (q8_0 activations)
         # the same kernels, the same per-pair sums: only the order of the final additions differs
         assert _rel(y, outs[0.0]) < 1e-5, ratio
+
+
+def test_a_split_host_plan_wires_its_ratio_into_the_worker_layers(mod, tmp_path, workers):
+    """The plan's cpu_miss_ratio reaches the split path's layers through the worker (RuntimeSection), and a decode
+    call there computes misses on the CPU and gives the reference's result."""
+    from test_launch_runtime import _load_through_method, _plan, _routing
+
+    plan = _plan(expert_tier="host", gpu_expert_cache_slots=4, moe_graphs="split", cpu_miss_ratio=100.0)
+    w, _ = _load_through_method(plan, workers, tmp_path)
+    st = w.layers[1]
+    assert st.cpu_miss_ratio == 100.0 and st.store is not None
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))  # a decode step (max_num_seqs 1)
+    ids, wt = _routing(1, 2, 8)
+    got = st.forward(x, wt, ids)
+    store = st.store.get()
+    rows, slot_of = store.backing.layer_rows(1)
+    ref = moe_forward_reference(x, ids, wt, rows, slot_of, st.layout)
+    assert store.stats()["cpu_computed_rows"] > 0 and _rel(got, ref) < 2e-2
