@@ -185,7 +185,7 @@ def test_misses_computed_on_the_cpu_give_the_fetched_result_and_the_reference(mo
         assert _rel(y, outs[0.0]) < 1e-5, ratio
 
 
-def test_a_split_host_plan_wires_its_ratio_into_the_worker_layers(mod, tmp_path, workers):
+def test_a_split_host_plan_wires_its_ratio_into_the_worker_layers(mod, tmp_path, workers):  # noqa: F811
     """The plan's cpu_miss_ratio reaches the split path's layers through the worker (RuntimeSection), and a decode
     call there computes misses on the CPU and gives the reference's result."""
     from test_launch_runtime import _load_through_method, _plan, _routing
