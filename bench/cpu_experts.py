@@ -109,8 +109,10 @@ class Rotation:
         return flat.view(T, k)
 
 
-def time_op(x, k, pool, lay, rot, reps, policy, limit=None) -> tuple[float, float, int]:
-    """Best wall seconds of one op call, best CPU seconds / threads, and the 2-bit bytes a call reads."""
+def time_op(x, k, pool, lay, rot, reps, policy, limit=None, planes=None) -> tuple[float, float, int]:
+    """Best wall seconds of one op call, best CPU seconds / threads, and the 2-bit bytes a call reads. `planes`:
+    call the CPU kernels directly with that many int8 activation planes per stage (default: the op's choice)."""
+    mod = cpu_kernels.get_module() if planes else None
     best, best_cpu = float("inf"), float("inf")
     slot_of = torch.arange(pool.shape[0])
     w = torch.full((x.shape[0], k), 1.0 / k)
@@ -119,7 +121,10 @@ def time_op(x, k, pool, lay, rot, reps, policy, limit=None) -> tuple[float, floa
     for _ in range(reps):
         ids = rot.ids(x.shape[0], k)
         w0, c0 = clocks()
-        ops.moe_forward(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, policy=policy)
+        if planes:
+            cpu_kernels.moe_cpu(mod, x, ids, w, pool, slot_of, lay, None, None, None, limit, None, planes=planes)
+        else:
+            ops.moe_forward(x, ids, w, pool, slot_of, lay, swiglu_limit=limit, policy=policy)
         w1, c1 = clocks()
         best, best_cpu = min(best, w1 - w0), min(best_cpu, (c1 - c0) / threads)
     return best, best_cpu, nbytes
@@ -142,6 +147,10 @@ def shapes(reps: int, ref_reps: int, all_threads: int) -> list[dict]:
                 s, sc, b = time_op(x, spec.top_k, pool, lay, rot, reps, ops.DEFAULT_POLICY)
                 rec[f"kernel_{threads}t_s"], rec[f"kernel_{threads}t_GBps"] = s, b / s / GB
                 rec[f"kernel_{threads}t_cpu_GBps"] = b / sc / GB
+            if T == 1:  # the float32-class two-plane kernels, side by side (docs/CPU_KERNELS.md, "Tolerance")
+                torch.set_num_threads(1)
+                s, sc, b = time_op(x, spec.top_k, pool, lay, rot, reps, ops.DEFAULT_POLICY, planes=(2, 2))
+                rec["kernel_1t_2planes_GBps"], rec["kernel_1t_2planes_cpu_GBps"] = b / s / GB, b / sc / GB
             torch.set_num_threads(all_threads)
             s, sc, b = time_op(x, spec.top_k, pool, lay, rot, ref_reps, REF)
             rec["reference_s"], rec["reference_GBps"] = s, b / s / GB
@@ -213,6 +222,7 @@ def main() -> None:
                                                                 bw_after[f"read_{n}t{kind}_GBps"]) for r in b1}
     res = {"bench": "cpu_experts", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "machine": machine_info(), "isa": cpu_kernels.best_isa(mod), "isas": list(mod.isas_available()),
+           "planes": [cpu_kernels.PLANES_W13, cpu_kernels.PLANES_W2],
            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "reps": a.reps,
            "read_bandwidth": bw, "read_bandwidth_after": bw_after, "shapes": recs, "decode_step": dec,
            "summary": summary, "command": "python bench/cpu_experts.py " + " ".join(sys.argv[1:])}

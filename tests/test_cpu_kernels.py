@@ -1,8 +1,9 @@
 """The CPU kernels (csrc/cpu/moe_cpu.cpp) against the torch reference, on every ISA path this CPU runs.
 
-Tolerance (docs/KERNELS.md, "CPU kernels"): activations are split into two int8 planes per block of 32, exact to
-2^-16 of the block's largest value, so a row dot is within ~1e-4 of the result's largest element and the op's
-relative L2 error is <= 2e-4 (measured 2e-5 .. 7e-5 on these shapes).
+Tolerance (docs/CPU_KERNELS.md, "Tolerance"): activations are one int8 plane per block of 32 (q8_0, the default),
+each value within amax/254 of its block, so a row dot is within sum_i |w_i| * amax_block(i) / 254 of the exact dot
+(checked per element below) and the op's relative L2 error is ~1e-2 (measured 1.0e-2 .. 1.2e-2 on these shapes;
+<= 7e-2 with a tight SwiGLU clamp). Two planes (planes=(2, 2)) are float32-class: <= 2e-4.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from moetplan.contract.runtime import KernelPolicy
 from moetplan.runtime.op import cpu_kernels, ops
 from moetplan.runtime.op.reference import ResidencyError, dequantize_rows, moe_forward_reference
 
-TOL = 2e-4
+TOL = 2e-2
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +65,24 @@ def test_row_dot_matches_dequantized_rows(mod, fmt, K):
     s = torch.randint(110, 140, (21, K // 32), dtype=torch.uint8, generator=g)
     x = torch.randn(7, K, generator=g) * 2
     x[1, 3] = 300.0  # an outlier: the planes are per block of 32, so only its block loses resolution
-    ref = x.double() @ dequantize_rows(q, s, fmt).double().T
-    outs = {}
-    for isa in _isas(mod):
-        got = mod.rows_dot(q, s, x, 0 if fmt == "2bit" else 1, cpu_kernels.ISAS.index(isa))
-        assert float((got - ref).abs().max() / ref.abs().max()) < 2e-4, isa
-        outs[isa] = got
-    # the ISA paths compute the same integer sums; only the float order of the block sums differs
-    for isa, got in outs.items():
-        assert torch.allclose(got, outs["scalar"], rtol=1e-5, atol=1e-5 * float(ref.abs().max())), isa
+    wdq = dequantize_rows(q, s, fmt).double()
+    ref = x.double() @ wdq.T
+    # one plane (q8_0): each activation is off by at most half its block's step amax/127
+    step = x.double().abs().view(7, K // 32, 32).amax(-1).repeat_interleave(32, -1) / 127
+    bound = (step / 2) @ wdq.abs().T
+    for planes in (1, 2):
+        outs = {}
+        for isa in _isas(mod):
+            got = mod.rows_dot(q, s, x, 0 if fmt == "2bit" else 1, cpu_kernels.ISAS.index(isa), planes)
+            if planes == 1:
+                assert bool(((got - ref).abs() <= bound * 1.001 + 1e-5 * ref.abs().max()).all()), isa
+                assert _rel(got, ref) < TOL, isa
+            else:  # two planes: within 2^-16 of each block's largest activation, float32-class
+                assert float((got - ref).abs().max() / ref.abs().max()) < 2e-4, isa
+            outs[isa] = got
+        # the ISA paths compute the same integer sums; only the float order of the block sums differs
+        for isa, got in outs.items():
+            assert torch.allclose(got, outs["scalar"], rtol=1e-5, atol=1e-5 * float(ref.abs().max())), isa
 
 
 @pytest.mark.parametrize("T", [1, 4, 16, 37])
@@ -90,9 +100,13 @@ def test_op_matches_reference_with_fp4_reserve_and_clamp(mod, T):
         ref = moe_forward_reference(x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, swiglu_limit=limit)
         for isa in _isas(mod):
             got = cpu_kernels.moe_cpu(mod, x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, limit, None, isa=isa)
-            # a clamped gate leaves the act vectors spiky within a block (some ~limit, most ~0): the w2 planes
-            # are exact to 2^-16 of each block's largest value, not of each value, so the bound is looser there
-            assert got.shape == (T, H) and _rel(got, ref) < (TOL if limit is None else 1e-3), (isa, limit)
+            # a clamped gate leaves the act vectors spiky within a block (some ~limit, most ~0): the w2 plane
+            # resolves amax/127 of each block, so the small values lose most of their digits there
+            assert got.shape == (T, H) and _rel(got, ref) < (TOL if limit is None else 1e-1), (isa, limit)
+            # two planes per stage: float32-class (measured 5e-5 .. 6e-5; 2e-4 .. 4e-4 clamped)
+            got2 = cpu_kernels.moe_cpu(mod, x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, limit, None, isa=isa,
+                                       planes=(2, 2))
+            assert _rel(got2, ref) < (2e-4 if limit is None else 1e-3), (isa, limit)
     # deterministic: the same bits run to run (no float atomics; fixed reduction order)
     a = cpu_kernels.moe_cpu(mod, x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, None, None)
     assert torch.equal(a, cpu_kernels.moe_cpu(mod, x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, None, None))
@@ -108,7 +122,7 @@ def test_dispatch_names_the_cpu_path_and_keeps_dtype_and_out(mod):
     for dtype in (torch.float32, torch.bfloat16):
         got = ops.moe_forward(x.to(dtype), ids, w, pool, torch.arange(6), lay, paths=log)
         ref = ops.moe_forward(x.to(dtype), ids, w, pool, torch.arange(6), lay, policy=KernelPolicy(cpu=False))
-        assert got.dtype == dtype and _rel(got.float(), ref.float()) < (TOL if dtype == torch.float32 else 1e-2)
+        assert got.dtype == dtype and _rel(got.float(), ref.float()) < TOL + (0 if dtype == torch.float32 else 1e-2)
     assert log.as_dict()["kernel_paths"] == {f"cpu:{cpu_kernels.best_isa(mod)}": 2}
     out = torch.full((3, 128), float("nan"))
     assert ops.moe_forward(x, ids, w, pool, torch.arange(6), lay, out=out) is out and torch.isfinite(out).all()

@@ -161,10 +161,12 @@ def test_2bit_resident_layer_computes_on_the_quantized_rows():
     ids, w = _routing(4, 2, 8)
     deq = [unpack_expert_row(rows[e], st.layout, torch.float64) for e in range(8)]
     expect = _naive(x, ids, w, torch.stack([d[0] for d in deq]), torch.stack([d[1] for d in deq]))
-    got = st.forward(x, w, ids)
-    assert torch.allclose(got.double(), expect, atol=1e-4)
-    # and it is really the 2-bit copy, not the float weights
-    assert not torch.allclose(got.double(), _naive(x, ids, w, w13, w2), atol=1e-4)
+    got = st.forward(x, w, ids).double()
+    # the CPU kernels' int8 activations (docs/CPU_KERNELS.md, "Tolerance"): ~1e-2 relative to the dequantized rows
+    assert float((got - expect).norm() / expect.norm()) < 2e-2
+    # and it is really the 2-bit copy, not the float weights (their difference is the 2-bit format's own error)
+    full = _naive(x, ids, w, w13, w2)
+    assert float((got - full).norm() / full.norm()) > 0.1
 
 
 def _checkpoint(tmp_path):
@@ -550,9 +552,9 @@ def test_method_builds_the_reserve_and_computes_promoted_experts_from_fp4(tmp_pa
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
     ids, wt = _routing(3, 2, 8)
     before = st.forward(x, wt, ids)  # nothing promoted yet: the 2-bit result
-    # the CPU kernels' tolerance (docs/KERNELS.md, "CPU kernels"): relative L2 error <= 2e-4
+    # the CPU kernels' tolerance (docs/CPU_KERNELS.md, "Tolerance"): relative L2 error ~1e-2 (int8 activations)
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return float((a - b).norm() / b.norm()) <= 2e-4
+        return float((a - b).norm() / b.norm()) <= 2e-2
 
     assert close(before, moe_forward_reference(x, ids, wt, st.rows, st.slot_of, st.layout))
     assert res.stats()["steps"] == 0 and res.c.routings == ids.numel()  # observed (heat), no FP4 routing yet

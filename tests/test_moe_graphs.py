@@ -364,7 +364,8 @@ def test_a_large_step_that_missed_reruns_through_the_per_layer_store(expert_rows
 
     got = w.forward_step(graph_pass, tokens=6, eager=eager)
     assert w.replay.counts.eager_reruns == 1 and len(out) == 1
-    assert torch.allclose(got, _ref(expert_rows[0], x, wt, ids), atol=1e-4)
+    ref = _ref(expert_rows[0], x, wt, ids)  # the eager rerun ran on the CPU kernels (int8 activations: ~1e-2)
+    assert float((got - ref).norm() / ref.norm()) < 2e-2
     w.close()
 
 

@@ -156,6 +156,8 @@ class RuntimeSection(_Frozen):
     decode_batch_tokens: int = 1  # the most tokens a decode step carries: max_num_seqs x (1 + MTP depth)
     knobs: RuntimeKnobs = Field(default_factory=RuntimeKnobs)
     moe_graphs: MoeGraphs = "replay"
+    # Tier host, split path: each layer's misses split between the CPU (from the pinned host rows) and the link
+    cpu_miss_ratio: float = 0.0
     # The run record's identity: the plan's model and its placement as plan.json holds it (`moetplan diff` lines
     # the two up).
     model_id: str | None = None

@@ -81,6 +81,9 @@ class HostInfo(_Model):
     memlock_bytes: int | None = Field(None, description="RLIMIT_MEMLOCK soft limit; None = unlimited")
     pinned_alloc_ok: bool | None = Field(None, description="Pinned allocation of a test size worked")
     dram_gbps: float | None = None
+    cpu_expert_gbps: float | None = Field(
+        None, description="GB/s of 2-bit expert rows the CPU kernels compute at batch 1 on all cores (a missed "
+        "expert computed from its host copy instead of fetched); None: not measured (no CPU kernels, older probe)")
     sources: dict[str, ValueSource] = Field(default_factory=dict)
 
 
@@ -187,6 +190,10 @@ class Placement(_Model):
     moe_graphs: MoeGraphs = Field("replay", description="Tiered experts inside vLLM's CUDA graphs, a step that "
                                   "missed fetched in one batch and run again ('replay'), or outside them with the "
                                   "store on the host per layer ('split', the measured fallback)")
+    cpu_miss_ratio: float = Field(0.0, ge=0, description="Per-miss speed of the CPU computing a missed expert from "
+                                  "the host rows relative to the link fetching it (the probe's host.cpu_expert_gbps "
+                                  "per rank / the pinned H2D rate); tier host: each layer's misses are split between "
+                                  "the two, both at once. 0 fetches every miss")
 
     @model_validator(mode="before")
     @classmethod
@@ -251,7 +258,7 @@ class Placement(_Model):
 PINNABLE_KNOBS: tuple[str, ...] = (
     "tp", "pp", "expert_tier", "gpu_expert_cache_gib", "fp4_reserve_gib", "host_arena_gib", "kv_dtype",
     "context", "mtp", "mtp_acceptance", "max_num_seqs", "concurrency", "gpu_memory_utilization", "moe_graphs",
-    "gate_tau", "max_num_batched_tokens", "kv_cache_memory_bytes",
+    "gate_tau", "max_num_batched_tokens", "kv_cache_memory_bytes", "cpu_miss_ratio",
 )
 # --set names that are not a Placement field's own name: (model, field) they are typed by.
 KNOB_FIELDS: dict[str, tuple[type[BaseModel], str]] = {"gate_tau": (Gate, "tau")}
@@ -357,6 +364,8 @@ class Prediction(_Model):
     replay_rate: float | None = Field(None, description="Decode steps run twice (they missed and were replayed after "
                                       "one batch fetch), per step; tiered plans with moe_graphs=replay")
     gate_fire_share: float | None = None
+    cpu_miss_share: float | None = Field(None, description="Tiered plans: share of the expert misses computed on the "
+                                         "CPU from the host rows (the rest fetched over the link, both at once)")
     notes: list[str] = Field(default_factory=list)
 
 

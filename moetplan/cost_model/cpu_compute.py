@@ -1,13 +1,19 @@
 """A missed routed expert computed on the CPU from its host copy vs fetched over the host link (issue 39).
 
 Both read the expert's 2-bit row from host RAM once; the CPU path reads it through the memory bus at the rate
-`moetplan.runtime.op.cpu_kernels.measure_expert_throughput` measures (GB/s of 2-bit rows at batch 1, all cores), the
-fetch path over PCIe at the pinned H2D rate. The two links work at once, so a step's misses are split to finish
-both at the same time. Torch-free: the planner and the cost model call it with measured rates.
+`moetplan probe` measures (hw.json `host.cpu_expert_gbps`: GB/s of 2-bit rows at batch 1, all cores), the fetch path
+over PCIe at the pinned H2D rate. The two links work at once, so a step's misses are split to finish both at the
+same time. The plan carries the ratio of the two rates (Placement.cpu_miss_ratio), which is all a split needs: the
+cost model prices the tiered step with it and the runtime's split path splits each layer's misses by it.
+Torch-free: the planner and the cost model call it with measured rates.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from moetplan.contract import HardwareProfile, Placement
+from moetplan.cost_model.hardware import rates
 
 
 @dataclass(frozen=True)
@@ -44,4 +50,35 @@ def split_misses(misses: int, row_bytes: int, cpu_gbps: float | None, h2d_gbps: 
     return best
 
 
-__all__ = ["MissSplit", "split_misses"]
+def cpu_miss_ratio(hw: HardwareProfile, placement: Placement) -> float:
+    """The per-miss speed of the CPU relative to the host link for this placement: the probed CPU expert rate
+    (shared by the host's TP ranks) over the pinned H2D rate. 0 where no CPU rate was probed, or the tier is not
+    `host` (only the pinned host store holds every row where the CPU can read it)."""
+    cpu = hw.host.cpu_expert_gbps
+    if placement.expert_tier != "host" or not cpu or not hw.gpus:
+        return 0.0
+    h2d = rates(hw, placement).h2d_gbps
+    return round(cpu / max(1, placement.tp) / h2d, 4) if h2d > 0 else 0.0
+
+
+def layer_split(misses: float, ratio: float) -> tuple[float, float]:
+    """One MoE layer that misses `misses` experts on average (fractional: that many, between its floor and its
+    ceiling): (share of them computed on the CPU, the layer's fetch time relative to fetching all). `ratio` is
+    cpu_miss_ratio; 0 fetches everything."""
+    if ratio <= 0 or misses <= 0:
+        return 0.0, 1.0
+    lo = max(1, math.floor(misses))
+    hi = max(lo, math.ceil(misses))
+    w_hi = misses - math.floor(misses) if hi > lo else 0.0
+    cpu = secs = total = 0.0
+    for n, w in ((lo, 1.0 - w_hi), (hi, w_hi)):
+        if w <= 0:
+            continue
+        sp = split_misses(n, 1, ratio, 1.0)
+        cpu += w * sp.cpu
+        total += w * n
+        secs += w * sp.seconds / sp.fetch_only_seconds
+    return cpu / total, secs
+
+
+__all__ = ["MissSplit", "cpu_miss_ratio", "layer_split", "split_misses"]

@@ -97,6 +97,7 @@ def predict(model: ModelSpec, hw: HardwareProfile, placement: Placement,
         misses_per_step=None if miss is None else round(miss.misses_per_step, 4),
         replay_rate=None if miss is None or (moe_graphs or placement.moe_graphs) != "replay" else round(miss.p_step_miss, 6),
         gate_fire_share=step.gate_fire_share,
+        cpu_miss_share=None if step.cpu_miss_share is None else round(step.cpu_miss_share, 4),
         notes=notes,
     )
 

@@ -19,6 +19,7 @@ from moetplan.cost_model.coverage import (
     expected_union_hot,
     miss_stats,
 )
+from moetplan.cost_model.cpu_compute import layer_split
 from moetplan.cost_model.hardware import GB, Rates, rates
 from moetplan.contract.errors import UsageError
 from moetplan.contract.model import DENSE_BYTES_PER_PARAM, GIB, ModelSpec
@@ -80,6 +81,7 @@ class DecodeStep:
     rates: Rates
     notes: list[str] = field(default_factory=list)
     gate_fire_share: float | None = None
+    cpu_miss_share: float | None = None  # tiered: share of the misses computed on the CPU (cpu_compute)
 
     def term_ms(self, calib: Calibration, hw: HardwareProfile | None) -> list[tuple[TermSpec, float]]:
         return [(t, t.ms(calib, hw)) for t in self.terms]
@@ -317,11 +319,17 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     # A replay re-runs the step's CUDA graph: the forward-pass terms at the factors in hand (the fit re-linearises).
     graph = sum(tm.ms(calib, fam_hw) for tm in terms if tm.name in GRAPH_TERMS)
     miss: MissStats | None = None
+    cpu_share: float | None = None
     if placement.expert_tier != "resident":
         miss = miss_stats(curve, E, K, L, tokens_eff, x_cached, r.miss_correlation, c, so)
         mode = moe_graphs or placement.moe_graphs
+        cpu_share = cpu_miss_split(placement, miss, mode)[0]
+        if mode == "replay" and cpu_miss_split(placement, miss, "split")[0] > 0:
+            notes.append(f"the split path (moe_graphs=split) would compute "
+                         f"{cpu_miss_split(placement, miss, 'split')[0]:.0%} of the misses on the CPU; the replay "
+                         "path fetches every miss")
         terms.append(moe_graph_overhead(model, placement, mode))
-        terms.append(_fetch_term(model, placement, calib, rt, curve, miss, x_cached))
+        terms.append(_fetch_term(model, placement, calib, rt, curve, miss, x_cached, mode))
         if mode == "replay":  # split computes a missing layer after its fetch: no step runs twice
             t = TermSpec(MISS_REPLAY, note=f"{miss.p_step_miss:.0%} of steps miss and run again")
             t.add("family.miss_replay_factor", miss.p_step_miss * graph)
@@ -337,7 +345,7 @@ def decode_step(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
         t.add("routing.gate_recompute_share", max(placement.gate.tau, 0.0) ** r.gate_tau_exponent * graph)
         terms.append(t)
 
-    return DecodeStep(c, acc, tokens_layer, union, terms, miss, rt, notes, gate_share)
+    return DecodeStep(c, acc, tokens_layer, union, terms, miss, rt, notes, gate_share, cpu_miss_share=cpu_share)
 
 
 def moe_graph_overhead(model: ModelSpec, placement: Placement, moe_graphs: str = "replay") -> TermSpec:
@@ -360,8 +368,18 @@ def moe_graph_overhead(model: ModelSpec, placement: Placement, moe_graphs: str =
     return t
 
 
+def cpu_miss_split(placement: Placement, miss: MissStats, moe_graphs: str) -> tuple[float, float]:
+    """(share of the misses computed on the CPU, link time relative to fetching all) for a tiered step: each layer
+    that misses splits its misses between the CPU and the link (cpu_compute.layer_split) at the plan's
+    cpu_miss_ratio. Tier host only (the pinned host store holds every row where the CPU reads it), and the split
+    path only: that is where the runtime does it (runtime/vllm/layer.py, _cpu_miss_forward)."""
+    if placement.expert_tier != "host" or moe_graphs != "split" or miss.layers_with_miss <= 0:
+        return 0.0, 1.0
+    return layer_split(miss.misses_per_step / miss.layers_with_miss, placement.cpu_miss_ratio)
+
+
 def _fetch_term(model: ModelSpec, placement: Placement, calib: Calibration, rt: Rates, curve: CoverageCurve,
-                miss: MissStats, x_cached: float) -> TermSpec:
+                miss: MissStats, x_cached: float, moe_graphs: str = "replay") -> TermSpec:
     """The fetch of a step's missing rows: per MoE layer that misses, one batch and its round trip; every row's
     bytes over the host link. For tier nvme, what the pinned arena (the host's share) lacks is read from the pack,
     overlapped with the link's copies of the rows the arena holds."""
@@ -378,7 +396,12 @@ def _fetch_term(model: ModelSpec, placement: Placement, calib: Calibration, rt: 
     # in link time: vLLM-Moet's RTX 5090 box (26.6 GiB/s under load) pays 2x the misses of its PRO 6000 (51.6).
     t.add("link.fetch_overhead_mib", miss.layers_with_miss * _ms(2**20, rt.h2d_gbps))
     if placement.expert_tier == "host":
-        t.add("link.h2d_eff", _ms(rank_bytes, rt.h2d_gbps))
+        # Misses the CPU computes from the host rows meanwhile leave the link (and finish no later than it).
+        share, factor = cpu_miss_split(placement, miss, moe_graphs)
+        t.add("link.h2d_eff", factor * _ms(rank_bytes, rt.h2d_gbps))
+        if share > 0:
+            t.note += (f"; {share:.0%} of misses computed on the CPU from the host rows while the link fetches the "
+                       f"rest (CPU {placement.cpu_miss_ratio:.2f}x the link's speed per miss)")
         return t
     rank_experts = L * E * model.expert_bytes("2bit", tp)
     if placement.host_arena_gib > 0:

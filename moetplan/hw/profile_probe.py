@@ -71,9 +71,37 @@ def _measure_transfers(profile: HardwareProfile, quick: bool, progress: bool, de
         details.setdefault("transfers", {})[g.index] = {"torch_index": tidx, **res.detail}
 
 
+# The expert shape the CPU rate is measured on (a 4096 x 2048 expert, 7 MiB of 2-bit rows): the rate in GB/s of
+# rows barely depends on the shape (bench/results/cpu_experts_*.json: within ~15% over four models' experts).
+CPU_PROBE_EXPERT = (4096, 2048)
+
+
+def measure_cpu_experts(profile: HardwareProfile, quick: bool, details: dict[str, Any]) -> None:
+    """host.cpu_expert_gbps: the CPU kernels' rate for a missed expert at batch 1, all cores (issue 39: the cost
+    model splits a tiered step's misses between this and the host link). Absent where the kernels do not build."""
+    try:
+        from moetplan.contract.layout import RowLayout
+        from moetplan.runtime.op import cpu_kernels
+    except ImportError as e:  # no torch: the CPU kernels cannot run here
+        details["cpu_experts"] = f"not measured: {e}"
+        return
+    mod = cpu_kernels.get_module()
+    if mod is None:
+        details["cpu_experts"] = f"not measured: {cpu_kernels.fallback_reason()}"
+        return
+    lay = RowLayout.for_expert(*CPU_PROBE_EXPERT, 1, "2bit")
+    r = cpu_kernels.measure_expert_throughput(lay, min_seconds=0.3 if quick else 1.0,
+                                              pool_bytes=(256 if quick else 1024) << 20)
+    profile.host.cpu_expert_gbps = round(r["gbps"], 2)
+    profile.host.sources["cpu_expert_gbps"] = "measured"
+    details["cpu_experts"] = {"isa": cpu_kernels.best_isa(mod), "threads": int(r["threads"]),
+                              "experts_per_s": round(r["experts_per_s"], 1), "shape": list(CPU_PROBE_EXPERT)}
+
+
 def run_probe(pack_dir: str | os.PathLike[str] | None = None, quick: bool = True, progress: bool = True,
-              measure_storage: bool = True) -> ProbeResult:
-    """Probe everything; storage problems the user must fix (unwritable --pack-dir) raise UsageError."""
+              measure_storage: bool = True, measure_cpu: bool = True) -> ProbeResult:
+    """Probe everything; storage problems the user must fix (unwritable --pack-dir) raise UsageError.
+    `measure_cpu`: the CPU kernels' expert rate (builds them on first use, ~35 s of CPU once per install)."""
     t0 = time.perf_counter()
     details: dict[str, Any] = {}
     with _status(progress, "querying GPUs and host"):
@@ -100,6 +128,10 @@ def run_probe(pack_dir: str | os.PathLike[str] | None = None, quick: bool = True
         details.update(test_file_mib=st.test_file_bytes // 1024**2, seq_mib_read=st.seq_bytes_read // 1024**2,
                        rand_reads=st.rand_reads, rand_queue_depth=st.rand_queue_depth)
         phase_s["storage"] = round(time.perf_counter() - t0 - sum(phase_s.values()), 2)
+    if measure_cpu:
+        with _status(progress, "measuring the CPU kernels' expert rate"):
+            measure_cpu_experts(profile, quick, details)
+        phase_s["cpu_experts"] = round(time.perf_counter() - t0 - sum(phase_s.values()), 2)
     if profile.gpus:
         _measure_transfers(profile, quick, progress, details)
         phase_s["transfers"] = round(time.perf_counter() - t0 - sum(phase_s.values()), 2)

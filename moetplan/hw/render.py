@@ -91,6 +91,7 @@ def host_table(profile: HardwareProfile, details: dict[str, Any] | None = None) 
         pin_txt.append(f"  ({d['pinned_test']})", style="dim")
     t.add_row("pinned allocation", pin_txt)
     t.add_row("DRAM copy, 1 thread", _cell(h.dram_gbps, s.get("dram_gbps"), _gbps))
+    t.add_row("2-bit experts on the CPU (batch 1, all cores)", _cell(h.cpu_expert_gbps, s.get("cpu_expert_gbps"), _gbps))
     return t
 
 

@@ -224,6 +224,12 @@ def _size(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, A
         pack_dir=pack_dir,
         gate=Gate(enabled=bool(gate_tau), tau=gate_tau or 0.5), moe_graphs=pins.get("moe_graphs", "replay"),
     )
+    if "cpu_miss_ratio" in pins:
+        p.cpu_miss_ratio = pins["cpu_miss_ratio"]
+    elif tier == "host" and hw.host.cpu_expert_gbps:  # misses served where cheapest (issue 39)
+        from moetplan.cost_model.cpu_compute import cpu_miss_ratio
+
+        p.cpu_miss_ratio = cpu_miss_ratio(hw, p)
     p.gpu_memory_utilization = pins.get("gpu_memory_utilization", L.gpu_memory_utilization_for(model, p, vram))
     budget = vram * p.gpu_memory_utilization
     fixed = sum(i.gib for i in L.fixed_gpu_items(model, p))

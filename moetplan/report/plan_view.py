@@ -124,6 +124,9 @@ def prediction_panel(pred: Prediction) -> Panel:
         lines.append(f"token hit rate {pred.token_hit_rate:.1%}, steps with zero misses "
                      f"{pred.zero_miss_step_share:.0%}, misses/step {pred.misses_per_step:.1f}"
                      + (f", replayed steps {pred.replay_rate:.0%}" if pred.replay_rate is not None else ""))
+    if pred.cpu_miss_share is not None:
+        lines.append(f"misses served: {pred.cpu_miss_share:.0%} computed on the CPU, "
+                     f"{1 - pred.cpu_miss_share:.0%} fetched over the link")
     return Panel("\n".join(lines), title="Prediction", expand=False)
 
 

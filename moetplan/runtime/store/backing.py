@@ -380,6 +380,10 @@ class PinnedHostStore(BackingStore):
     def _row(self, layer: int, expert: int) -> int:
         return layer * self.num_experts + expert
 
+    def layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(every row in host RAM, slot_of for `layer`): what the CPU kernels compute one layer's experts from."""
+        return self.rows, layer * self.num_experts + torch.arange(self.num_experts, dtype=torch.int64)
+
     def close(self) -> None:
         unpin(self.rows)
 

@@ -130,6 +130,7 @@ class Transfers:
     batches: int = 0
     prefetched_rows: int = 0
     evictions: int = 0
+    cpu_rows: int = 0  # missed rows computed on the CPU from the host store instead of fetched (tier host, split)
     pending: list = field(default_factory=list)  # (start event, end event, bytes) not yet resolved
 
 

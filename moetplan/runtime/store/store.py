@@ -205,6 +205,22 @@ class ExpertStore:
         self.pool.publish()
         return self._slots_for(layer, expert_ids, ids)
 
+    def count_cpu_computed(self, layer: int, expert_ids: Any, ensured: bool) -> None:
+        """Decode routings of `layer` whose missing experts the CPU computed from the host rows instead of a fetch
+        (issue 39, the split path): they count as routings and misses and feed the heat as a fetch would, so a
+        hot expert computed on the CPU still earns a slot. `ensured`: ensure() already ran for this layer's call."""
+        ids, _ = self._ids(expert_ids)
+        if not ensured:
+            self._enter(layer, False)
+        uniq, counts = self._count(ids)
+        c = self.decode
+        c.calls += 0 if ensured else 1
+        c.routings += int(counts.sum())
+        c.misses += len(uniq)
+        self.score[layer][uniq] += self._inc * counts
+        self._step_missed = True
+        self.xfer.cpu_rows += len(uniq)
+
     def ensure_chunks(self, layer: int, expert_ids: Any, *, prefill: bool | None = True,
                       num_tokens: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Like ensure, for a call that may need more rows than the cache can give it at once (big prefill).
@@ -581,6 +597,7 @@ class ExpertStore:
             "fetch_batches": x.batches,
             "evictions": x.evictions,
             "prefetched_rows": x.prefetched_rows,
+            "cpu_computed_rows": x.cpu_rows,
         }
 
     def reset_stats(self) -> None:

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from moetplan.contract.layout import RowLayout
@@ -45,6 +46,8 @@ class LayerState:
     # Inside graphs (section.records_steps): (device) -> the worker's StepMisses, the step's device record of
     # routings and misses that the replay driver reads once at step end; None: per-layer host bookkeeping.
     record: Any = None
+    # Tier host, split path: the plan's cpu_miss_ratio (0 = fetch every miss); see _cpu_miss_forward
+    cpu_miss_ratio: float = 0.0
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 warmup: bool = False, paths: Any = None) -> torch.Tensor:
@@ -102,6 +105,55 @@ class LayerState:
             topk_weights = torch.where(miss, torch.zeros_like(topk_weights), topk_weights)
         return self._op(x, topk_ids, topk_weights, store.data, slot_of, fp4)
 
+    def _cpu_miss_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                          store: Any) -> torch.Tensor | None:
+        """Misses served where cheapest (issue 39; tier host, split path): this layer's missing experts are split
+        between the CPU, which computes them from the pinned host rows with the CPU kernels, and the link, which
+        fetches the rest into the cache, at the plan's cpu_miss_ratio (cost_model.cpu_compute.split_misses, the
+        split the cost model priced). Both at once: the link's copies are queued before the CPU computes. The
+        misses with the fewest routings go to the CPU (its time grows with each token, the link's does not).
+        None when the CPU takes none of them (the caller fetches as before)."""
+        from moetplan.cost_model.cpu_compute import split_misses
+        from moetplan.runtime.store.store import StoreCapacityError
+
+        layer_rows = getattr(store.backing, "layer_rows", None)
+        if layer_rows is None:  # only the pinned host store holds every row where the CPU reads it
+            return None
+        layer = self.moe_index
+        ids_h = topk_ids.detach().to("cpu", torch.int64)
+        uniq, counts = np.unique(ids_h.numpy(), return_counts=True)
+        absent = store.pool.res[layer][uniq] < 0
+        missing = uniq[absent]
+        n_cpu = split_misses(int(missing.size), 1, self.cpu_miss_ratio, 1.0).cpu if missing.size else 0
+        if n_cpu == 0:
+            return None
+        cpu_set = missing[np.argsort(counts[absent], kind="stable")[:n_cpu]]
+        on_cpu = torch.from_numpy(np.isin(ids_h.numpy(), cpu_set))
+        ids_d = wts_d = None
+        if not bool(on_cpu.all()):
+            keep = ids_h[~on_cpu][0]  # a pair the device computes: the CPU's pairs ride on it with weight 0
+            ids_d = torch.where(on_cpu, keep, ids_h).to(topk_ids.device, topk_ids.dtype)
+            mask = on_cpu.to(topk_weights.device)
+            wts_d = torch.where(mask, torch.zeros_like(topk_weights), topk_weights)
+            try:
+                # the link's share, queued; only the device's own pairs count (not the riders)
+                store.ensure(layer, ids_h[~on_cpu], num_tokens=int(ids_h.shape[0]))
+            except StoreCapacityError:
+                return None
+        t_idx, j_idx = on_cpu.nonzero(as_tuple=True)
+        rows, slot_of = layer_rows(layer)
+        assert self.layout is not None
+        y_pairs = moe_forward(x.detach().to("cpu", torch.float32)[t_idx], ids_h[t_idx, j_idx].view(-1, 1),
+                              topk_weights.detach().to("cpu", torch.float32)[t_idx, j_idx].view(-1, 1), rows,
+                              slot_of, self.layout, swiglu_limit=self.swiglu_limit, policy=self.policy,
+                              paths=self.paths)
+        y_cpu = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32).index_add_(0, t_idx, y_pairs)
+        store.count_cpu_computed(layer, ids_h[on_cpu], ensured=ids_d is not None)
+        if ids_d is None:
+            return y_cpu.to(x.device, x.dtype)
+        y = self._op(x, ids_d, wts_d, store.data, store.residency[layer], {})
+        return y + y_cpu.to(y.device, y.dtype)
+
     def _store_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        fp4: dict[str, Any]) -> torch.Tensor:
         """Make this layer's routed experts resident in the slot pool, then compute from it.
@@ -119,6 +171,10 @@ class LayerState:
                 x.shape[0] <= store.prefill_tokens or capturing()):
             return self._replay_forward(x, topk_weights, topk_ids, fp4, store, misses)
         if x.shape[0] <= store.prefill_tokens:  # decode: the step's working set fits (the planner's guard)
+            if self.cpu_miss_ratio > 0 and not fp4:
+                y = self._cpu_miss_forward(x, topk_weights, topk_ids, store)
+                if y is not None:
+                    return y
             try:
                 store.ensure(layer, topk_ids)
                 return self._op(x, topk_ids, topk_weights, store.data, store.residency[layer], fp4)

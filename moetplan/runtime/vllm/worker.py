@@ -195,6 +195,8 @@ class WorkerRuntime:
         if self.section.records_steps:
             experts = int(fields["num_experts"])
             fields["record"] = lambda device: self.step_record(device, experts)
+        if self.section.expert_tier == "host" and not self.section.replays:  # the split path (issue 39)
+            fields.setdefault("cpu_miss_ratio", self.section.cpu_miss_ratio)
         if self.in_graphs:
             return LayerState(**fields, fp4=self.fp4, policy=policy, paths=None)
         return LayerState(**fields, fp4=self.fp4, policy=policy, paths=self.paths)
