@@ -106,6 +106,20 @@ def case_unsupported(case: dict[str, Any]) -> str | None:
     return None
 
 
+def card_pins(card_gib: float | None, hw: Any) -> dict[str, Any]:
+    """A smaller card emulated on this GPU: its memory as a utilization of this one, and the batched-token budget
+    the planner gives a card of that size (hwdb guards: vLLM's default below 70 GiB), which this GPU's size would
+    otherwise set (DeepSeek-V4's sliding-window state grows with it: 3.3 GiB of KV per request at 8192)."""
+    if card_gib is None:
+        return {}
+    from moetplan.hwdb import guards
+
+    g = guards()["planner"]
+    mnbt = g["batched_tokens_default_large"] if card_gib >= g["batched_tokens_large_card_gib"] \
+        else g["batched_tokens_default_small"]
+    return {"gpu_memory_utilization": round(card_gib / hw.gpus[0].vram_gib, 4), "max_num_batched_tokens": mnbt}
+
+
 def _profile(hw_path: str):
     from moetplan.contract import HardwareProfile, load_json
 
@@ -120,9 +134,8 @@ def make_plan(model: str, hw: Any, case: dict[str, Any], context: int, max_seqs:
     from moetplan.plan.solver import solve
 
     spec = hwdb.model_spec(model)
-    pins = {**COMMON_PINS, "context": context, "max_num_seqs": max_seqs, **case_pins(case, hw)}
-    if card_gib is not None:
-        pins["gpu_memory_utilization"] = round(card_gib / hw.gpus[0].vram_gib, 4)
+    pins = {**COMMON_PINS, "context": context, "max_num_seqs": max_seqs, **case_pins(case, hw),
+            **card_pins(card_gib, hw)}
     plan = solve(spec, hw, Goals(context=context, pinned=pins))
     apply_dummy_weights(plan, case["router"])
     folder.mkdir(parents=True, exist_ok=True)
@@ -142,9 +155,7 @@ def predictions(model: str, hw: Any, case: dict[str, Any], context: int, max_seq
     out = {}
     for n in streams:
         pins = {**COMMON_PINS, "context": context, "max_num_seqs": max_seqs, **case_pins(case, hw),
-                **(extra_pins or {})}
-        if card_gib is not None:
-            pins["gpu_memory_utilization"] = round(card_gib / hw.gpus[0].vram_gib, 4)
+                **card_pins(card_gib, hw), **(extra_pins or {})}
         p = solve(spec, hw, Goals(context=context, concurrency=n, pinned=pins)).prediction
         out[n] = {"decode_tok_s": p.decode_tok_s, "aggregate_tok_s": p.aggregate_tok_s, "step_ms": p.step_ms,
                   "bottleneck": p.bottleneck, "token_hit_rate": p.token_hit_rate,

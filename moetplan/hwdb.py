@@ -392,6 +392,14 @@ def model_spec(name_or_alias: str) -> ModelSpec:
     return _load_model(mid, _model_files()[mid])[0].model_copy(deep=True)
 
 
+def published_model_spec(name_or_alias: str) -> ModelSpec:
+    """The model as vLLM-Moet's published runs served it (its build of vLLM v0.24): without the per-request in-flight
+    state that stock vLLM >= 0.26, the runtime moetplan serves through, reserves (`kv_inflight_bytes_per_token`,
+    measured on 0.26). Its DeepSeek-V4-Flash rows at 8192 batched tokens with 3.4 GiB of KV left (r02) booted,
+    which that reservation would leave short."""
+    return model_spec(name_or_alias).model_copy(update={"kv_inflight_bytes_per_token": {}})
+
+
 def model_entry(name_or_alias: str) -> dict:
     """The raw yaml entry (with `source` and per-field `status`), for listings and explanations."""
     mid = _resolve_model(name_or_alias)

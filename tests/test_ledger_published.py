@@ -234,3 +234,21 @@ def test_the_dense_term_alone_makes_the_earlier_build_recipes_short_on_todays_bu
 def _pinned_placement(c: published.Published) -> Placement:
     pins = {k: v for k, v in c.pins.items() if k not in ("gate_tau", "kv_cache_memory_bytes")}
     return Placement.for_model(c.model, **pins)
+
+
+def test_ds4_kv_floor_holds_the_in_flight_state_vllm_026_asked_for():
+    """vLLM 0.26 refused DeepSeek-V4-Flash at 8192 batched tokens with 0.1 GiB of KV: one 8192-token request needed
+    3.3 GiB (bench/results/e2e_h200_replay.json). The floor our runtime's plans keep grows with the batched tokens;
+    vLLM-Moet's published runs (its v0.24 build) are judged without it."""
+    from moetplan.contract import Placement
+
+    ds4 = hwdb.model_spec("deepseek-v4-flash")
+    need = {t: L.kv_needed_gib(ds4, Placement.for_model(ds4, expert_tier="host", kv_dtype="fp8", context=8192,
+                                                        max_num_seqs=1, max_num_batched_tokens=t))
+            for t in (256, 2048, 8192)}
+    assert 3.3 <= need[8192] < 3.45  # what vLLM asked for, plus the compressed window of 8192 tokens
+    assert need[256] < 0.15 and need[2048] < need[8192] / 3
+    published = hwdb.published_model_spec("deepseek-v4-flash")
+    p = Placement.for_model(published, expert_tier="host", kv_dtype="fp8", context=8192, max_num_seqs=1,
+                            max_num_batched_tokens=8192)
+    assert L.kv_needed_gib(published, p) < 0.1

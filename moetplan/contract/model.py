@@ -77,6 +77,10 @@ class ModelSpec(BaseModel):
     # MLA: every TP rank holds the full latent, so this is also the per-rank figure.
     kv_bytes_per_token: dict[str, float]
     kv_fixed_bytes_per_seq: dict[str, float] = Field(default_factory=dict)
+    # Sliding-window and compressor-state caches (DeepSeek-V4) that vLLM reserves per admitted request for every
+    # token in flight (max_num_batched_tokens), on top of the window: counted once, in the one request the pool
+    # must admit at the full context.
+    kv_inflight_bytes_per_token: dict[str, float] = Field(default_factory=dict)
     kv_shards_with_tp: bool = Field(False, description="GQA KV heads split across TP ranks; MLA does not")
 
     # Non-routed weights (attention, dense FFN, shared experts, router, embeddings, lm head) in bytes at

@@ -95,7 +95,7 @@ def _load_csv(p: Path, prefix: str, notes: dict) -> list[Measurement]:
     out: list[Measurement] = []
     for i, row in enumerate(csv.DictReader(io.StringIO("\n".join(lines))), start=1):
         rid = f"{prefix}{i:02d}"
-        model = hwdb.model_spec(row["model"])
+        model = hwdb.published_model_spec(row["model"])
         hw = hwdb.box_profile(box_id_for(row["gpus"]))
         conc = int(_num(row, "concurrency", 1) or 1)
         tau = _num(row, "gate_tau")

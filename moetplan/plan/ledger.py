@@ -185,7 +185,10 @@ def kv_needed_gib(model: ModelSpec, p: Placement) -> float:
     curves ran 16-32 streams in pools that hold far fewer full windows (short prompts; vLLM preempts when
     they grow)."""
     seqs = max(p.max_num_seqs, 1)
-    return model.kv_bytes(p.kv_dtype, p.context, tp=p.tp, seqs=seqs) / p.pp / GIB
+    inflight = model.kv_inflight_bytes_per_token.get(p.kv_dtype, 0.0) * min(p.max_num_batched_tokens, p.context)
+    if model.kv_shards_with_tp:
+        inflight /= p.tp
+    return (model.kv_bytes(p.kv_dtype, p.context, tp=p.tp, seqs=seqs) + inflight) / p.pp / GIB
 
 
 def kv_floor_gib(model: ModelSpec, p: Placement) -> float:

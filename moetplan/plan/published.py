@@ -57,7 +57,7 @@ def load() -> list[Published]:
     out: list[Published] = []
     for c in data.get("configs") or []:
         try:
-            model = hwdb.model_spec(c["model"])
+            model = hwdb.published_model_spec(c["model"])
             over = dict(c.get("model_overrides") or {})
             if c.get("build"):
                 over.update({k: v for k, v in builds[model.id][c["build"]].items() if k != "why"})
