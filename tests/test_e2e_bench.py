@@ -150,7 +150,12 @@ def test_calibrate_on_the_measured_run(record, tmp_path) -> None:
     doc = json.loads(r.stdout)
     assert doc["written_to"] == str(target) and target.exists()
     rows = [x for x in doc["rows"] if x["metric"] == "decode_tok_s"]
-    assert rows and abs(rows[0]["error_after"]) <= abs(rows[0]["error_before"]) + 1e-9
+    assert rows and not doc["worse_than_before"]
+    # The refit is joint: one run's decode, prefill and aggregate rows share factors (compute, per-layer and per-step
+    # overheads). What it promises is the run as a whole fitted no worse; a row may trade a few points (decode
+    # 5.7% -> 11.8% while CPU prefill went 218% -> 6% in one CI run), never fall apart.
+    assert doc["after"]["median_abs_error"] <= doc["before"]["median_abs_error"] + 1e-9
+    assert abs(rows[0]["error_after"]) <= max(abs(rows[0]["error_before"]), 0.25)
 
 
 # --------------------------------------------------------------------------- what a coding agent sends
