@@ -12,7 +12,7 @@ import importlib.util
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -82,6 +82,18 @@ def _test_environment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
         for k, v in OFFLINE_ENV.items():
             mp.setenv(k, v)
         yield cache
+
+
+@pytest.fixture(scope="module")
+def cpu_mod(_test_environment: Path) -> Any:
+    """The CPU expert kernels' extension (built on first use into the module's cache); skips, naming why, where it
+    cannot build."""
+    from moetplan.runtime.op import cpu_kernels
+
+    m = cpu_kernels.get_module()
+    if m is None:
+        pytest.skip(f"CPU kernels not built here: {cpu_kernels.fallback_reason()}")
+    return m
 
 
 @pytest.fixture(scope="module")

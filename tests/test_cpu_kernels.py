@@ -19,14 +19,6 @@ from moetplan.runtime.op.reference import ResidencyError, dequantize_rows, moe_f
 TOL = 2e-2
 
 
-@pytest.fixture(scope="module")
-def mod():
-    m = cpu_kernels.get_module()
-    if m is None:
-        pytest.skip(f"CPU kernels not built here: {cpu_kernels.fallback_reason()}")
-    return m
-
-
 def _rng(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -48,17 +40,17 @@ def _isas(m) -> list[str]:
     return list(m.isas_available())
 
 
-def test_isa_choice_and_names(mod):
-    avail = _isas(mod)
-    assert avail[0] == "scalar" and cpu_kernels.best_isa(mod) == avail[-1]
+def test_isa_choice_and_names(cpu_mod):
+    avail = _isas(cpu_mod)
+    assert avail[0] == "scalar" and cpu_kernels.best_isa(cpu_mod) == avail[-1]
     assert set(avail) <= set(cpu_kernels.ISAS)
     with pytest.raises(UsageError, match="not one of"):
-        cpu_kernels.isa_code(mod, "neon")
+        cpu_kernels.isa_code(cpu_mod, "neon")
 
 
 @pytest.mark.parametrize("fmt", ["2bit", "fp4"])
 @pytest.mark.parametrize("K", [2048, 768, 224, 32])  # full chunks, and every tail width
-def test_row_dot_matches_dequantized_rows(mod, fmt, K):
+def test_row_dot_matches_dequantized_rows(cpu_mod, fmt, K):
     wpb = 4 if fmt == "2bit" else 2
     g = _rng(K)
     q = torch.randint(0, 256, (21, K // wpb), dtype=torch.uint8, generator=g)
@@ -72,8 +64,8 @@ def test_row_dot_matches_dequantized_rows(mod, fmt, K):
     bound = (step / 2) @ wdq.abs().T
     for planes in (1, 2):
         outs = {}
-        for isa in _isas(mod):
-            got = mod.rows_dot(q, s, x, 0 if fmt == "2bit" else 1, cpu_kernels.ISAS.index(isa), planes)
+        for isa in _isas(cpu_mod):
+            got = cpu_mod.rows_dot(q, s, x, 0 if fmt == "2bit" else 1, cpu_kernels.ISAS.index(isa), planes)
             if planes == 1:
                 assert bool(((got - ref).abs() <= bound * 1.001 + 1e-5 * ref.abs().max()).all()), isa
                 assert _rel(got, ref) < TOL, isa
@@ -86,7 +78,7 @@ def test_row_dot_matches_dequantized_rows(mod, fmt, K):
 
 
 @pytest.mark.parametrize("T", [1, 4, 16, 37])
-def test_op_matches_reference_with_fp4_reserve_and_clamp(mod, T):
+def test_op_matches_reference_with_fp4_reserve_and_clamp(cpu_mod, T):
     H, I, E, k = 256, 96, 12, 4
     lay2, lay4 = RowLayout.for_expert(H, I, fmt="2bit"), RowLayout.for_expert(H, I, fmt="fp4")
     pool, fpool = _pool(lay2, E + 2, 1), _pool(lay4, 3, 2)
@@ -98,21 +90,21 @@ def test_op_matches_reference_with_fp4_reserve_and_clamp(mod, T):
     x = torch.randn(T, H, generator=_rng(5)) * 0.05
     for limit in (None, 3e-4):
         ref = moe_forward_reference(x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, swiglu_limit=limit)
-        for isa in _isas(mod):
-            got = cpu_kernels.moe_cpu(mod, x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, limit, None, isa=isa)
+        for isa in _isas(cpu_mod):
+            got = cpu_kernels.moe_cpu(cpu_mod, x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, limit, None, isa=isa)
             # a clamped gate leaves the act vectors spiky within a block (some ~limit, most ~0): the w2 plane
             # resolves amax/127 of each block, so the small values lose most of their digits there
             assert got.shape == (T, H) and _rel(got, ref) < (TOL if limit is None else 1e-1), (isa, limit)
             # two planes per stage: float32-class (measured 5e-5 .. 6e-5; 2e-4 .. 4e-4 clamped)
-            got2 = cpu_kernels.moe_cpu(mod, x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, limit, None, isa=isa,
+            got2 = cpu_kernels.moe_cpu(cpu_mod, x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, limit, None, isa=isa,
                                        planes=(2, 2))
             assert _rel(got2, ref) < (2e-4 if limit is None else 1e-3), (isa, limit)
     # deterministic: the same bits run to run (no float atomics; fixed reduction order)
-    a = cpu_kernels.moe_cpu(mod, x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, None, None)
-    assert torch.equal(a, cpu_kernels.moe_cpu(mod, x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, None, None))
+    a = cpu_kernels.moe_cpu(cpu_mod, x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, None, None)
+    assert torch.equal(a, cpu_kernels.moe_cpu(cpu_mod, x, ids, w, pool, slot_of, lay2, fpool, f4, lay4, None, None))
 
 
-def test_dispatch_names_the_cpu_path_and_keeps_dtype_and_out(mod):
+def test_dispatch_names_the_cpu_path_and_keeps_dtype_and_out(cpu_mod):
     lay = RowLayout.for_expert(128, 64)
     pool = _pool(lay, 6, 7)
     ids = torch.tensor([[0, 5], [3, 3], [2, 0]])  # an expert twice for one token counts twice
@@ -123,12 +115,12 @@ def test_dispatch_names_the_cpu_path_and_keeps_dtype_and_out(mod):
         got = ops.moe_forward(x.to(dtype), ids, w, pool, torch.arange(6), lay, paths=log)
         ref = ops.moe_forward(x.to(dtype), ids, w, pool, torch.arange(6), lay, policy=KernelPolicy(cpu=False))
         assert got.dtype == dtype and _rel(got.float(), ref.float()) < TOL + (0 if dtype == torch.float32 else 1e-2)
-    assert log.as_dict()["kernel_paths"] == {f"cpu:{cpu_kernels.best_isa(mod)}": 2}
+    assert log.as_dict()["kernel_paths"] == {f"cpu:{cpu_kernels.best_isa(cpu_mod)}": 2}
     out = torch.full((3, 128), float("nan"))
     assert ops.moe_forward(x, ids, w, pool, torch.arange(6), lay, out=out) is out and torch.isfinite(out).all()
 
 
-def test_missing_and_bad_experts_are_named(mod):
+def test_missing_and_bad_experts_are_named(cpu_mod):
     lay = RowLayout.for_expert(64, 32)
     pool = _pool(lay, 2, 9)
     x, w = torch.randn(1, 64), torch.ones(1, 2)
@@ -145,7 +137,7 @@ def test_build_key_follows_the_source():
     assert (cpu_kernels.source_dir() / cpu_kernels.SOURCE).is_file()
 
 
-def test_tiny_moe_greedy_tokens_are_the_references(mod, monkeypatch):
+def test_tiny_moe_greedy_tokens_are_the_references(cpu_mod, monkeypatch):
     """tiny-moe (HF transformers, fp32) with its experts as 2-bit rows: the CPU kernels pick the same greedy tokens
     as the torch reference the CPU backend used before them."""
     import transformers
@@ -173,7 +165,7 @@ def test_tiny_moe_greedy_tokens_are_the_references(mod, monkeypatch):
     assert greedy() == kernel and len(ran) == n
 
 
-def test_build_kernels_builds_the_cpu_kernels(mod):
+def test_build_kernels_builds_the_cpu_kernels(cpu_mod):
     import json
 
     from typer.testing import CliRunner
@@ -183,7 +175,7 @@ def test_build_kernels_builds_the_cpu_kernels(mod):
     res = CliRunner().invoke(app, ["build-kernels", "--target", "cpu", "--json"])
     assert res.exit_code == 0, res.output
     info = json.loads(res.output)
-    assert info["cpu"]["ok"] and info["cpu"]["isa"] == cpu_kernels.best_isa(mod)
+    assert info["cpu"]["ok"] and info["cpu"]["isa"] == cpu_kernels.best_isa(cpu_mod)
     assert info["cpu"]["key"] == cpu_kernels.build_key() and "archs" not in info  # no CUDA asked for
     bad = CliRunner().invoke(app, ["build-kernels", "--target", "gpu"])
     assert bad.exit_code != 0 and "--target" in bad.output
@@ -205,7 +197,7 @@ def test_miss_split_uses_both_links_and_prefers_the_faster():
         split_misses(-1, row, 1.0, 1.0)
 
 
-def test_measure_expert_throughput_reports_rates(mod):
+def test_measure_expert_throughput_reports_rates(cpu_mod):
     lay = RowLayout.for_expert(256, 128)
     r = cpu_kernels.measure_expert_throughput(lay, threads=1, min_seconds=0.05, pool_bytes=4 << 20)
     assert r["gbps"] > 0 and r["experts_per_s"] > 0 and r["threads"] == 1

@@ -110,15 +110,7 @@ def test_old_hw_json_without_the_cpu_rate_still_loads():
 # --------------------------------------------------------------------------- probe
 
 
-@pytest.fixture(scope="module")
-def mod():
-    m = cpu_kernels.get_module()
-    if m is None:
-        pytest.skip(f"CPU kernels not built here: {cpu_kernels.fallback_reason()}")
-    return m
-
-
-def test_probe_records_the_cpu_expert_rate(mod, monkeypatch):
+def test_probe_records_the_cpu_expert_rate(cpu_mod, monkeypatch):
     from moetplan.hw import profile_probe
 
     monkeypatch.setattr(profile_probe, "CPU_PROBE_EXPERT", (256, 128))  # a small expert: a quick test
@@ -126,7 +118,7 @@ def test_probe_records_the_cpu_expert_rate(mod, monkeypatch):
     details: dict = {}
     profile_probe.measure_cpu_experts(hw, quick=True, details=details)
     assert hw.host.cpu_expert_gbps and hw.host.cpu_expert_gbps > 0
-    assert hw.host.sources["cpu_expert_gbps"] == "measured" and details["cpu_experts"]["isa"] == cpu_kernels.best_isa(mod)
+    assert hw.host.sources["cpu_expert_gbps"] == "measured" and details["cpu_experts"]["isa"] == cpu_kernels.best_isa(cpu_mod)
     # without the kernels the field stays absent and the probe says why
     monkeypatch.setattr(cpu_kernels, "get_module", lambda: None)
     monkeypatch.setattr(cpu_kernels, "fallback_reason", lambda: "no C++ compiler")
@@ -154,7 +146,7 @@ def _rows(lay: RowLayout, n: int, seed: int) -> torch.Tensor:
     return rows
 
 
-def test_misses_computed_on_the_cpu_give_the_fetched_result_and_the_reference(mod):
+def test_misses_computed_on_the_cpu_give_the_fetched_result_and_the_reference(cpu_mod):
     """The split path (moe_graphs=split, tier host): one layer's misses computed on the CPU from the pinned host
     rows, at three CPU/link ratios (0: all fetched; 2: shared; 100: all on the CPU), against the torch reference."""
     L, E, H, I, k = 2, 8, 256, 128, 4
@@ -185,7 +177,7 @@ def test_misses_computed_on_the_cpu_give_the_fetched_result_and_the_reference(mo
         assert _rel(y, outs[0.0]) < 1e-5, ratio
 
 
-def test_a_split_host_plan_wires_its_ratio_into_the_worker_layers(mod, tmp_path, workers):  # noqa: F811
+def test_a_split_host_plan_wires_its_ratio_into_the_worker_layers(cpu_mod, tmp_path, workers):  # noqa: F811
     """The plan's cpu_miss_ratio reaches the split path's layers through the worker (RuntimeSection), and a decode
     call there computes misses on the CPU and gives the reference's result."""
     from test_launch_runtime import _load_through_method, _plan, _routing
