@@ -75,6 +75,13 @@ class FakeServerConfig:
     metrics_text: str | None = None  # served at GET /metrics (Prometheus text) when set
     tokenize: bool = True  # answer vLLM's POST /tokenize (the count of this server's own tokens: words)
     histograms: bool = True  # vLLM's TTFT and inter-token latency histograms on /metrics, as simulated
+    # Tokens per word that grow with the prompt's length (count = words * (1 + growth * words)): a ratio learnt
+    # on a short prompt then undercounts a long one, as real tokenizers drift by a few percent between texts.
+    token_growth: float = 0.0
+
+    def count_tokens(self, text: str) -> int:
+        words = len(text.split())
+        return int(words * (1 + self.token_growth * words))
 
     def __post_init__(self) -> None:
         unknown = set(self.modes) - FAILURE_MODES
@@ -188,7 +195,7 @@ class _Handler(BaseHTTPRequestHandler):
             except json.JSONDecodeError:
                 self._error(400, "request body is not JSON")
                 return
-            self._send_json(200, {"count": len(_prompt_text(tok_body).split()), "max_model_len": cfg.max_model_len})
+            self._send_json(200, {"count": cfg.count_tokens(_prompt_text(tok_body)), "max_model_len": cfg.max_model_len})
             return
         if path not in ("/v1/completions", "/v1/chat/completions"):
             self._error(404, f"no route {self.path}")
@@ -211,7 +218,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         chat = path.endswith("chat/completions")
         prompt = _prompt_text(body)
-        prompt_tokens = len(prompt.split())
+        prompt_tokens = cfg.count_tokens(prompt)
         max_tokens = int(body.get("max_tokens") or 16)
         if cfg.max_model_len is not None and prompt_tokens + max_tokens > cfg.max_model_len:
             self._error(

@@ -215,6 +215,20 @@ def test_prompts_sized_by_the_servers_tokenizer_never_pass_the_context() -> None
     assert 0.9 * int(999 * 0.95) <= top <= int(999 * 0.95)
 
 
+def test_a_long_needle_prompt_is_counted_not_extrapolated_from_a_short_one() -> None:
+    """The haystack's tokens per word learnt on a 64-word prompt undercounts a long one when the tokenizer drifts
+    (here 10% at 2,000 words; a CI run overran a 2,048-token context by one token this way): the bench counts the
+    long prompt with /tokenize and shrinks it, so the probe is graded, never refused."""
+    with fake(max_model_len=2048, token_growth=5e-5) as srv:
+        rec = run_bench(srv.url, concurrency=(1,), runs=1, max_tokens=16, prompt_lens=(64,), timeout=5.0)
+        cfg = srv.config
+        sent = [r for r in srv.requests if "The secret passcode" in str(r.get("prompt", ""))]
+    limit = int((2048 - 16) * 0.95)
+    assert rec.errors == [] and rec.probes["needle"] == {"1024": "PASS", str(limit): "PASS"}
+    longest = max(cfg.count_tokens(r["prompt"]) for r in sent)
+    assert 0.9 * limit <= longest <= limit
+
+
 def test_bunched_events_without_server_timings_are_an_error_in_the_record_not_a_rate() -> None:
     """A proxy that holds the stream and releases it at once, a server with no histograms: no decode rate."""
     with fake(modes={"bunched"}, histograms=False) as srv:

@@ -27,7 +27,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import httpx
 
@@ -36,6 +36,8 @@ from moetplan.measure.client import BenchClient, StreamResult, describe_error
 from moetplan.measure.window import record_window, settled_record
 from moetplan.contract import Plan, RunRecord, SchemaError, load_json, save_json
 from moetplan.contract.errors import UsageError
+
+T = TypeVar("T")
 
 # Prompt for the decode and batch runs: short so prefill barely counts, long enough to look like a request.
 DECODE_PROMPT_TOKENS = 32
@@ -295,23 +297,32 @@ class _Bench:
     async def sized_prompt(self, n_tokens: int) -> tuple[str, int, int | None]:
         """A random-words prompt of at most `n_tokens` tokens by the server's tokenizer (/tokenize), as close
         below as a few counts get it: (text, words, its token count or None where the server cannot count)."""
-        words = self.scale.words_for("words", n_tokens)
-        text = probes.random_words(self.rng, words)
-        count = await self.c.count_tokens(text)
+        text, words, count = await self.fit_to_tokens("words", n_tokens, lambda w: probes.random_words(self.rng, w))
+        return text, words, count
+
+    async def fit_to_tokens(self, kind: str, n_tokens: int, make: Callable[[int], T],
+                            prompt: Callable[[T], str] = str) -> tuple[T, int, int | None]:
+        """`make(words)` (a prompt, or a case whose prompt is `prompt(case)`) sized to at most `n_tokens` tokens by the
+        server's tokenizer, as close below as a few counts get it: (made, words asked for, its token count or None
+        where the server cannot count). A words-per-token ratio learnt on a short prompt drifts by several percent
+        on a long one, enough to overrun a context fitted with 5% slack, so the count is what decides."""
+        words = self.scale.words_for(kind, n_tokens)
+        made = make(words)
+        count = await self.c.count_tokens(prompt(made))
         for _ in range(4):
             if count is None or (count <= n_tokens and count >= 0.97 * n_tokens) or words <= 1:
                 break
-            self.scale.ratio["words"] = count / words
+            self.scale.ratio[kind] = count / words
             words = max(1, int(n_tokens * words / count) - (1 if count > n_tokens else 0))
-            text = probes.random_words(self.rng, words)
-            count = await self.c.count_tokens(text)
+            made = make(words)
+            count = await self.c.count_tokens(prompt(made))
         while count is not None and count > n_tokens and words > 1:  # never over the length asked for
             words = max(1, words - max(1, (count - n_tokens) * words // max(count, 1)))
-            text = probes.random_words(self.rng, words)
-            count = await self.c.count_tokens(text)
+            made = make(words)
+            count = await self.c.count_tokens(prompt(made))
         if count:
-            self.scale.ratio["words"] = count / words
-        return text, words, count
+            self.scale.ratio[kind] = count / words
+        return made, words, count
 
     async def words_request(self, n_tokens: int, max_tokens: int, ignore_eos: bool = True) -> StreamResult:
         text, words, _ = await self.sized_prompt(n_tokens)
@@ -455,9 +466,11 @@ class _Bench:
                           f"server's max_model_len {self.max_model_len}")
                 self.advance(f"needle {n}", 1)
                 continue
-            case = probes.needle_case(self.rng, self.scale.words_for("prose", n), self.s.needle_depth)
+            case, words, _ = await self.fit_to_tokens(
+                "prose", n, lambda w: probes.needle_case(self.rng, w, self.s.needle_depth),
+                lambda c: c.prompt)
             res = await self.c.stream(case.prompt, PROBE_ANSWER_TOKENS)
-            self.scale.observe("prose", case.words, res)
+            self.scale.observe("prose", words, res)
             if res.ok:
                 results[str(n)] = probes.grade_needle(case, res.text)
             else:
