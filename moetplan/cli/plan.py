@@ -7,12 +7,11 @@ from typing import List, Optional
 
 import typer
 
-from moetplan.cli.common import fail
+from moetplan.cli.common import SERVING_HELP as _SERVING_HELP
+from moetplan.cli.common import STRICT_HELP, fail
 from moetplan.cli.common import out as console
 from moetplan.contract import OBJECTIVES, MoetplanError
 
-_SERVING_HELP = ("a vLLM registry name, or none to switch it off (default: hwdb/serving.yaml for the model, "
-                 "checked against the installed vLLM)")
 
 
 def plan_cmd(
@@ -37,6 +36,7 @@ def plan_cmd(
     reasoning_parser: Optional[str] = typer.Option(None, "--reasoning-parser", help=_SERVING_HELP),
     tokenizer_mode: Optional[str] = typer.Option(None, "--tokenizer-mode", help=_SERVING_HELP),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="a Jinja chat template file"),
+    tool_strict_level: Optional[str] = typer.Option(None, "--tool-strict-level", help=STRICT_HELP),
 ) -> None:
     """Solve the placement, predict tok/s and name the bottleneck."""
     from moetplan.contract import Goals, InfeasibleError
@@ -51,7 +51,8 @@ def plan_cmd(
         from moetplan.launch.serving import serving_for
 
         ctx = check_args(objective, concurrency, context)
-        serving = serving_overrides(tool_call_parser, reasoning_parser, tokenizer_mode, chat_template)
+        serving = serving_overrides(tool_call_parser, reasoning_parser, tokenizer_mode, chat_template,
+                                    tool_strict_level)
         if not (hw or box or gpus) and _cpu_backend_here(model):
             # No GPU here and a checkpoint the CPU backend serves: the plan `moetplan run --model` makes.
             plan = plan_model(model, context=context, set_=set_, serving=serving, pack_dir=pack_dir)

@@ -10,6 +10,7 @@ import typer
 from moetplan import __version__
 from moetplan import contract as _schema
 from moetplan.contract import InfeasibleError, MoetplanError, UsageError, load_json, runs_root, save_json
+from moetplan.cli.common import SERVING_HELP, STRICT_HELP
 from moetplan.contract.vocab import EXPERT_FORMATS, check_choice
 from moetplan.hw.gpus import local_gpu_count
 from moetplan.launch.command import DEFAULT_HOST, DEFAULT_PORT, build_launch, is_cpu_plan, shell_line
@@ -223,17 +224,14 @@ def _solve_here(spec: Any, ctx: int | None, set_: list[str] | None, experts: str
     return _solve(spec, None, None, None, ctx, set_, pack_dir)
 
 
-SERVING_HELP = ("a vLLM registry name, or none to switch it off (default: hwdb/serving.yaml for the model, checked "
-                "against the installed vLLM)")
-
-
 def serving_overrides(tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                      tokenizer_mode: str | None = None, chat_template: str | None = None) -> dict[str, str | None]:
+                      tokenizer_mode: str | None = None, chat_template: str | None = None,
+                      tool_strict_level: str | None = None) -> dict[str, str | None]:
     if chat_template and chat_template.lower() not in ("none", "off") and not Path(chat_template).is_file() \
             and "{" not in chat_template:
         raise UsageError(f"--chat-template {chat_template}: no such file; give a Jinja template file")
     return {"tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser,
-            "tokenizer_mode": tokenizer_mode, "chat_template": chat_template}
+            "tokenizer_mode": tokenizer_mode, "chat_template": chat_template, "tool_strict_level": tool_strict_level}
 
 
 def restart_policy(restart: str, max_restarts: int, window_s: float) -> Any:
@@ -290,6 +288,7 @@ def run_command(
     tokenizer_mode: Optional[str] = typer.Option(None, "--tokenizer-mode", help=SERVING_HELP),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="a Jinja chat template file for "
                                                 "vLLM (default: the checkpoint's own)"),
+    tool_strict_level: Optional[str] = typer.Option(None, "--tool-strict-level", help=STRICT_HELP),
     pack_dir: Optional[str] = typer.Option(None, "--pack-dir", help="serve the experts from the packs in DIR "
                                            "(`moetplan quantize`; written there on first load when missing)"),
     restart: str = typer.Option("on-failure", "--restart", help="when vLLM dies while serving: on-failure "
@@ -313,7 +312,8 @@ def run_command(
                                                 set_=set_, experts=experts, run_dir=run_dir,
                                                 dummy_weights=dummy_weights, router=router,
                                                 serving=serving_overrides(tool_call_parser, reasoning_parser,
-                                                                          tokenizer_mode, chat_template),
+                                                                          tokenizer_mode, chat_template,
+                                                                          tool_strict_level),
                                                 pack_dir=pack_dir)
         policy = restart_policy(restart, max_restarts, restart_window)
         if dry_run:

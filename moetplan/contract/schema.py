@@ -18,7 +18,7 @@ from moetplan.contract.errors import UsageError
 from moetplan.contract.runtime import Gate, RuntimeKnobs, RuntimeSection, runtime_section
 from moetplan.contract.sizing import rows_in
 from moetplan.contract.units import GIB, parse_tokens
-from moetplan.contract.vocab import ExpertFormat, ExpertTier, MoeGraphs, Objective, ValueSource
+from moetplan.contract.vocab import ExpertFormat, ExpertTier, MoeGraphs, Objective, ToolStrictLevel, ValueSource
 
 SCHEMA_VERSION = "1.0"
 
@@ -407,11 +407,18 @@ class Launch(_Model):
 class Serving(_Model):
     """How vLLM speaks the model's chat format (hwdb/serving.yaml, or the user's override): the tool-call and
     reasoning parsers (vLLM registry names; None: that feature off), the tokenizer mode and a chat template
-    (None: the checkpoint's own). `checked_with`: the vLLM release the names were checked against when planned."""
+    (None: the checkpoint's own). `checked_with`: the vLLM release the names were checked against when planned.
+
+    `tool_strict_level` defaults to "parameter": a coding agent's tools rarely say `"strict": true`, and vLLM's
+    own default (auto) then leaves a call's arguments free, so a quantized model's small slip (a missing key, a
+    number where a path goes) reaches the agent as a failed call or as text with no parsed `tool_calls`. Pinning
+    every call to its schema costs a grammar mask inside tool calls only. Passed where the installed vLLM has the
+    flag (0.31 on); older releases hold forced calls (`required`, a named tool) to the schema anyway."""
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     tokenizer_mode: str | None = None
     chat_template: str | None = None
+    tool_strict_level: ToolStrictLevel = "parameter"
     source: str = ""
     checked_with: str | None = None
     notes: list[str] = Field(default_factory=list)

@@ -36,6 +36,10 @@ ZeroMode = Literal["auto", "signed", "balanced"]
 # in one batch and run again) or "split" (outside them, the store on the host per layer: the measured fallback).
 # docs/CUDA_GRAPHS.md.
 MoeGraphs = Literal["replay", "split"]
+# How far vLLM holds tool calls to their declared shape (its --tool-strict-level, 0.31+): "auto" (only tools a
+# request marks strict), "function" (every call's envelope: a known tool name, JSON arguments), "parameter" (also
+# every call's arguments to the tool's JSON schema, as if every tool were strict).
+ToolStrictLevel = Literal["auto", "function", "parameter"]
 
 EXPERT_TIERS: tuple[ExpertTier, ...] = get_args(ExpertTier)
 EXPERT_FORMATS: tuple[ExpertFormat, ...] = get_args(ExpertFormat)
@@ -50,6 +54,7 @@ DECODE_RINGS: tuple[DecodeRing | None, ...] = (None, *get_args(DecodeRing))
 ROW_FORMATS: tuple[RowFormat, ...] = get_args(RowFormat)
 ZERO_MODES: tuple[ZeroMode, ...] = get_args(ZeroMode)
 MOE_GRAPHS: tuple[MoeGraphs, ...] = get_args(MoeGraphs)
+TOOL_STRICT_LEVELS: tuple[ToolStrictLevel, ...] = get_args(ToolStrictLevel)
 
 
 def check_choice(what: str, value: Any, allowed: tuple[Any, ...], why: str = "") -> None:
@@ -61,7 +66,7 @@ def check_choice(what: str, value: Any, allowed: tuple[Any, ...], why: str = "")
 
 __all__ = [
     "DECODE_KERNELS", "DECODE_RINGS", "DecodeKernel", "DecodeRing", "EXPERT_FORMATS", "EXPERT_TIERS", "ExpertFormat",
-    "MOE_GRAPHS", "MoeGraphs",
+    "MOE_GRAPHS", "MoeGraphs", "TOOL_STRICT_LEVELS", "ToolStrictLevel",
     "ExpertTier", "OBJECTIVES", "Objective", "PREFILL_KERNELS", "PROMOTERS", "PrefillKernel", "Promoter", "ROUTERS",
     "ROW_FORMATS", "Router", "RowFormat", "VALUE_SOURCES", "ValueSource", "WEIGHT_SOURCES", "WeightSource",
     "ZERO_MODES", "ZeroMode",

@@ -12,8 +12,10 @@ from typing import Any
 from moetplan import vllm_compat
 from moetplan.contract import Serving
 from moetplan.contract.errors import UsageError
+from moetplan.contract.vocab import TOOL_STRICT_LEVELS, check_choice
 
 KINDS = ("tool_call_parser", "reasoning_parser", "tokenizer_mode", "chat_template")
+STRICT_FLAG = "--tool-strict-level"
 # A user's word for "no such flag": the feature off.
 OFF_WORDS = ("none", "off", "no", "")
 
@@ -36,9 +38,16 @@ def serving_for(plan: Any, overrides: dict[str, str | None] | None = None) -> Se
 
     values, source = hwdb.serving_conventions(_model_key(plan), plan.model.vllm_arch)
     notes: list[str] = []
+    strict: dict[str, Any] = {}
     for kind, val in (overrides or {}).items():
+        if kind == "tool_strict_level":
+            if val is not None:
+                check_choice(STRICT_FLAG, val.strip().lower(), TOOL_STRICT_LEVELS)
+                strict["tool_strict_level"] = val.strip().lower()
+                source += "; tool_strict_level set by the user"
+            continue
         if kind not in KINDS:
-            raise UsageError(f"unknown serving setting {kind!r}; choose one of {', '.join(KINDS)}")
+            raise UsageError(f"unknown serving setting {kind!r}; choose one of {', '.join((*KINDS, 'tool_strict_level'))}")
         if val is None:
             continue
         values[kind] = None if val.strip().lower() in OFF_WORDS else val.strip()
@@ -52,7 +61,11 @@ def serving_for(plan: Any, overrides: dict[str, str | None] | None = None) -> Se
                 raise UsageError(f"--{flag} {wanted}: the installed vLLM has no such name; choose one of "
                                  f"{', '.join(sorted(known))} (or `none` to switch it off)")
     checked = resolve_names(values, notes)
-    return Serving(**checked, source=source, checked_with=_installed_version(), notes=notes)
+    serving = Serving(**checked, **strict, source=source, checked_with=_installed_version(), notes=notes)
+    if serving.tool_call_parser and serving.tool_strict_level != "auto" and vllm_compat.has_tool_strict_level() is False:
+        serving.notes.append(f"{_installed_version()} has no {STRICT_FLAG}: forced tool calls (`required`, a named tool) "
+                     f"follow the tool's schema, calls under tool_choice auto are not held to it")
+    return serving
 
 
 def resolve_names(values: dict[str, Any], notes: list[str]) -> dict[str, Any]:
@@ -86,6 +99,10 @@ def serving_args(serving: Serving | None, extra_args: list[str] | None = None) -
         args += ["--tool-call-parser", values["tool_call_parser"]]
     if (values["tool_call_parser"] or user_tool) and not _given(extra_args, "--enable-auto-tool-choice"):
         args += ["--enable-auto-tool-choice"]
+    # The vLLM that serves may be older than the one that planned: the flag goes only where it is known.
+    if (values["tool_call_parser"] or user_tool) and serving.tool_strict_level != "auto" \
+            and not _given(extra_args, STRICT_FLAG) and vllm_compat.has_tool_strict_level():
+        args += [STRICT_FLAG, serving.tool_strict_level]
     for kind in ("reasoning_parser", "tokenizer_mode", "chat_template"):
         flag = vllm_compat.SERVING_FLAGS[kind]
         if values[kind] and not _given(extra_args, flag):
@@ -93,11 +110,19 @@ def serving_args(serving: Serving | None, extra_args: list[str] | None = None) -
     return args
 
 
+_STRICT_WORDS = {"auto": "calls held to their schema for strict tools only",
+                 "function": "calls held to a known tool and JSON arguments",
+                 "parameter": "calls held to each tool's schema"}
+
+
 def serving_line(serving: Serving | None) -> str:
     """One line for the plan view: what the launch tells vLLM about the chat format."""
     if serving is None:
         return "serving: no tool-call or reasoning parser (plan made before serving conventions)"
-    parts = [f"tools {serving.tool_call_parser or 'off'}", f"reasoning {serving.reasoning_parser or 'off'}"]
+    tools = serving.tool_call_parser or "off"
+    if serving.tool_call_parser:
+        tools += f" ({_STRICT_WORDS[serving.tool_strict_level]})"
+    parts = [f"tools {tools}", f"reasoning {serving.reasoning_parser or 'off'}"]
     if serving.tokenizer_mode:
         parts.append(f"tokenizer mode {serving.tokenizer_mode}")
     if serving.chat_template:
