@@ -107,8 +107,9 @@ def reasons(model: ModelSpec, hw: HardwareProfile, goals: Goals, ch: Candidate,
         add("fp4_reserve_gib", "0: no VRAM to spare for FP4 rows" if p.expert_tier != "resident"
             else "0: slack too small for a useful FP4 reserve")
     alts_kv = sorted({c.placement.kv_dtype for c in cands})
-    add("kv_dtype", f"{p.kv_dtype}: {model.kv_bytes_per_token[p.kv_dtype] / 1024:.1f} KiB/token "
-        f"(options here: {', '.join(alts_kv)})")
+    add("kv_dtype", f"{p.kv_dtype}: {model.kv_bytes(p.kv_dtype, 1, seqs=0) / 1024:.1f} KiB/token "
+        + (f"(the only layout vLLM serves {model.vllm_arch or model.name}'s KV in, whatever --kv-cache-dtype says: "
+           "hwdb kv_dtype_forced)" if model.kv_dtype_forced else f"(options here: {', '.join(alts_kv)})"))
     lo = goal_context(goals, model)
     full = p.kv_tokens // max(p.context, 1)
     add("context", f"{p.context} tokens: objective '{goals.objective}' (minimum {lo}); KV pool "

@@ -126,10 +126,14 @@ def _kv_options(model: ModelSpec, hw: HardwareProfile, pins: dict[str, Any]) -> 
         if pins["kv_dtype"] not in model.kv_bytes_per_token:
             raise UsageError(f"--set kv_dtype={pins['kv_dtype']}: {model.id} has KV layouts "
                              f"{', '.join(model.kv_bytes_per_token)}")
+        if model.kv_dtype_forced and pins["kv_dtype"] != model.kv_dtype_forced:
+            raise UsageError(f"--set kv_dtype={pins['kv_dtype']}: vLLM serves {model.name}'s KV cache only as "
+                             f"{model.kv_dtype_forced} ({model.vllm_arch}; hwdb kv_dtype_forced), whatever "
+                             f"--kv-cache-dtype says; pin kv_dtype={model.kv_dtype_forced} or leave it unpinned")
         return [pins["kv_dtype"]]
     engine = support.kv_dtypes_on(model, hw)
     out = []
-    for kv in model.kv_bytes_per_token:
+    for kv in model.kv_dtypes():
         if engine is not None and kv not in engine:
             continue
         if kv == "nvfp4" and not all(g.fp4 for g in hw.gpus):
@@ -137,7 +141,7 @@ def _kv_options(model: ModelSpec, hw: HardwareProfile, pins: dict[str, Any]) -> 
         if kv == "fp8" and not all(g.fp8 or float(g.compute_capability) >= 8.0 for g in hw.gpus):
             continue
         out.append(kv)
-    return out or list(model.kv_bytes_per_token)[:1]
+    return out or model.kv_dtypes()[:1]
 
 
 def _mtp_options(model: ModelSpec, pins: dict[str, Any], tier: str) -> list[int]:
