@@ -2,11 +2,22 @@
 the candidates worth showing (the pareto set); the solver, its reasons and alternatives read them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moetplan.contract import Goals, MemoryLedger, Placement, Prediction
 from moetplan.contract.model import ModelSpec
 from moetplan.plan import ledger as L
+
+
+@dataclass(frozen=True)
+class BudgetOption:
+    """One max_num_batched_tokens the solver sized and predicted for a discrete choice and context."""
+    max_num_batched_tokens: int
+    gpu_expert_cache_gib: float
+    kv_floor_gib: float
+    decode_tok_s: float
+    prefill_tok_s: float
+    token_hit_rate: float | None
 
 
 @dataclass
@@ -14,6 +25,22 @@ class Candidate:
     placement: Placement
     ledger: MemoryLedger
     prediction: Prediction
+    # The batched-token budgets weighed for this placement (largest first) and vLLM's default for the card; empty
+    # when only one was sized (pinned, resident, or nothing smaller changes the expert cache).
+    budgets: list[BudgetOption] = field(default_factory=list)
+    default_budget: int = 0
+
+
+def pick_budget(options: list[BudgetOption], objective: str) -> BudgetOption:
+    """The max_num_batched_tokens the objective prefers. A smaller budget shrinks the activation peak and, where
+    vLLM reserves per-token in-flight KV state (DeepSeek-V4), the KV floor, so a tiered plan's expert cache grows and
+    decode gains; every chunk costs prefill time. 'decode' takes the fastest decode (a tie: the faster prefill);
+    'balanced' and 'context' give up no more decode than balanced's own context rule does (balanced_keep_decode)
+    and take the fastest prefill within it."""
+    best = max(o.decode_tok_s for o in options)
+    keep = 1.0 if objective == "decode" else float(L.guards()["planner"]["balanced_keep_decode"])
+    near = [o for o in options if o.decode_tok_s >= keep * best - 1e-9]
+    return max(near, key=lambda o: (o.prefill_tok_s, o.max_num_batched_tokens))
 
 
 def goal_context(goals: Goals, model: ModelSpec) -> int:

@@ -3,8 +3,9 @@
 Discrete: TP x PP, expert tier, KV dtype, MTP depth (or drafter tokens), context (a grid, or the pinned value).
 Continuous (sized, not searched): GPU expert cache = what is left of the VRAM budget after everything else;
 KV pool = the window's need (resident tier: plus all leftover, as vLLM does); host arena = usable RAM less the
-page cache's share; max_num_batched_tokens = vLLM's default for the card, smaller when its activation peak does
-not fit. Every pinned knob (`--set name=value`) collapses its dimension; with all pinned, this evaluates one
+page cache's share. max_num_batched_tokens: vLLM's default for the card, smaller when its activation peak does
+not fit; on a tiered store each smaller budget that gives the expert cache more rows is predicted too and the
+objective picks (a smaller budget: more cache and decode, slower prefill). Every pinned knob (`--set name=value`) collapses its dimension; with all pinned, this evaluates one
 placement.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from moetplan.contract.vocab import EXPERT_TIERS
 from moetplan.contract.sizing import reserve_slots, rows_in
 from moetplan.plan import ledger as L
 from moetplan.plan import support
-from moetplan.plan.candidates import Candidate, goal_context
+from moetplan.plan.candidates import BudgetOption, Candidate, goal_context, pick_budget
 from moetplan.plan.diagnose import diagnose
 from moetplan.plan.reasons import alternatives, reasons, warnings
 
@@ -210,6 +211,40 @@ def size_placement(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: di
     return None, why
 
 
+def size_budgets(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, Any], tp: int, pp: int,
+                 tier: str, kv: str, mtp: int, context: int) -> tuple[list[Placement], list[str]]:
+    """The placements worth weighing for one discrete choice, one per max_num_batched_tokens, largest first: the
+    one size_placement finds, then each smaller budget on the grid that still holds a whole decode step
+    (max_num_seqs x (1 + MTP) tokens) and gives the GPU expert cache more rows (a smaller activation peak, and
+    where vLLM reserves in-flight KV state per batched token, a smaller KV floor). A pinned budget, a resident plan
+    or a pinned cache size has one. The caller predicts each and picks by the objective (candidates.pick_budget)."""
+    first, why = size_placement(model, hw, goals, pins, tp, pp, tier, kv, mtp, context)
+    if first is None:
+        return [], why
+    out = [first]
+    if "max_num_batched_tokens" in pins or tier == "resident" or "gpu_expert_cache_gib" in pins:
+        return out, []
+    vram = min(g.vram_gib for g in hw.gpus[: tp * pp])
+    pack_dir = goals.pack_dir or hw.storage.path or _default_pack_dir()
+    step = max(first.max_num_seqs, 1) * (1 + max(mtp, 0))
+    for mnbt in _batched_tokens_options(vram, pins):
+        if mnbt >= out[-1].max_num_batched_tokens:
+            continue
+        if mnbt < step:
+            break
+        p, _ = _size(model, hw, goals, pins, tp, pp, tier, kv, mtp, context, mnbt, vram, pack_dir)
+        if p is None:
+            break  # the cache outgrew the tier ("every expert fits"): the resident choice covers it
+        if p.gpu_expert_cache_slots > out[-1].gpu_expert_cache_slots:
+            out.append(p)
+    return out, []
+
+
+def default_batched_tokens(hw: HardwareProfile, p: Placement) -> int:
+    """vLLM's default max_num_batched_tokens for the placement's cards."""
+    return _batched_tokens_options(min(g.vram_gib for g in hw.gpus[: p.tp * p.pp]), {})[0]
+
+
 _ALL_FIT = "expert_cache: every expert fits in the cache"
 # Ledger items a smaller activation peak can make room for.
 _BATCH_SENSITIVE = {"kv_cache", "vram", "gpu_memory_utilization", "expert_cache"}
@@ -379,15 +414,21 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
     def evaluate(choice: tuple[int, int, str, str, int], ctx: int) -> Candidate | None:
         if not _context_allowed(choice[3], ctx, goals, pins):
             return None
-        p, why = size_placement(model, hw, goals, pins, *choice, ctx)
-        if p is None:
+        ps, why = size_budgets(model, hw, goals, pins, *choice, ctx)
+        if not ps:
             problems.setdefault(choice[2], []).extend(why)
             return None
         from moetplan.cost_model import load_calibration, predict  # numpy: only once something fits
 
         if loaded[0] is None:
             loaded[0] = load_calibration(hw)  # once per search, not per candidate
-        return Candidate(p, L.build_ledger(model, hw, p, frozenset(pins)).ledger, predict(model, hw, p, loaded[0]))
+        preds = [predict(model, hw, p, loaded[0]) for p in ps]
+        options = [BudgetOption(p.max_num_batched_tokens, p.gpu_expert_cache_gib, L.kv_floor_gib(model, p),
+                                r.decode_tok_s, r.prefill_tok_s, r.token_hit_rate) for p, r in zip(ps, preds)]
+        i = options.index(pick_budget(options, goals.objective)) if len(ps) > 1 else 0
+        p = ps[i]
+        return Candidate(p, L.build_ledger(model, hw, p, frozenset(pins)).ledger, preds[i],
+                         options if len(ps) > 1 else [], default_batched_tokens(hw, p))
 
     # Phase 1: every discrete choice at the smallest context the goals accept.
     first: list[tuple[tuple, Candidate]] = []
