@@ -45,6 +45,15 @@ def test_a_consumer_tiered_ds4_plan_trades_batched_tokens_for_expert_cache():
     assert f"{p.max_num_batched_tokens} vs {_default_small()}" in reason and "in-flight KV floor" in reason
     assert "expert cache" in reason and "prefill" in reason and "objective 'balanced'" in reason
     assert f"within {1 - keep:.0%} of the best decode" in reason
+    assert "KV floor" in reason  # where the cache came from: DeepSeek-V4's in-flight state per batched token
+    from rich.console import Console
+
+    from moetplan.report.plan_view import placement_table
+
+    console = Console(width=240, record=True)
+    console.print(placement_table(plan))
+    row = next(ln for ln in console.export_text().splitlines() if "max_num_batched_tokens" in ln)
+    assert f"{p.max_num_batched_tokens}" in row and "Weighed" in row
 
 
 @pytest.mark.parametrize("budget", [2048, 512])

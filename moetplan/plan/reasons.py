@@ -164,7 +164,9 @@ def _budget_reason(model: ModelSpec, goals: Goals, ch: Candidate) -> str:
     text = (f"{head}. Weighed {', '.join(str(o.max_num_batched_tokens) for o in ch.budgets)} ({start} first): fewer "
             f"batched tokens shrink {shrink}, which the GPU expert cache gets, and cost prefill (more chunks)")
     to = fastest if chosen is first else chosen
-    change = (f"expert cache {first.gpu_expert_cache_gib:.1f} -> {to.gpu_expert_cache_gib:.1f} GiB "
+    floor = (f"KV floor {first.kv_floor_gib:.2f} -> {to.kv_floor_gib:.2f} GiB, "
+             if abs(first.kv_floor_gib - to.kv_floor_gib) >= 0.005 else "")
+    change = (f"{floor}expert cache {first.gpu_expert_cache_gib:.1f} -> {to.gpu_expert_cache_gib:.1f} GiB "
               f"({to.gpu_expert_cache_gib - first.gpu_expert_cache_gib:+.1f}{hits(first, to)}), decode "
               f"{first.decode_tok_s:.1f} -> {to.decode_tok_s:.1f} tok/s, prefill {first.prefill_tok_s:.0f} -> "
               f"{to.prefill_tok_s:.0f} tok/s")
