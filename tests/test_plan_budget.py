@@ -81,9 +81,18 @@ def test_a_weighed_budget_always_holds_a_whole_decode_step():
     for seqs in (64, 128, 192):
         pins = parse_set(["mtp=2", "expert_tier=host", "context=32768", f"max_num_seqs={seqs}"])
         (c,) = search(ds4, hw, Goals(pinned=pins))
-        weighed[seqs] = [o.max_num_batched_tokens for o in c.budgets]
+        weighed[seqs] = c.budgets_sized
         assert min(weighed[seqs]) >= seqs * 3 and c.placement.max_num_batched_tokens >= seqs * 3
     assert min(weighed[64]) < min(weighed[128]) < min(weighed[192])  # the floor binds, and moves with the step
+
+
+def _picker(options: list[BudgetOption]):
+    asked: list[int] = []
+
+    def option(i: int) -> BudgetOption:
+        asked.append(i)
+        return options[i]
+    return option, asked
 
 
 def test_pick_budget_follows_the_objective():
@@ -91,10 +100,28 @@ def test_pick_budget_follows_the_objective():
         return BudgetOption(t, 10.0, 1.0, dec, pre, None)
 
     options = [opt(2048, 38.0, 1400), opt(1024, 39.5, 900), opt(512, 39.9, 650), opt(256, 40.0, 500)]
-    assert pick_budget(options, "decode").max_num_batched_tokens == 256
-    # balanced / context: the fastest prefill within balanced_keep_decode (0.97) of the best decode (40.0 -> 38.8)
-    assert pick_budget(options, "balanced").max_num_batched_tokens == 1024
-    assert pick_budget(options, "context").max_num_batched_tokens == 1024
+    for objective, want in (("decode", 256), ("balanced", 1024), ("context", 1024)):
+        # balanced / context: the largest budget within balanced_keep_decode (0.97) of the best decode (40 -> 38.8)
+        option, asked = _picker(options)
+        assert options[pick_budget(len(options), option, objective)].max_num_batched_tokens == want
+        assert len(set(asked)) <= 3  # the ends and the edge of the run, not every budget
     # A budget that buys no decode is never taken.
-    flat = [opt(2048, 40.0, 1400), opt(1024, 40.0, 900)]
-    assert {pick_budget(flat, o).max_num_batched_tokens for o in ("decode", "balanced", "context")} == {2048}
+    flat = [opt(2048, 40.0, 1400), opt(1024, 40.0, 900), opt(512, 40.0, 650)]
+    assert {pick_budget(3, _picker(flat)[0], o) for o in ("decode", "balanced", "context")} == {0}
+    assert pick_budget(1, _picker(flat[:1])[0], "decode") == 0
+
+
+def test_decode_never_falls_as_the_budget_shrinks():
+    """pick_budget predicts only part of the budgets because more expert cache never slows decode: checked on every
+    budget the consumer DS4 plan and a tiered GLM-5.2 plan size."""
+    from moetplan.plan.solver import size_budgets
+
+    for model, hw, choice in (("deepseek-v4-flash", _consumer(), (1, 1, "host", "fp8", 2, 262144)),
+                              ("glm-5.2", hwdb.box_profile("rtx-5090x4"), (4, 1, "host", "fp8", 2, 32768))):
+        spec = hwdb.model_spec(model)
+        ps, why = size_budgets(spec, hw, Goals(), {}, *choice)
+        assert len(ps) >= 3, why
+        decode = [predict(spec, hw, p).decode_tok_s for p in ps]
+        assert decode == sorted(decode) and decode[-1] > decode[0], (model, decode)
+        prefill = [predict(spec, hw, p).prefill_tok_s for p in ps]
+        assert prefill == sorted(prefill, reverse=True)

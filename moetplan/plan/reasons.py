@@ -161,7 +161,7 @@ def _budget_reason(model: ModelSpec, goals: Goals, ch: Candidate) -> str:
             return ""
         return f"; token hit rate {a.token_hit_rate:.1%} -> {b.token_hit_rate:.1%}"
 
-    text = (f"{head}. Weighed {', '.join(str(o.max_num_batched_tokens) for o in ch.budgets)} ({start} first): fewer "
+    text = (f"{head}. Weighed {', '.join(str(t) for t in ch.budgets_sized)} ({start} first): fewer "
             f"batched tokens shrink {shrink}, which the GPU expert cache gets, and cost prefill (more chunks)")
     to = fastest if chosen is first else chosen
     floor = (f"KV floor {first.kv_floor_gib:.2f} -> {to.kv_floor_gib:.2f} GiB, "

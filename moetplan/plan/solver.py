@@ -21,6 +21,7 @@ from moetplan.contract import (
     HardwareProfile,
     Placement,
     Plan,
+    Prediction,
 )
 from moetplan.contract.errors import InfeasibleError, UsageError
 from moetplan.contract.model import GIB, ModelSpec
@@ -422,13 +423,20 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
 
         if loaded[0] is None:
             loaded[0] = load_calibration(hw)  # once per search, not per candidate
-        preds = [predict(model, hw, p, loaded[0]) for p in ps]
-        options = [BudgetOption(p.max_num_batched_tokens, p.gpu_expert_cache_gib, L.kv_floor_gib(model, p),
-                                r.decode_tok_s, r.prefill_tok_s, r.token_hit_rate) for p, r in zip(ps, preds)]
-        i = options.index(pick_budget(options, goals.objective)) if len(ps) > 1 else 0
-        p = ps[i]
-        return Candidate(p, L.build_ledger(model, hw, p, frozenset(pins)).ledger, preds[i],
-                         options if len(ps) > 1 else [], default_batched_tokens(hw, p))
+        preds: dict[int, Prediction] = {}
+
+        def option(i: int) -> BudgetOption:
+            if i not in preds:
+                preds[i] = predict(model, hw, ps[i], loaded[0])
+            p, r = ps[i], preds[i]
+            return BudgetOption(p.max_num_batched_tokens, p.gpu_expert_cache_gib, L.kv_floor_gib(model, p),
+                                r.decode_tok_s, r.prefill_tok_s, r.token_hit_rate)
+
+        i = pick_budget(len(ps), option, goals.objective)
+        option(i)
+        weighed = [option(j) for j in sorted(preds)] if len(ps) > 1 else []
+        return Candidate(ps[i], L.build_ledger(model, hw, ps[i], frozenset(pins)).ledger, preds[i], weighed,
+                         default_batched_tokens(hw, ps[i]), [q.max_num_batched_tokens for q in ps])
 
     # Phase 1: every discrete choice at the smallest context the goals accept.
     first: list[tuple[tuple, Candidate]] = []
