@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moetplan.contract.layout import FORMATS as ROW_FORMATS
 from moetplan.contract.layout import RowLayout, tp_splits
@@ -82,6 +82,9 @@ class ModelSpec(BaseModel):
     # must admit at the full context.
     kv_inflight_bytes_per_token: dict[str, float] = Field(default_factory=dict)
     kv_shards_with_tp: bool = Field(False, description="GQA KV heads split across TP ranks; MLA does not")
+    kv_dtype_forced: str | None = Field(
+        None, description="The KV layout vLLM allocates for this architecture whatever --kv-cache-dtype says "
+        "(DeepSeek-V4: fp8_ds_mla, hwdb's 'fp8'); every KV size of the model is that layout's (kv_layout)")
 
     # Non-routed weights (attention, dense FFN, shared experts, router, embeddings, lm head) in bytes at
     # checkpoint precision. `dense_gib_published` overrides the param-derived figure where a measured one exists.
@@ -168,13 +171,28 @@ class ModelSpec(BaseModel):
         rest = max(self.mtp_params_b * 1e9 - rows * self.expert_params, 0.0)
         return rest * DENSE_BYTES_PER_PARAM[self.dense_precision] / tp + rows * self.expert_bytes("2bit", tp)
 
+    @model_validator(mode="after")
+    def _forced_kv_is_a_layout(self) -> "ModelSpec":
+        if self.kv_dtype_forced is not None and self.kv_dtype_forced not in self.kv_bytes_per_token:
+            raise ValueError(f"kv_dtype_forced '{self.kv_dtype_forced}' is not one of kv_bytes_per_token's layouts "
+                             f"({', '.join(self.kv_bytes_per_token)})")
+        return self
+
     def kv_dtypes(self) -> list[str]:
-        return list(self.kv_bytes_per_token)
+        """The KV layouts a plan may choose: the one vLLM forces, when it forces one."""
+        return [self.kv_dtype_forced] if self.kv_dtype_forced else list(self.kv_bytes_per_token)
+
+    def kv_layout(self, kv_dtype: str) -> str:
+        """The layout vLLM allocates when asked for `kv_dtype`: the forced one, when the architecture has one (a plan
+        written before the fact, or a pin, is sized as served)."""
+        return self.kv_dtype_forced or kv_dtype
 
     def kv_bytes(self, kv_dtype: str, tokens: int, tp: int = 1, seqs: int = 1) -> float:
-        """KV bytes on one TP rank for `tokens` cached tokens spread over `seqs` sequences."""
+        """KV bytes on one TP rank for `tokens` cached tokens spread over `seqs` sequences, in the layout vLLM
+        allocates for `kv_dtype` (kv_layout)."""
         if kv_dtype not in self.kv_bytes_per_token:
             raise KeyError(f"{self.id} has no KV layout '{kv_dtype}' (known: {', '.join(self.kv_bytes_per_token)})")
+        kv_dtype = self.kv_layout(kv_dtype)
         per_tok = self.kv_bytes_per_token[kv_dtype]
         fixed = self.kv_fixed_bytes_per_seq.get(kv_dtype, 0.0) * seqs
         total = per_tok * tokens + fixed

@@ -42,8 +42,9 @@ def is_cpu_plan(plan: Plan) -> bool:
 
 
 def vllm_kv_cache_dtype(plan: Plan) -> str:
-    """The plan's KV layout name -> vLLM's --kv-cache-dtype value."""
-    kv = plan.placement.kv_dtype.lower()
+    """The plan's KV layout name -> vLLM's --kv-cache-dtype value (the layout vLLM serves, where the model has
+    only one: a bf16 DeepSeek-V4 plan would pass 'auto', which vLLM 0.26 refuses for that architecture)."""
+    kv = plan.model.kv_layout(plan.placement.kv_dtype).lower()
     sparse_mla = plan.model.attention.kind == "mla_sparse"
     if kv in ("bf16", "bfloat16", "fp16", "float16", "auto"):
         return "auto"

@@ -179,15 +179,30 @@ def kv_clamped(p: Placement) -> bool:
     return p.kv_cache_clamped or p.kv_cache_memory_bytes > 0
 
 
+def inflight_kv_bytes_per_token(model: ModelSpec, p: Placement) -> float:
+    """Bytes per rank the KV pool must hold for each token in flight (max_num_batched_tokens) beyond the window
+    (hwdb kv_inflight_bytes_per_token, in the layout vLLM serves)."""
+    per_token = model.kv_inflight_bytes_per_token.get(model.kv_layout(p.kv_dtype), 0.0)
+    return per_token / p.tp if model.kv_shards_with_tp else per_token
+
+
+def kv_note(model: ModelSpec, p: Placement) -> str:
+    """The KV pool's line in the ledger: its layout (as vLLM serves it), bytes per token and tokens."""
+    served = model.kv_layout(p.kv_dtype)
+    forced = (f"; vLLM serves {model.vllm_arch or model.name}'s KV only as {served} (hwdb kv_dtype_forced)"
+              if model.kv_dtype_forced else "")
+    per_token = model.kv_bytes(p.kv_dtype, 1, tp=p.tp, seqs=0) / p.pp
+    return (f"{served} KV, {per_token:,.0f} B/token x {kv_tokens(model, p):,} "
+            f"tokens{forced}")
+
+
 def kv_needed_gib(model: ModelSpec, p: Placement) -> float:
     """KV per rank vLLM needs to admit one sequence at the full window (it shares one pool across sequences),
     plus the per-sequence fixed part of every scheduled sequence. Not one window per stream: vLLM-Moet's batch
     curves ran 16-32 streams in pools that hold far fewer full windows (short prompts; vLLM preempts when
     they grow)."""
     seqs = max(p.max_num_seqs, 1)
-    inflight = model.kv_inflight_bytes_per_token.get(p.kv_dtype, 0.0) * min(p.max_num_batched_tokens, p.context)
-    if model.kv_shards_with_tp:
-        inflight /= p.tp
+    inflight = inflight_kv_bytes_per_token(model, p) * min(p.max_num_batched_tokens, p.context)
     return (model.kv_bytes(p.kv_dtype, p.context, tp=p.tp, seqs=seqs) + inflight) / p.pp / GIB
 
 
@@ -275,8 +290,7 @@ def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement, pinned: fr
             items.append(LedgerItem(name="fp4_reserve", gib=p.fp4_reserve_gib,
                                     note=f"{p.fp4_reserve_slots} hot experts at FP4"
                                     + (f"; {outside:.2f} GiB of it above the util budget" if outside > 0 else "")))
-        items.append(LedgerItem(name="kv_cache", gib=p.kv_cache_gib,
-                                note=f"{p.kv_dtype} KV, {kv_tokens(model, p):,} tokens"))
+        items.append(LedgerItem(name="kv_cache", gib=p.kv_cache_gib, note=kv_note(model, p)))
         used = sum(i.gib for i in items)
         if kv_clamped(p):
             # vLLM takes the KV size it is given; the rank is bounded by the card itself.
@@ -309,7 +323,7 @@ def build_ledger(model: ModelSpec, hw: HardwareProfile, p: Placement, pinned: fr
     if p.kv_cache_gib + ROUND_GIB < kv_floor:
         spec_floor = g["speculative_kv_floor_gib"] if p.mtp > 0 else 0.0
         why = (f"the {spec_floor:.1f} GiB speculative decoding needs (MTP floor)" if spec_floor >= kv_floor - 1e-9
-               else f"one {p.context}-token sequence at {p.kv_dtype}")
+               else f"one {p.context}-token sequence at {model.kv_layout(p.kv_dtype)}")
         fail("kv_cache", f"KV pool {p.kv_cache_gib:.2f} GiB/rank is below {kv_floor:.2f} GiB, {why}; "
              f"short {kv_floor - p.kv_cache_gib:.2f} GiB")
     guards_out.append(f"KV pool {p.kv_cache_gib:.2f} GiB = {kv_tokens(model, p):,} tokens >= "

@@ -8,7 +8,7 @@ from moetplan.contract import Alternative, Goals, HardwareProfile, Placement, Re
 from moetplan.contract.model import GIB, ModelSpec
 from moetplan.plan import ledger as L
 from moetplan.plan import support
-from moetplan.plan.candidates import Candidate, context_tradeoff, goal_context, pareto
+from moetplan.plan.candidates import BudgetOption, Candidate, context_tradeoff, goal_context, pareto
 
 
 def _summary(p: Placement) -> dict[str, Any]:
@@ -107,8 +107,9 @@ def reasons(model: ModelSpec, hw: HardwareProfile, goals: Goals, ch: Candidate,
         add("fp4_reserve_gib", "0: no VRAM to spare for FP4 rows" if p.expert_tier != "resident"
             else "0: slack too small for a useful FP4 reserve")
     alts_kv = sorted({c.placement.kv_dtype for c in cands})
-    add("kv_dtype", f"{p.kv_dtype}: {model.kv_bytes_per_token[p.kv_dtype] / 1024:.1f} KiB/token "
-        f"(options here: {', '.join(alts_kv)})")
+    add("kv_dtype", f"{p.kv_dtype}: {model.kv_bytes(p.kv_dtype, 1, seqs=0) / 1024:.1f} KiB/token "
+        + (f"(the only layout vLLM serves {model.vllm_arch or model.name}'s KV in, whatever --kv-cache-dtype says: "
+           "hwdb kv_dtype_forced)" if model.kv_dtype_forced else f"(options here: {', '.join(alts_kv)})"))
     lo = goal_context(goals, model)
     full = p.kv_tokens // max(p.context, 1)
     add("context", f"{p.context} tokens: objective '{goals.objective}' (minimum {lo}); KV pool "
@@ -126,11 +127,54 @@ def reasons(model: ModelSpec, hw: HardwareProfile, goals: Goals, ch: Candidate,
                                        "deeper MTP costs misses)" if tiered else ""))
     add("max_num_seqs", f"{p.max_num_seqs} (concurrency {p.concurrency}); the expert-cache floor scales "
         "with min(seqs, 4)")
-    add("max_num_batched_tokens", f"{p.max_num_batched_tokens}: activation peak {p.activation_peak_gib:.2f} "
-        "GiB/rank (vLLM's default for the card, halved while it did not fit)")
+    add("max_num_batched_tokens", _budget_reason(model, goals, ch))
     add("gpu_memory_utilization", f"{p.gpu_memory_utilization:.2f} of {gpu.vram_gib:.2f} GiB: the rest holds the "
         "CUDA context and the transients vLLM's profiling does not see")
     return r
+
+
+def _budget_reason(model: ModelSpec, goals: Goals, ch: Candidate) -> str:
+    """Why this many batched tokens: vLLM's default, halved to fit, or the budget the objective weighed."""
+    p = ch.placement
+    head = f"{p.max_num_batched_tokens}: activation peak {p.activation_peak_gib:.2f} GiB/rank"
+    if "max_num_batched_tokens" in goals.pinned:
+        return head
+    default = ch.default_budget or p.max_num_batched_tokens
+    if not ch.budgets:
+        if p.max_num_batched_tokens < default:
+            return head + f" (vLLM's default for the card, {default}, halved while it did not fit)"
+        why = ("; a smaller budget only slows prefill: it frees no expert cache on a resident plan"
+               if p.expert_tier == "resident" else "")
+        return head + f" (vLLM's default for the card{why})"
+    first, chosen = ch.budgets[0], next(o for o in ch.budgets if o.max_num_batched_tokens == p.max_num_batched_tokens)
+    fastest = max(ch.budgets, key=lambda o: o.decode_tok_s)
+    start = ("vLLM's default for the card" if first.max_num_batched_tokens == default
+             else f"the largest that fits; vLLM's default is {default}")
+    inflight = L.inflight_kv_bytes_per_token(model, p)
+    shrink = "the activation peak" + (f" and the in-flight KV floor ({inflight / 2**20:.2f} MiB per batched token)"
+                                      if inflight else "")
+    rule = ("the fastest decode" if goals.objective == "decode" else
+            f"the fastest prefill within {1 - L.guards()['planner']['balanced_keep_decode']:.0%} of the best decode")
+
+    def hits(a: BudgetOption, b: BudgetOption) -> str:
+        if a.token_hit_rate is None or b.token_hit_rate is None:
+            return ""
+        return f"; token hit rate {a.token_hit_rate:.1%} -> {b.token_hit_rate:.1%}"
+
+    text = (f"{head}. Weighed {', '.join(str(t) for t in ch.budgets_sized)} ({start} first): fewer "
+            f"batched tokens shrink {shrink}, which the GPU expert cache gets, and cost prefill (more chunks)")
+    to = fastest if chosen is first else chosen
+    floor = (f"KV floor {first.kv_floor_gib:.2f} -> {to.kv_floor_gib:.2f} GiB, "
+             if abs(first.kv_floor_gib - to.kv_floor_gib) >= 0.005 else "")
+    change = (f"{floor}expert cache {first.gpu_expert_cache_gib:.1f} -> {to.gpu_expert_cache_gib:.1f} GiB "
+              f"({to.gpu_expert_cache_gib - first.gpu_expert_cache_gib:+.1f}{hits(first, to)}), decode "
+              f"{first.decode_tok_s:.1f} -> {to.decode_tok_s:.1f} tok/s, prefill {first.prefill_tok_s:.0f} -> "
+              f"{to.prefill_tok_s:.0f} tok/s")
+    if chosen is first:
+        text += f"; {to.max_num_batched_tokens} would give {change}"
+    else:
+        text += f"; {chosen.max_num_batched_tokens} vs {first.max_num_batched_tokens}: {change}"
+    return text + f"; objective '{goals.objective}' takes {rule}"
 
 
 def warnings(model: ModelSpec, hw: HardwareProfile, goals: Goals, ch: Candidate) -> list[str]:

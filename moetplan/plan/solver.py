@@ -3,8 +3,9 @@
 Discrete: TP x PP, expert tier, KV dtype, MTP depth (or drafter tokens), context (a grid, or the pinned value).
 Continuous (sized, not searched): GPU expert cache = what is left of the VRAM budget after everything else;
 KV pool = the window's need (resident tier: plus all leftover, as vLLM does); host arena = usable RAM less the
-page cache's share; max_num_batched_tokens = vLLM's default for the card, smaller when its activation peak does
-not fit. Every pinned knob (`--set name=value`) collapses its dimension; with all pinned, this evaluates one
+page cache's share. max_num_batched_tokens: vLLM's default for the card, smaller when its activation peak does
+not fit; on a tiered store each smaller budget that gives the expert cache more rows is predicted too and the
+objective picks (a smaller budget: more cache and decode, slower prefill). Every pinned knob (`--set name=value`) collapses its dimension; with all pinned, this evaluates one
 placement.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from moetplan.contract import (
     HardwareProfile,
     Placement,
     Plan,
+    Prediction,
 )
 from moetplan.contract.errors import InfeasibleError, UsageError
 from moetplan.contract.model import GIB, ModelSpec
@@ -28,7 +30,7 @@ from moetplan.contract.vocab import EXPERT_TIERS
 from moetplan.contract.sizing import reserve_slots, rows_in
 from moetplan.plan import ledger as L
 from moetplan.plan import support
-from moetplan.plan.candidates import Candidate, goal_context
+from moetplan.plan.candidates import BudgetOption, Candidate, goal_context, pick_budget
 from moetplan.plan.diagnose import diagnose
 from moetplan.plan.reasons import alternatives, reasons, warnings
 
@@ -126,10 +128,14 @@ def _kv_options(model: ModelSpec, hw: HardwareProfile, pins: dict[str, Any]) -> 
         if pins["kv_dtype"] not in model.kv_bytes_per_token:
             raise UsageError(f"--set kv_dtype={pins['kv_dtype']}: {model.id} has KV layouts "
                              f"{', '.join(model.kv_bytes_per_token)}")
+        if model.kv_dtype_forced and pins["kv_dtype"] != model.kv_dtype_forced:
+            raise UsageError(f"--set kv_dtype={pins['kv_dtype']}: vLLM serves {model.name}'s KV cache only as "
+                             f"{model.kv_dtype_forced} ({model.vllm_arch}; hwdb kv_dtype_forced), whatever "
+                             f"--kv-cache-dtype says; pin kv_dtype={model.kv_dtype_forced} or leave it unpinned")
         return [pins["kv_dtype"]]
     engine = support.kv_dtypes_on(model, hw)
     out = []
-    for kv in model.kv_bytes_per_token:
+    for kv in model.kv_dtypes():
         if engine is not None and kv not in engine:
             continue
         if kv == "nvfp4" and not all(g.fp4 for g in hw.gpus):
@@ -137,7 +143,7 @@ def _kv_options(model: ModelSpec, hw: HardwareProfile, pins: dict[str, Any]) -> 
         if kv == "fp8" and not all(g.fp8 or float(g.compute_capability) >= 8.0 for g in hw.gpus):
             continue
         out.append(kv)
-    return out or list(model.kv_bytes_per_token)[:1]
+    return out or model.kv_dtypes()[:1]
 
 
 def _mtp_options(model: ModelSpec, pins: dict[str, Any], tier: str) -> list[int]:
@@ -204,6 +210,40 @@ def size_placement(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: di
         if not any(w.split(":", 1)[0] in _BATCH_SENSITIVE for w in why):
             break  # fewer batched tokens would not change what is short
     return None, why
+
+
+def size_budgets(model: ModelSpec, hw: HardwareProfile, goals: Goals, pins: dict[str, Any], tp: int, pp: int,
+                 tier: str, kv: str, mtp: int, context: int) -> tuple[list[Placement], list[str]]:
+    """The placements worth weighing for one discrete choice, one per max_num_batched_tokens, largest first: the
+    one size_placement finds, then each smaller budget on the grid that still holds a whole decode step
+    (max_num_seqs x (1 + MTP) tokens) and gives the GPU expert cache more rows (a smaller activation peak, and
+    where vLLM reserves in-flight KV state per batched token, a smaller KV floor). A pinned budget, a resident plan
+    or a pinned cache size has one. The caller predicts each and picks by the objective (candidates.pick_budget)."""
+    first, why = size_placement(model, hw, goals, pins, tp, pp, tier, kv, mtp, context)
+    if first is None:
+        return [], why
+    out = [first]
+    if "max_num_batched_tokens" in pins or tier == "resident" or "gpu_expert_cache_gib" in pins:
+        return out, []
+    vram = min(g.vram_gib for g in hw.gpus[: tp * pp])
+    pack_dir = goals.pack_dir or hw.storage.path or _default_pack_dir()
+    step = max(first.max_num_seqs, 1) * (1 + max(mtp, 0))
+    for mnbt in _batched_tokens_options(vram, pins):
+        if mnbt >= out[-1].max_num_batched_tokens:
+            continue
+        if mnbt < step:
+            break
+        p, _ = _size(model, hw, goals, pins, tp, pp, tier, kv, mtp, context, mnbt, vram, pack_dir)
+        if p is None:
+            break  # the cache outgrew the tier ("every expert fits"): the resident choice covers it
+        if p.gpu_expert_cache_slots > out[-1].gpu_expert_cache_slots:
+            out.append(p)
+    return out, []
+
+
+def default_batched_tokens(hw: HardwareProfile, p: Placement) -> int:
+    """vLLM's default max_num_batched_tokens for the placement's cards."""
+    return _batched_tokens_options(min(g.vram_gib for g in hw.gpus[: p.tp * p.pp]), {})[0]
 
 
 _ALL_FIT = "expert_cache: every expert fits in the cache"
@@ -375,15 +415,28 @@ def search(model: ModelSpec, hw: HardwareProfile, goals: Goals, calib: Any = Non
     def evaluate(choice: tuple[int, int, str, str, int], ctx: int) -> Candidate | None:
         if not _context_allowed(choice[3], ctx, goals, pins):
             return None
-        p, why = size_placement(model, hw, goals, pins, *choice, ctx)
-        if p is None:
+        ps, why = size_budgets(model, hw, goals, pins, *choice, ctx)
+        if not ps:
             problems.setdefault(choice[2], []).extend(why)
             return None
         from moetplan.cost_model import load_calibration, predict  # numpy: only once something fits
 
         if loaded[0] is None:
             loaded[0] = load_calibration(hw)  # once per search, not per candidate
-        return Candidate(p, L.build_ledger(model, hw, p, frozenset(pins)).ledger, predict(model, hw, p, loaded[0]))
+        preds: dict[int, Prediction] = {}
+
+        def option(i: int) -> BudgetOption:
+            if i not in preds:
+                preds[i] = predict(model, hw, ps[i], loaded[0])
+            p, r = ps[i], preds[i]
+            return BudgetOption(p.max_num_batched_tokens, p.gpu_expert_cache_gib, L.kv_floor_gib(model, p),
+                                r.decode_tok_s, r.prefill_tok_s, r.token_hit_rate)
+
+        i = pick_budget(len(ps), option, goals.objective)
+        option(i)
+        weighed = [option(j) for j in sorted(preds)] if len(ps) > 1 else []
+        return Candidate(ps[i], L.build_ledger(model, hw, ps[i], frozenset(pins)).ledger, preds[i], weighed,
+                         default_batched_tokens(hw, ps[i]), [q.max_num_batched_tokens for q in ps])
 
     # Phase 1: every discrete choice at the smallest context the goals accept.
     first: list[tuple[tuple, Candidate]] = []

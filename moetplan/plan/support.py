@@ -112,7 +112,7 @@ def kv_dtypes_on(model: ModelSpec, hw: HardwareProfile) -> list[str] | None:
         if r is None or r.kv_dtypes is None:
             continue
         allowed = set(r.kv_dtypes) if allowed is None else allowed & set(r.kv_dtypes)
-    return None if allowed is None else [k for k in model.kv_bytes_per_token if k in allowed]
+    return None if allowed is None else [k for k in model.kv_dtypes() if k in allowed]
 
 
 def check(model: ModelSpec, hw: HardwareProfile) -> None:
@@ -164,5 +164,5 @@ def support_rows(spec: ModelSpec) -> list[dict[str, Any]]:
             gpus_by_fam.setdefault(fam, []).append(e["id"])
     return [{"family": r.family, "gpus": r.label, "compute_capability": fams[r.family]["compute_capability"],
              "runs": r.supported, "backends": list(r.backends),
-             "kv_dtypes": list(r.kv_dtypes) if r.kv_dtypes else list(spec.kv_bytes_per_token),
+             "kv_dtypes": [k for k in r.kv_dtypes if k in spec.kv_dtypes()] if r.kv_dtypes else spec.kv_dtypes(),
              "note": r.note, "hwdb_gpus": gpus_by_fam.get(r.family, [])} for r in matrix(spec)]

@@ -89,6 +89,7 @@ def placement_table(plan: Plan) -> Table:
         ("context", f"{p.context:,}"),
         ("mtp", f"{p.mtp} ({p.mtp_acceptance:.2f} tok/step)" if p.mtp else "0"),
         ("max_num_seqs", f"{p.max_num_seqs}"),
+        ("max_num_batched_tokens", f"{p.max_num_batched_tokens}"),
         ("gpu_memory_utilization", f"{p.gpu_memory_utilization:.2f}"),
     ]
     for k, v in rows:
