@@ -131,8 +131,9 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFor
     prediction.notes.append("CPU-backend plans are for checking the path; calibrate with `moetplan calibrate`")
     if tp > 1:
         prediction.notes.append(f"tp={tp} on the CPU backend is priced as one worker sharing the cores (the gloo "
-                                "all-reduce between workers is not priced; the core vLLM leaves to its scheduler "
-                                "with one worker is taken from them too)")
+                                "all-reduce between workers is not priced; its compute on the cores less the one "
+                                "vLLM's auto binding leaves to the scheduler, though the per-worker binding uses "
+                                "every core: slower by cores/(cores-1) than it should be)")
     return _schema.Plan(
         model=spec,
         hardware=hw,
