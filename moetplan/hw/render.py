@@ -97,9 +97,9 @@ def host_table(profile: HardwareProfile, details: dict[str, Any] | None = None) 
     t.add_row("DRAM copy, 1 thread", _cell(h.dram_gbps, s.get("dram_gbps"), _gbps))
     t.add_row("2-bit experts on the CPU (batch 1, all cores)", _cell(h.cpu_expert_gbps, s.get("cpu_expert_gbps"), _gbps))
     t.add_row("CPU kernels' instruction set", _cell(h.cpu_kernel_isa, s.get("cpu_kernel_isa")))
-    t.add_row("2-bit experts on the CPU at prefill, vector loop", _cell(h.cpu_expert_prefill_gflops,
+    t.add_row("2-bit experts at prefill, vector loop (1 core)", _cell(h.cpu_expert_prefill_gflops,
                                                                        s.get("cpu_expert_prefill_gflops"), _gflops))
-    t.add_row("2-bit experts on the CPU at prefill, scalar loop", _cell(h.cpu_expert_scalar_gflops,
+    t.add_row("2-bit experts at prefill, scalar loop (1 core)", _cell(h.cpu_expert_scalar_gflops,
                                                                        s.get("cpu_expert_scalar_gflops"), _gflops))
     return t
 
