@@ -100,14 +100,16 @@ def prefill_run(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     cpu = not hw.gpus
     # On the CPU backend the routed experts are their own term (the expert kernels, below), not GEMM FLOPs.
     flops = dense_flops + attn_flops + (0.0 if cpu else expert_flops)
-    compute = TermSpec(COMPUTE, note=f"{flops / 1e12:.3g} TFLOP/rank at {rt.tflops:.3g} TFLOPs ({rt.tflops_source})"
-                       + ("; dense GEMMs and attention" if cpu else ""))
+    compute = TermSpec(COMPUTE, note=(
+        f"{flops / 1e9:.3g} GFLOP at {rt.tflops * 1e3:.3g} GFLOPs ({rt.tflops_source}); dense GEMMs and attention"
+        if cpu else f"{flops / 1e12:.1f} TFLOP/rank at {rt.tflops:.0f} TFLOPs ({rt.tflops_source})"))
     compute.add("family.compute_eff", flops / (rt.tflops * 1e12) * MS)
 
     # Weights each chunk must read at least once.
     union = expected_union(curve, E, K, chunk)
     exp_b = L * union * model.expert_read_bytes("2bit", tp)
-    floor = TermSpec(WEIGHTS, note=f"{n_chunks} chunk(s) x {(dense_b + (0.0 if cpu else exp_b)) / GB:.3g} GB/rank")
+    floor = TermSpec(WEIGHTS, note=(f"{n_chunks} chunk(s) x {dense_b / GB:.3g} GB of dense weights" if cpu
+                                    else f"{n_chunks} chunk(s) x {(dense_b + exp_b) / GB:.1f} GB/rank"))
     floor.add("family.dense_bw_eff", n_chunks * dense_b / (rt.mem_bw_gbps * GB) * MS)
     if not cpu:
         floor.add("family.expert_bw_eff", n_chunks * exp_b / (rt.mem_bw_gbps * GB) * MS)
