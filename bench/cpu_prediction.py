@@ -6,9 +6,13 @@
 
 Starts the README's server (`moetplan run --model tiny-moe-py`: the trained tiny MoE; the first run trains it, cached
 after) unless --url names one, runs `moetplan bench` against it (single stream, no probes) and writes
-bench/results/cpu_prediction.json: the plan's predicted decode tok/s (and prefill), the measured medians, their
-ratio, and the machine's load average before and after each round (os.getloadavg), with machine info. On a shared
+bench/results/cpu_prediction.json: the plan's predicted decode and prefill tok/s, the measured medians, their
+ratios, and the machine's load average before and after each round (os.getloadavg), with machine info. On a shared
 2-core VM the load is part of the figure: read the ratio next to it.
+
+Prefill is predicted twice: by the plan (`moetplan run` derives the CPU kernels' ISA from the CPU's flags and takes
+their per-core rates from hwdb/calibration/gpu_compute.yaml) and with the rates `moetplan probe` measures on this
+machine (hw/profile_probe.measure_cpu_prefill, measured here after the rounds), so both sources are judged.
 """
 from __future__ import annotations
 
@@ -54,6 +58,28 @@ def _bench(url: str, plan: str, out: Path, runs: int, tokens: int) -> dict[str, 
             "ttft_ms": m.get("ttft_ms")}
 
 
+def predict_with_probed_rates(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan's prefill re-predicted with the CPU kernels' rates measured now (what `moetplan probe` records),
+    and its terms: the check that the prediction holds from the component measurements, not the table."""
+    from moetplan.contract import Plan
+    from moetplan.cost_model import predict
+    from moetplan.cost_model.calibration import load_calibration
+    from moetplan.cost_model.prefill import prefill_run
+    from moetplan.hw.profile_probe import measure_cpu_prefill
+
+    p = Plan.model_validate(plan)
+    detail = measure_cpu_prefill(p.hardware.host, quick=False)
+    h = p.hardware.host
+    pr = predict(p.model, p.hardware, p.placement)
+    calib = load_calibration(p.hardware)
+    run = prefill_run(p.model, p.hardware, p.placement, calib)
+    return {"host": {k: getattr(h, k) for k in ("cpu_kernel_isa", "cpu_expert_prefill_gflops",
+                                                 "cpu_expert_scalar_gflops")},
+            "probe_detail": detail, "prefill_tok_s": pr.prefill_tok_s, "prefill_prompt_tokens": pr.prefill_prompt_tokens,
+            "prefill_terms": [{"name": t.name, "ms": round(t.ms(calib, p.hardware), 2), "note": t.note}
+                              for t in run.terms]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-moe-py")
@@ -94,6 +120,14 @@ def main() -> int:
         if run is not None:
             run.stop()
     hw = plan.get("hardware") or {}
+    probed = predict_with_probed_rates(plan)
+    for r in rounds:
+        for key, pre in (("prefill_measured_over_predicted", pred), ("prefill_measured_over_probed", probed)):
+            r[key] = (round(r["prefill_tok_s"] / pre["prefill_tok_s"], 3)
+                      if r.get("prefill_tok_s") and pre.get("prefill_tok_s") else None)
+        print(f"prefill {r['prefill_tok_s']} tok/s measured: x{r['prefill_measured_over_predicted']} the plan's "
+              f"{pred.get('prefill_tok_s')}, x{r['prefill_measured_over_probed']} with the probed rates "
+              f"({probed.get('prefill_tok_s')})")
     doc = {"bench": "cpu_prediction", "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "command": "python bench/cpu_prediction.py" + (f" --rounds {args.rounds}" if args.rounds != 1 else ""),
            "machine": machine_info(), "model": args.model, "cpu_count": os.cpu_count(),
@@ -101,6 +135,7 @@ def main() -> int:
            "predicted": {k: pred.get(k) for k in ("decode_tok_s", "prefill_tok_s", "ttft_ms", "step_ms",
                                                   "bottleneck", "prefill_prompt_tokens")},
            "predicted_terms": [{"name": t.get("name"), "ms": t.get("ms")} for t in pred.get("terms") or []],
+           "predicted_with_probed_rates": probed,
            "rounds": rounds}
     atomic_write_text(args.out, json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")

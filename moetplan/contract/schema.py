@@ -84,6 +84,18 @@ class HostInfo(_Model):
     cpu_expert_gbps: float | None = Field(
         None, description="GB/s of 2-bit expert rows the CPU kernels compute at batch 1 on all cores (a missed "
         "expert computed from its host copy instead of fetched); None: not measured (no CPU kernels, older probe)")
+    # What a prefill chunk costs on the CPU backend (cost_model/prefill.py): every token-expert pair runs through
+    # the CPU kernels, compute-bound; their vector loop takes whole blocks of a row's weights, the rest of a row
+    # (and every row shorter than a block) runs the scalar loop, about 50x slower.
+    cpu_kernel_isa: str | None = Field(
+        None, description="The CPU kernels' instruction set here (avx512, avx2 or scalar): it sets how many of an "
+        "expert row's weights the vector loop takes; None: not measured")
+    cpu_expert_prefill_gflops: float | None = Field(
+        None, description="GFLOP/s of expert math the CPU kernels' vector loop reaches at prefill batch (64 tokens "
+        "per expert) on one core (one thread: a worker's cores multiply it); None: not measured")
+    cpu_expert_scalar_gflops: float | None = Field(
+        None, description="GFLOP/s of the CPU kernels' scalar loop at prefill batch on one core (rows shorter than "
+        "one vector block, remainders); None: not measured")
     sources: dict[str, ValueSource] = Field(default_factory=dict)
 
 

@@ -6,6 +6,9 @@ over PCIe at the pinned H2D rate. The two links work at once, so a step's misses
 same time. The plan carries the ratio of the two rates (Placement.cpu_miss_ratio), which is all a split needs: the
 cost model prices the tiered step with it and the runtime's split path splits each layer's misses by it.
 Torch-free: the planner and the cost model call it with measured rates.
+
+It also prices a token-expert pair of a prefill chunk on vLLM's CPU backend (expert_pair_cost): the kernels' vector
+loop takes whole blocks of each row's weights, the scalar loop the rest, each at the rate the probe measured.
 """
 from __future__ import annotations
 
@@ -81,4 +84,45 @@ def layer_split(misses: float, ratio: float) -> tuple[float, float]:
     return cpu / total, secs
 
 
-__all__ = ["MissSplit", "cpu_miss_ratio", "layer_split", "split_misses"]
+# Weights of a 2-bit row the CPU kernels' vector loop takes per block, by ISA (csrc/cpu/moe_cpu.cpp: rows_avx512
+# runs paired 512-weight chunks then 256-weight blocks, rows_avx2 128-weight blocks, i.e. WPB x V); the rest of a row,
+# and every row shorter than one block, runs the scalar loop (tail_scalar). A row is K weights long: hidden for the
+# gate and up rows, the intermediate size for the down rows.
+CPU_VECTOR_BLOCK = {"avx512": 256, "avx2": 128, "scalar": 0}
+
+
+@dataclass(frozen=True)
+class PairCost:
+    """One token-expert pair on the CPU kernels at prefill batch (compute-bound: each row block is reused across
+    the expert's tokens in the chunk)."""
+
+    seconds: float
+    vector_flops: float
+    scalar_flops: float
+
+    @property
+    def scalar_share(self) -> float:
+        total = self.vector_flops + self.scalar_flops
+        return self.scalar_flops / total if total else 0.0
+
+
+def _vector_weights(k: int, isa: str) -> int:
+    block = CPU_VECTOR_BLOCK.get(isa)
+    if block is None:
+        raise ValueError(f"CPU kernel ISA {isa!r}: one of {', '.join(CPU_VECTOR_BLOCK)}")
+    return (k // block) * block if block else 0
+
+
+def expert_pair_cost(hidden: int, inter: int, isa: str, vector_gflops: float, scalar_gflops: float) -> PairCost:
+    """Time of one token-expert pair (gate, up and down rows: 6 x hidden x inter FLOPs) on the CPU kernels: the
+    weights the vector loop takes at its measured rate, the rest at the scalar loop's."""
+    if hidden <= 0 or inter <= 0 or vector_gflops <= 0 or scalar_gflops <= 0:
+        raise ValueError(f"hidden={hidden}, inter={inter}, vector {vector_gflops} / scalar {scalar_gflops} GFLOP/s: "
+                         "need positive shapes and rates")
+    vec = 2.0 * (2 * inter * _vector_weights(hidden, isa) + hidden * _vector_weights(inter, isa))
+    sca = 6.0 * hidden * inter - vec
+    return PairCost(vec / (vector_gflops * 1e9) + sca / (scalar_gflops * 1e9), vec, sca)
+
+
+__all__ = ["CPU_VECTOR_BLOCK", "MissSplit", "PairCost", "cpu_miss_ratio", "expert_pair_cost", "layer_split",
+           "split_misses"]

@@ -41,6 +41,12 @@ class Rates:
     tflops: float
     tflops_source: str
     host_ram_gib: float
+    # The CPU backend only (cpu_rates): the expert kernels at prefill batch, GFLOP/s of their vector and scalar
+    # loops and the ISA that sets which weights of a row the vector loop takes (cost_model/cpu_compute.py).
+    cpu_isa: str | None = None
+    cpu_vector_gflops: float = 0.0
+    cpu_scalar_gflops: float = 0.0
+    cpu_kernel_source: str = ""
 
 
 def rank_gpus(hw: HardwareProfile, placement: Placement) -> list[GPUInfo]:
@@ -113,12 +119,25 @@ def cpu_rates(hw: HardwareProfile) -> Rates:
     cpu = _tables()["gpu_compute.yaml"].get("cpu") or {}
     dram = hw.host.dram_gbps or float(cpu.get("default_dram_gbps", 20.0))
     dram_src = hw.host.sources.get("dram_gbps", "measured") if hw.host.dram_gbps else "default (no DRAM figure)"
-    cores = hw.host.cores or int(cpu.get("default_cores", 4))
+    host_cores = hw.host.cores or int(cpu.get("default_cores", 4))
+    # The worker computes on its bound cores: the host's less the one(s) vLLM leaves to its scheduler.
+    cores = max(1, host_cores - int(cpu.get("vllm_reserved_cores", 1)))
     tflops = cores * float(cpu.get("gflops_per_core", 50.0)) / 1e3
     nv, nv_src = nvme_gbps(hw)
+    h = hw.host
+    # The expert kernels' measured rates; where the probe did not measure them, per-core table values x cores.
+    measured = bool(h.cpu_expert_prefill_gflops and h.cpu_expert_scalar_gflops)
+    vec = cores * (h.cpu_expert_prefill_gflops or float(cpu.get("expert_vector_gflops_per_core", 150.0)))
+    sca = cores * (h.cpu_expert_scalar_gflops or float(cpu.get("expert_scalar_gflops_per_core", 2.7)))
+    isa = h.cpu_kernel_isa or str(cpu.get("default_kernel_isa", "avx2"))
+    isa_src = h.sources.get("cpu_kernel_isa", "measured") if h.cpu_kernel_isa else "default"
+    src = (f"{cores} worker core(s) x " + ("the probe's per-core rates" if measured else
+                                           "gpu_compute.yaml's per-core rates (not probed)") + f", ISA {isa_src}")
     return Rates(mem_bw_gbps=dram, h2d_gbps=dram, h2d_source=dram_src, pcie_gbps=dram, nvme_gbps=nv,
-                 nvme_source=nv_src, tflops=tflops, tflops_source=f"estimated ({cores} cores x gflops_per_core)",
-                 host_ram_gib=hw.host.ram_available_gib or hw.host.ram_gib)
+                 nvme_source=nv_src, tflops=tflops,
+                 tflops_source=f"estimated ({cores} worker core(s) of {host_cores} x gflops_per_core)",
+                 host_ram_gib=hw.host.ram_available_gib or hw.host.ram_gib, cpu_isa=isa, cpu_vector_gflops=vec,
+                 cpu_scalar_gflops=sca, cpu_kernel_source=src)
 
 
 def rates(hw: HardwareProfile, placement: Placement) -> Rates:

@@ -4,14 +4,20 @@ Per chunk of max_num_batched_tokens: GEMMs are compute-bound (FLOPs / (tensor TF
 reading every weight the chunk touches once; TP all-reduces carry chunk x hidden activations over PCIe; experts that
 are not on the GPU are streamed in (host link, and NVMe for the part the RAM arena does not hold), overlapped with
 compute, so a chunk takes the longer of the two.
+
+vLLM's CPU backend (a profile without GPUs) runs every token-expert pair of a chunk through the CPU expert kernels
+(csrc/cpu/moe_cpu.cpp): that term is pairs x the measured time of one pair at prefill batch (cpu_compute.
+expert_pair_cost: the vector loop's and the scalar loop's rates, as `moetplan probe` measures them), with the same
+floor of reading each routed expert's rows once per chunk; the dense GEMMs and attention are the compute term.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from moetplan.cost_model.calibration import Calibration
+from moetplan.cost_model.calibration import Calibration, linear_value
 from moetplan.cost_model.coverage import CoverageCurve, curve_for, expected_union, miss_stats
+from moetplan.cost_model.cpu_compute import expert_pair_cost
 from moetplan.cost_model.hardware import GB, Rates, rates
 from moetplan.cost_model.terms import (
     MS,
@@ -29,6 +35,7 @@ WEIGHTS = "prefill weight reads (bandwidth floor)"
 AR = "prefill TP all-reduce over PCIe"
 STREAM = "prefill expert streaming (non-resident experts)"
 CHUNK = "prefill per-chunk overhead"
+CPU_EXPERTS = "prefill expert kernels (CPU, token-expert pairs)"
 
 
 @dataclass
@@ -48,6 +55,26 @@ def attention_flops_per_token(model: ModelSpec, context: float, calib: Calibrati
     head_dim = att.head_dim or (192 if att.kind.startswith("mla") else model.hidden_size // max(att.num_heads, 1))
     keys = kv_read_tokens(model, context, calib)
     return 4.0 * att.num_heads * head_dim * keys * model.num_layers
+
+
+def cpu_expert_term(model: ModelSpec, rt: Rates, calib: Calibration, hw: HardwareProfile, pairs: float,
+                    read_bytes: float) -> TermSpec:
+    """The CPU backend's routed experts in prefill: `pairs` token-expert pairs through the CPU expert kernels, each
+    at its measured time at prefill batch (rates: the probe's, else per-core defaults), or reading the chunks'
+    routed rows (`read_bytes`) from DRAM where that is longer. The kernel time is measured, not a fitted factor."""
+    pc = expert_pair_cost(model.hidden_size, model.moe_intermediate_size, rt.cpu_isa or "avx2",
+                          rt.cpu_vector_gflops, rt.cpu_scalar_gflops)
+    kernel_ms = pairs * pc.seconds * MS
+    t = TermSpec(CPU_EXPERTS, note=f"{pairs:,.0f} pairs x {pc.seconds * 1e6:.2f} us ({rt.cpu_isa}: "
+                 f"{1 - pc.scalar_share:.0%} of the math in the vector loop at {rt.cpu_vector_gflops:.1f} GFLOP/s, "
+                 f"{pc.scalar_share:.0%} in the scalar loop at {rt.cpu_scalar_gflops:.2f}; {rt.cpu_kernel_source})")
+    read_ms = read_bytes / (rt.mem_bw_gbps * GB) * MS
+    if read_ms * linear_value("family.expert_bw_eff", calib.value("family.expert_bw_eff", hw)) > kernel_ms:
+        t.add("family.expert_bw_eff", read_ms)
+        t.note += f"; bound by reading {read_bytes / GB:.3g} GB of rows"
+    else:
+        t.const_ms = kernel_ms
+    return t
 
 
 def prefill_run(model: ModelSpec, hw: HardwareProfile, placement: Placement, calib: Calibration,
@@ -70,20 +97,28 @@ def prefill_run(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
         attention_flops_per_token(model, (i + 0.5) * chunk / 2 + i * chunk / 2, calib) * min(chunk, P - i * chunk)
         for i in range(n_chunks)
     ) / tp
-    flops = dense_flops + expert_flops + attn_flops
-    compute = TermSpec(COMPUTE, note=f"{flops / 1e12:.1f} TFLOP/rank at {rt.tflops:.0f} TFLOPs ({rt.tflops_source})")
+    cpu = not hw.gpus
+    # On the CPU backend the routed experts are their own term (the expert kernels, below), not GEMM FLOPs.
+    flops = dense_flops + attn_flops + (0.0 if cpu else expert_flops)
+    compute = TermSpec(COMPUTE, note=(
+        f"{flops / 1e9:.3g} GFLOP at {rt.tflops * 1e3:.3g} GFLOPs ({rt.tflops_source}); dense GEMMs and attention"
+        if cpu else f"{flops / 1e12:.1f} TFLOP/rank at {rt.tflops:.0f} TFLOPs ({rt.tflops_source})"))
     compute.add("family.compute_eff", flops / (rt.tflops * 1e12) * MS)
 
     # Weights each chunk must read at least once.
     union = expected_union(curve, E, K, chunk)
     exp_b = L * union * model.expert_read_bytes("2bit", tp)
-    floor = TermSpec(WEIGHTS, note=f"{n_chunks} chunk(s) x {(dense_b + exp_b) / GB:.1f} GB/rank")
+    floor = TermSpec(WEIGHTS, note=(f"{n_chunks} chunk(s) x {dense_b / GB:.3g} GB of dense weights" if cpu
+                                    else f"{n_chunks} chunk(s) x {(dense_b + exp_b) / GB:.1f} GB/rank"))
     floor.add("family.dense_bw_eff", n_chunks * dense_b / (rt.mem_bw_gbps * GB) * MS)
-    floor.add("family.expert_bw_eff", n_chunks * exp_b / (rt.mem_bw_gbps * GB) * MS)
+    if not cpu:
+        floor.add("family.expert_bw_eff", n_chunks * exp_b / (rt.mem_bw_gbps * GB) * MS)
 
     terms: list[TermSpec] = []
     # Compute and the bandwidth floor overlap: the chunk costs the larger one.
     terms.append(compute if compute.ms(calib, hw) >= floor.ms(calib, hw) else floor)
+    if cpu:
+        terms.append(cpu_expert_term(model, rt, calib, hw, P * K * L / tp, n_chunks * exp_b))
 
     if tp > 1:
         n_ar = 2 * NL * n_chunks

@@ -118,6 +118,28 @@ def measure_dram_gbps(nbytes: int = DRAM_TEST_BYTES, repeats: int = 3) -> float 
     return round(best, 2)
 
 
+# What csrc/cpu/moe_cpu.cpp's best_isa() asks of the CPU for each of its loops (GCC's __builtin_cpu_supports names
+# as /proc/cpuinfo spells them), best first: the ISA decides which weights of an expert row its vector loop takes.
+CPU_KERNEL_ISA_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi")),
+    ("avx2", ("avx2", "fma", "bmi2")),
+)
+
+
+def cpu_kernel_isa(path: str = "/proc/cpuinfo") -> str | None:
+    """The loop the CPU expert kernels pick on this CPU, read from its flags without building them; None where
+    /proc/cpuinfo is unreadable (not Linux)."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            have = set(line.split(":", 1)[1].split())
+            return next((isa for isa, need in CPU_KERNEL_ISA_FLAGS if set(need) <= have), "scalar")
+    return None
+
+
 def _fmt_limit(v: int | None) -> str:
     return "unlimited" if v is None else f"{v / MIB:g} MiB"
 
@@ -146,6 +168,9 @@ def query_host(measure: bool = True, try_cuda: bool = True) -> HostReport:
         sources["dram_gbps"] = "measured"
 
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count(logical=True)
+    isa = cpu_kernel_isa()
+    if isa is not None:
+        sources["cpu_kernel_isa"] = "derived"  # from the CPU's flags; the probe's kernel run says "measured"
     info = HostInfo(
         ram_gib=round(vm.total / GIB, 2),
         ram_available_gib=round(vm.available / GIB, 2),
@@ -157,6 +182,7 @@ def query_host(measure: bool = True, try_cuda: bool = True) -> HostReport:
         memlock_bytes=soft,
         pinned_alloc_ok=pinned_ok,
         dram_gbps=dram,
+        cpu_kernel_isa=isa,
         sources={k: v for k, v in sources.items()},  # type: ignore[misc]
     )
     warnings: list[str] = []

@@ -96,6 +96,44 @@ def measure_cpu_experts(profile: HardwareProfile, quick: bool, details: dict[str
     profile.host.sources["cpu_expert_gbps"] = "measured"
     details["cpu_experts"] = {"isa": cpu_kernels.best_isa(mod), "threads": int(r["threads"]),
                               "experts_per_s": round(r["experts_per_s"], 1), "shape": list(CPU_PROBE_EXPERT)}
+    details["cpu_experts"].update(measure_cpu_prefill(profile.host, quick))
+
+
+# Prefill on the CPU backend: the kernels' vector loop on an expert whose rows are whole vector blocks, and the
+# scalar loop (forced) on a smaller one (its rate does not depend on the shape: 2.7-2.8 GFLOP/s per thread on this
+# VM's EPYC for 128 x 128 and 4096 x 2048 experts alike), each at 64 / 16 tokens per expert, on one thread: vLLM's
+# CPU worker computes on its own cores (not all: it leaves one to the scheduler), so the cost model multiplies a
+# core's rate by the worker's cores; one thread is also what a shared machine measures most steadily.
+CPU_PREFILL_VECTOR_EXPERT = (2048, 1024)
+CPU_PREFILL_SCALAR_EXPERT = (512, 256)
+
+
+def measure_cpu_prefill(host: Any, quick: bool = True) -> dict[str, Any]:
+    """host.cpu_kernel_isa, cpu_expert_prefill_gflops and cpu_expert_scalar_gflops: what one token-expert pair of
+    a prefill chunk costs on the CPU kernels (cost_model/prefill.py prices the CPU backend's prefill with them).
+    Leaves the host untouched where the kernels do not build; returns what it measured, for the details."""
+    try:
+        from moetplan.contract.layout import RowLayout
+        from moetplan.runtime.op import cpu_kernels
+    except ImportError as e:
+        return {"prefill": f"not measured: {e}"}
+    mod = cpu_kernels.get_module()
+    if mod is None:
+        return {"prefill": f"not measured: {cpu_kernels.fallback_reason()}"}
+    secs = 0.3 if quick else 1.0
+    vec = cpu_kernels.measure_prefill_rate(RowLayout.for_expert(*CPU_PREFILL_VECTOR_EXPERT, 1, "2bit"),
+                                           tokens_per_expert=64, threads=1, min_seconds=secs)
+    sca = cpu_kernels.measure_prefill_rate(RowLayout.for_expert(*CPU_PREFILL_SCALAR_EXPERT, 1, "2bit"),
+                                           isa="scalar", tokens_per_expert=16, threads=1, min_seconds=secs)
+    host.cpu_kernel_isa = cpu_kernels.best_isa(mod)
+    host.cpu_expert_prefill_gflops = round(vec["gflops"], 2)
+    host.cpu_expert_scalar_gflops = round(sca["gflops"], 3)
+    for k in ("cpu_kernel_isa", "cpu_expert_prefill_gflops", "cpu_expert_scalar_gflops"):
+        host.sources[k] = "measured"
+    return {"prefill_vector_shape": list(CPU_PREFILL_VECTOR_EXPERT),
+            "prefill_scalar_shape": list(CPU_PREFILL_SCALAR_EXPERT),
+            "prefill_vector_us_per_pair": round(vec["us_per_pair"], 2),
+            "prefill_scalar_us_per_pair": round(sca["us_per_pair"], 2)}
 
 
 def run_probe(pack_dir: str | os.PathLike[str] | None = None, quick: bool = True, progress: bool = True,

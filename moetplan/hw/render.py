@@ -27,6 +27,10 @@ def _cell(value: Any, source: str | None, fmt: Callable[[Any], str] = str) -> Te
     return t
 
 
+def _gflops(v: float) -> str:
+    return f"{v:,.1f} GFLOP/s" if v >= 10 else f"{v:.2f} GFLOP/s"
+
+
 def _gbps(v: float) -> str:
     return f"{v:,.1f} GB/s" if v >= 10 else f"{v:.2f} GB/s"
 
@@ -92,6 +96,11 @@ def host_table(profile: HardwareProfile, details: dict[str, Any] | None = None) 
     t.add_row("pinned allocation", pin_txt)
     t.add_row("DRAM copy, 1 thread", _cell(h.dram_gbps, s.get("dram_gbps"), _gbps))
     t.add_row("2-bit experts on the CPU (batch 1, all cores)", _cell(h.cpu_expert_gbps, s.get("cpu_expert_gbps"), _gbps))
+    t.add_row("CPU kernels' instruction set", _cell(h.cpu_kernel_isa, s.get("cpu_kernel_isa")))
+    t.add_row("2-bit experts at prefill, vector loop (1 core)", _cell(h.cpu_expert_prefill_gflops,
+                                                                       s.get("cpu_expert_prefill_gflops"), _gflops))
+    t.add_row("2-bit experts at prefill, scalar loop (1 core)", _cell(h.cpu_expert_scalar_gflops,
+                                                                       s.get("cpu_expert_scalar_gflops"), _gflops))
     return t
 
 

@@ -49,8 +49,9 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFor
     The GPU solver has nothing to place on a machine without a GPU; this plan still carries the ledger and
     the launch so the rest of the path (plugin, run record, diff) is the same as on a GPU box.
 
-    host: this machine's HostInfo as the probe measured it (cores, DRAM copy rate: what the CPU step's prediction
-    divides by); default host_info(), which measures nothing (the DRAM rate then falls back to its table value).
+    host: this machine's HostInfo as the probe measured it (cores, DRAM copy rate, the CPU expert kernels' ISA and
+    prefill rates: what the CPU step's and prefill's predictions divide by); default host_info(), which measures
+    nothing (the rates then fall back to their table values in hwdb/calibration/gpu_compute.yaml).
     """
     from moetplan.contract.errors import UsageError
 
@@ -130,7 +131,9 @@ def plan_for_cpu(spec: Any, context: int | None = None, expert_format: ExpertFor
     prediction.notes.append("CPU-backend plans are for checking the path; calibrate with `moetplan calibrate`")
     if tp > 1:
         prediction.notes.append(f"tp={tp} on the CPU backend is priced as one worker sharing the cores (the gloo "
-                                "all-reduce between workers is not priced)")
+                                "all-reduce between workers is not priced; its compute on the cores less the one "
+                                "vLLM's auto binding leaves to the scheduler, though the per-worker binding uses "
+                                "every core: slower by cores/(cores-1) than it should be)")
     return _schema.Plan(
         model=spec,
         hardware=hw,

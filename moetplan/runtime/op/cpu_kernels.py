@@ -237,5 +237,53 @@ def measure_expert_throughput(layout: RowLayout, threads: int | None = None, min
     return {"gbps": n * row / dt / 1e9, "experts_per_s": n / dt, "threads": float(threads or old)}
 
 
+def measure_prefill_rate(layout: RowLayout, isa: str | None = None, tokens_per_expert: int = 64, experts: int = 4,
+                         threads: int | None = None, min_seconds: float = 0.3) -> dict[str, float]:
+    """The CPU kernels' compute rate at prefill batch: `experts` experts of `layout`, each routed by
+    `tokens_per_expert` tokens (one expert per token), so every row block is reused across its tokens as in a
+    prefill chunk; `isa` forces a loop ("scalar": the loop rows shorter than a vector block run). Returns GFLOP/s of
+    expert math (6 x hidden x inter per token-expert pair: gate, up and down) and the time per pair; the best of 5
+    windows of min_seconds / 5 (a shared machine takes the cores from some of them). Raises CpuKernelBuildError
+    without the kernels."""
+    import time
+
+    mod = get_module()
+    if mod is None:
+        raise CpuKernelBuildError(f"CPU kernels unavailable: {fallback_reason()}")
+    if tokens_per_expert < 1 or experts < 1:
+        raise UsageError(f"tokens_per_expert={tokens_per_expert}, experts={experts}: both must be >= 1")
+    pool = torch.full((experts, layout.stride), 0x1B, dtype=torch.uint8)
+    for off, size in ((layout.w13_s_off, layout.w13_s_size), (layout.w2_s_off, layout.w2_s_size)):
+        pool[:, off:off + size] = 127
+    T = tokens_per_expert * experts
+    x = torch.randn(T, layout.hidden, generator=torch.Generator().manual_seed(0))
+    ids = torch.arange(T).remainder(experts).view(T, 1)
+    w = torch.ones(T, 1)
+    slot_of = torch.arange(experts)
+    code = isa_code(mod, isa)
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    windows: list[tuple[int, float]] = []
+    try:
+        for _ in range(5):
+            n, t0 = 0, time.perf_counter()
+            while True:
+                mod.moe_forward_cpu(x, ids, w, pool, slot_of, torch.empty(0, dtype=torch.uint8),
+                                    torch.empty(0, dtype=torch.int64), _offsets(layout), [0, 0, 0, 0],
+                                    layout.inter_per_rank, math.nan, code, PLANES_W13, PLANES_W2)
+                n += 1
+                dt = time.perf_counter() - t0
+                if dt >= min_seconds / 5 and n >= 2:
+                    break
+            windows.append((n, dt))
+    finally:
+        torch.set_num_threads(old)
+    n, dt = max(windows, key=lambda nd: nd[0] / nd[1])
+    per_pair = dt / (n * T)
+    flops = 6.0 * layout.hidden * layout.inter_per_rank
+    return {"gflops": flops / per_pair / 1e9, "us_per_pair": per_pair * 1e6, "threads": float(threads or old)}
+
+
 __all__ = ["ISAS", "PLANES_W13", "PLANES_W2", "CpuKernelBuildError", "best_isa", "build", "build_key", "fallback_reason",
-           "get_module", "isa_code", "measure_expert_throughput", "moe_cpu", "shape_ok"]
+           "get_module", "isa_code", "measure_expert_throughput", "measure_prefill_rate", "moe_cpu", "shape_ok"]
