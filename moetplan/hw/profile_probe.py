@@ -76,6 +76,10 @@ def _measure_transfers(profile: HardwareProfile, quick: bool, progress: bool, de
 CPU_PROBE_EXPERT = (4096, 2048)
 
 
+def _sig(x: float, digits: int = 3) -> float:
+    return float(f"{x:.{digits}g}")
+
+
 def measure_cpu_experts(profile: HardwareProfile, quick: bool, details: dict[str, Any]) -> None:
     """host.cpu_expert_gbps: the CPU kernels' rate for a missed expert at batch 1, all cores (issue 39: the cost
     model splits a tiered step's misses between this and the host link). Absent where the kernels do not build."""
@@ -92,7 +96,9 @@ def measure_cpu_experts(profile: HardwareProfile, quick: bool, details: dict[str
     lay = RowLayout.for_expert(*CPU_PROBE_EXPERT, 1, "2bit")
     r = cpu_kernels.measure_expert_throughput(lay, min_seconds=0.3 if quick else 1.0,
                                               pool_bytes=(256 if quick else 1024) << 20)
-    profile.host.cpu_expert_gbps = round(r["gbps"], 2)
+    # significant figures, not decimals: a loaded machine's (or a small expert's) rate is a measurement too, and
+    # two decimals wrote a slow one as 0.0
+    profile.host.cpu_expert_gbps = _sig(r["gbps"])
     profile.host.sources["cpu_expert_gbps"] = "measured"
     details["cpu_experts"] = {"isa": cpu_kernels.best_isa(mod), "threads": int(r["threads"]),
                               "experts_per_s": round(r["experts_per_s"], 1), "shape": list(CPU_PROBE_EXPERT)}
@@ -126,8 +132,8 @@ def measure_cpu_prefill(host: Any, quick: bool = True) -> dict[str, Any]:
     sca = cpu_kernels.measure_prefill_rate(RowLayout.for_expert(*CPU_PREFILL_SCALAR_EXPERT, 1, "2bit"),
                                            isa="scalar", tokens_per_expert=16, threads=1, min_seconds=secs)
     host.cpu_kernel_isa = cpu_kernels.best_isa(mod)
-    host.cpu_expert_prefill_gflops = round(vec["gflops"], 2)
-    host.cpu_expert_scalar_gflops = round(sca["gflops"], 3)
+    host.cpu_expert_prefill_gflops = _sig(vec["gflops"])
+    host.cpu_expert_scalar_gflops = _sig(sca["gflops"])
     for k in ("cpu_kernel_isa", "cpu_expert_prefill_gflops", "cpu_expert_scalar_gflops"):
         host.sources[k] = "measured"
     return {"prefill_vector_shape": list(CPU_PREFILL_VECTOR_EXPERT),
