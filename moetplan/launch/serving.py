@@ -1,4 +1,5 @@
-"""The model's chat format as vLLM flags: tool-call and reasoning parsers, tokenizer mode, chat template, and how strictly tool calls follow their schema.
+"""The model's chat format as vLLM flags: tool-call and reasoning parsers, tokenizer mode, chat template, and how
+strictly tool calls follow their schema.
 
 The conventions are facts of the model (hwdb/serving.yaml); the names are vLLM's and differ between releases, so
 each is checked against the installed vLLM's own registries (`vllm_compat.serving_names`) when the plan is made and
