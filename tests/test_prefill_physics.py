@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from moetplan.contract import Placement
-from moetplan.contract.model import Attention
+from moetplan.contract import Placement, StorageInfo
+from moetplan.contract.model import GIB, Attention
 from moetplan.cost_model.calibration import Calibration, FamilyFactors
-from moetplan.cost_model.prefill import COMPUTE, attended_keys, attention_flops, prefill_run
+from moetplan.cost_model.coverage import curve_for, expected_union, expected_union_hot
+from moetplan.cost_model.hardware import GB
+from moetplan.cost_model.prefill import COMPUTE, STREAM, attended_keys, attention_flops, prefill_run
+from moetplan.cost_model.terms import cached_shares
 from moetplan.cost_model.hardware import rates
 from moetplan.models import resolve_model
 from test_cost_model import toy_hw, toy_model
@@ -91,3 +94,63 @@ def test_the_lm_head_runs_once_per_chunk_not_per_prompt_token():
     assert extra[8192] == pytest.approx(extra[2048], rel=1e-9)
     chunked = compute_coef(big, 8192, mnbt=1024) - compute_coef(small, 8192, mnbt=1024)
     assert chunked == pytest.approx(8 * extra[8192], rel=1e-9)
+
+
+# --------------------------------------------------------------------------- tiered prefill: what a chunk streams
+
+
+def stream_term(model, pl, hw, prompt: int = 8192):
+    run = prefill_run(model, hw, pl, CAL, prompt_tokens=prompt)
+    return next(t for t in run.terms if t.name == STREAM)
+
+
+def nvme_hw(nvme_gbps: float):
+    hw = toy_hw(h2d=2.0)  # a slow link: the chunk's compute hides under its streaming
+    return hw.model_copy(update={"storage": StorageInfo(seq_read_gbps=nvme_gbps, rand_read_gbps=nvme_gbps)})
+
+
+def tiered(model, tier: str, mnbt: int = 512):
+    full = model.routed_gib("2bit")
+    return Placement.for_model(model, expert_tier=tier, gpu_expert_cache_gib=0.2 * full,
+                               host_arena_gib=0.3 * full if tier == "nvme" else 0.0, max_num_batched_tokens=mnbt,
+                               context=65536)
+
+
+def test_the_nvme_share_is_the_coldest_experts_a_chunk_touches():
+    """A skewed router's 512-token chunk touches few of the coldest experts: the pack serves the distinct rows
+    beyond the arena that the chunk routes to (the coverage curve's union), not their share by expert count."""
+    model, hw = toy_model(coverage_points=[(0.2, 0.96)]), nvme_hw(0.05)
+    curve = curve_for(model, CAL.routing)
+    E, K = model.n_routed_experts, model.top_k
+    pl = tiered(model, "nvme")
+    _, xc = cached_shares(model, pl)
+    xa = pl.host_arena_gib * GIB / (model.moe_layers * E * model.expert_bytes("2bit", 1))
+    u, uc, uh = (expected_union(curve, E, K, 512), expected_union_hot(curve, E, K, 512, xc),
+                 expected_union_hot(curve, E, K, 512, xc + xa))
+    share = (u - uh) / (u - uc)
+    by_count = (1 - xc - xa) / (1 - xc)
+    assert 0 < share < 0.8 * by_count
+    t = stream_term(model, pl, hw)
+    rows = 16 * model.moe_layers * (u - uc)  # 16 chunks' misses
+    pack_ms = rows * model.expert_bytes("2bit", 1) * share / (0.05 * GB) * 1e3
+    assert t.parts["link.nvme_read_eff"] == pytest.approx(pack_ms, rel=1e-6)
+    # A chunk that touches every expert (a flat router, 8K tokens) reads the beyond-arena rows by their count.
+    flat = toy_model(coverage_points=[(0.2, 0.25)])
+    c2 = curve_for(flat, CAL.routing)
+    u2, uc2, uh2 = (expected_union(c2, E, K, 8192), expected_union_hot(c2, E, K, 8192, xc),
+                    expected_union_hot(c2, E, K, 8192, xc + xa))
+    assert (u2 - uh2) / (u2 - uc2) == pytest.approx(by_count, rel=0.02)
+    assert "link.nvme_read_eff" in stream_term(flat, tiered(flat, "nvme", mnbt=8192), hw).parts
+
+
+def test_the_pack_read_overlaps_the_link_as_in_a_decode_fetch():
+    """With a pack as fast as needed the link sets the time, as on the host tier with the same cache; with a slow
+    one the pack path (its read, then the link for those rows) does, never the two added."""
+    model = toy_model(coverage_points=[(0.2, 0.96)])
+    host = stream_term(model, tiered(model, "host"), nvme_hw(0.05)).ms(CAL, None)
+    fast = stream_term(model, tiered(model, "nvme"), nvme_hw(1e4))
+    assert fast.ms(CAL, None) == pytest.approx(host) and "link.nvme_read_eff" not in fast.parts
+    slow = stream_term(model, tiered(model, "nvme"), nvme_hw(0.05))
+    assert slow.ms(CAL, None) > host
+    pack = slow.parts["link.nvme_read_eff"] / CAL.value("link.nvme_read_eff", None)
+    assert slow.ms(CAL, None) < pack + host  # the arena's rows cross the link while the pack is read

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from moetplan.cost_model.calibration import Calibration, linear_value
-from moetplan.cost_model.coverage import CoverageCurve, curve_for, expected_union, miss_stats
+from moetplan.cost_model.coverage import CoverageCurve, curve_for, expected_union, expected_union_hot, miss_stats
 from moetplan.cost_model.cpu_compute import expert_pair_cost
 from moetplan.cost_model.hardware import GB, Rates, rates
 from moetplan.cost_model.terms import (
@@ -180,12 +180,33 @@ def prefill_run(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
                 x_a, link = placement.host_arena_gib * GIB / per_full, "link.h2d_eff"
             else:
                 x_a, link = r.page_cache_share * rt.host_ram_gib * GIB / per_full, "link.pageable_eff"
-            stream.add(link, rank_b / (rt.h2d_gbps * GB) * MS)
-            beyond = max(0.0, 1.0 - min(1.0, x_cached + x_a)) / max(1e-12, 1.0 - x_cached)
-            if beyond > 0:
-                # Prefill touches nearly every expert, so the NVMe share is by expert count, not routing mass.
-                stream.add("link.nvme_read_eff", full_b * beyond / (rt.nvme_gbps * GB) * MS)
-                stream.note += f"; {full_b * beyond / GB:.1f} GB from NVMe at {rt.nvme_gbps:.1f} GB/s"
+            # The rows the arena lacks: the distinct experts among the coldest (beyond the cache and the arena)
+            # that a chunk touches, over all the uncached ones it touches (the coverage curve's union, as the
+            # misses themselves). A chunk that touched every expert would make this the share by expert count; a
+            # 512-token chunk of a skewed router touches far fewer of the coldest than of the arena's.
+            u_all = expected_union(curve, E, K, chunk)
+            u_cached = expected_union_hot(curve, E, K, chunk, x_cached)
+            u_held = expected_union_hot(curve, E, K, chunk, min(1.0, x_cached + x_a))
+            beyond = max(0.0, u_all - u_held) / (u_all - u_cached) if u_all - u_cached > 1e-12 else 0.0
+            link_ms = rank_b / (rt.h2d_gbps * GB) * MS
+            pack_ms = full_b * beyond / (rt.nvme_gbps * GB) * MS
+            # As a decode step's fetch (terms._fetch_term): the pack read and the link's copies of the rows already
+            # in RAM overlap (the store reads ahead while the link copies), so the slower path sets the time, a
+            # roofline at the factors in hand (the fit re-linearises). The pack holds every TP shard of a row: a
+            # miss reads the whole row.
+            via_link = link_ms * linear_value(link, calib.value(link, None))
+            via_pack = (pack_ms * linear_value("link.nvme_read_eff", calib.value("link.nvme_read_eff", None))
+                        + beyond * via_link)
+            if beyond > 0 and via_pack > via_link:
+                stream.add("link.nvme_read_eff", pack_ms)
+                stream.add(link, beyond * link_ms)
+                stream.note += (f"; {full_b * beyond / GB:.1f} GB ({beyond:.0%} of the rows) from NVMe at "
+                                f"{rt.nvme_gbps:.1f} GB/s, the pack path the slower")
+            else:
+                stream.add(link, link_ms)
+                if beyond > 0:
+                    stream.note += (f"; {full_b * beyond / GB:.1f} GB ({beyond:.0%} of the rows) from NVMe at "
+                                    f"{rt.nvme_gbps:.1f} GB/s, overlapped with the link")
         # Streaming overlaps the chunk's compute; only the excess over it adds time.
         busy = terms[0]
         if stream.ms(calib, hw) > busy.ms(calib, hw):
