@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from moetplan.cost_model.calibration import Calibration, linear_value
-from moetplan.cost_model.coverage import CoverageCurve, curve_for, expected_union, miss_stats
+from moetplan.cost_model.coverage import CoverageCurve, curve_for, expected_union, expected_union_hot, miss_stats
 from moetplan.cost_model.cpu_compute import expert_pair_cost
 from moetplan.cost_model.hardware import GB, Rates, rates
 from moetplan.cost_model.terms import (
@@ -25,7 +25,7 @@ from moetplan.cost_model.terms import (
     bytes_per_param,
     cached_shares,
     dense_read_bytes,
-    kv_read_tokens,
+    embedding_bytes,
 )
 from moetplan.contract.model import GIB, ModelSpec
 from moetplan.contract import HardwareProfile, Placement
@@ -49,12 +49,49 @@ class PrefillRun:
         return sum(t.ms(calib, hw) for t in self.terms)
 
 
-def attention_flops_per_token(model: ModelSpec, context: float, calib: Calibration) -> float:
-    """QK^T and PV for one query token against `context` keys, all layers."""
+def _sum_capped(first: int, count: int, cap: float | None = None) -> float:
+    """sum of min(c, cap) for c = first .. first + count - 1 (cap None: no cap), in closed form."""
+    if count <= 0:
+        return 0.0
+    last = first + count - 1
+    if cap is None or last <= cap:
+        return (first + last) * count / 2.0
+    top = min(last, math.floor(cap))  # the contexts at or below the cap count themselves, the rest the cap
+    below = (first + top) * (top - first + 1) / 2.0 if top >= first else 0.0
+    return below + (count - max(0, top - first + 1)) * cap
+
+
+def attended_keys(model: ModelSpec, start: int, count: int, calib: Calibration) -> float:
+    """Keys the query tokens at positions start .. start + count - 1 of one prompt attend, summed over those
+    queries and averaged over the layers.
+
+    Causal attention: the query at position p (0-based) sees the p + 1 tokens up to itself, so a chunk of n tokens
+    after an offset s attends n * s + n (n + 1) / 2 keys: a mean of s + (n + 1) / 2 per token. Sparse attention
+    (DSA's index, mla_sparse / csa) reads at most index_topk of them plus the indexer's pass over all of them
+    (kv_read_tokens' rule, applied per query, not to the chunk's mean); GQA hybrids that declare a sliding window
+    read at most the window on the layers that are not full attention."""
+    att = model.attention
+    if att.kind in ("mla_sparse", "csa"):
+        topk = float(getattr(att, "index_topk", None) or calib.routing.default_index_topk)
+        return _sum_capped(start + 1, count, topk) + calib.routing.sparse_index_share * _sum_capped(start + 1, count)
+    full = _sum_capped(start + 1, count)
+    if att.sliding_window and att.full_attention_layers is not None and model.num_layers > 0:
+        share = min(1.0, att.full_attention_layers / model.num_layers)
+        return share * full + (1.0 - share) * _sum_capped(start + 1, count, float(att.sliding_window))
+    return full
+
+
+def attention_flops(model: ModelSpec, keys: float) -> float:
+    """QK^T and PV over `keys` query-key pairs (attended_keys), all layers."""
     att = model.attention
     head_dim = att.head_dim or (192 if att.kind.startswith("mla") else model.hidden_size // max(att.num_heads, 1))
-    keys = kv_read_tokens(model, context, calib)
     return 4.0 * att.num_heads * head_dim * keys * model.num_layers
+
+
+def lm_head_bytes(model: ModelSpec) -> float:
+    """The LM head's weights (all ranks together): vocab x hidden, the part of dense_read_bytes that a forward pass
+    runs only for the positions it samples."""
+    return min(embedding_bytes(model), dense_read_bytes(model))
 
 
 def cpu_expert_term(model: ModelSpec, rt: Rates, calib: Calibration, hw: HardwareProfile, pairs: float,
@@ -91,12 +128,13 @@ def prefill_run(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     bpp = bytes_per_param(model)
 
     dense_b = dense_read_bytes(model) / tp
-    dense_flops = 2.0 * dense_b / bpp * P
+    head_b = lm_head_bytes(model) / tp
+    # vLLM computes logits only where it samples: the last scheduled token of each request in each step
+    # (gpu_model_runner: logits_indices = query_start_loc[1:] - 1), so one LM-head row per chunk of this prompt.
+    dense_flops = 2.0 * (dense_b - head_b) / bpp * P + 2.0 * head_b / bpp * n_chunks
     expert_flops = 2.0 * P * K * model.expert_params * L / tp
-    attn_flops = sum(
-        attention_flops_per_token(model, (i + 0.5) * chunk / 2 + i * chunk / 2, calib) * min(chunk, P - i * chunk)
-        for i in range(n_chunks)
-    ) / tp
+    attn_flops = sum(attention_flops(model, attended_keys(model, i * chunk, min(chunk, P - i * chunk), calib))
+                     for i in range(n_chunks)) / tp
     cpu = not hw.gpus
     # On the CPU backend the routed experts are their own term (the expert kernels, below), not GEMM FLOPs.
     flops = dense_flops + attn_flops + (0.0 if cpu else expert_flops)
@@ -142,12 +180,33 @@ def prefill_run(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
                 x_a, link = placement.host_arena_gib * GIB / per_full, "link.h2d_eff"
             else:
                 x_a, link = r.page_cache_share * rt.host_ram_gib * GIB / per_full, "link.pageable_eff"
-            stream.add(link, rank_b / (rt.h2d_gbps * GB) * MS)
-            beyond = max(0.0, 1.0 - min(1.0, x_cached + x_a)) / max(1e-12, 1.0 - x_cached)
-            if beyond > 0:
-                # Prefill touches nearly every expert, so the NVMe share is by expert count, not routing mass.
-                stream.add("link.nvme_read_eff", full_b * beyond / (rt.nvme_gbps * GB) * MS)
-                stream.note += f"; {full_b * beyond / GB:.1f} GB from NVMe at {rt.nvme_gbps:.1f} GB/s"
+            # The rows the arena lacks: the distinct experts among the coldest (beyond the cache and the arena)
+            # that a chunk touches, over all the uncached ones it touches (the coverage curve's union, as the
+            # misses themselves). A chunk that touched every expert would make this the share by expert count; a
+            # 512-token chunk of a skewed router touches far fewer of the coldest than of the arena's.
+            u_all = expected_union(curve, E, K, chunk)
+            u_cached = expected_union_hot(curve, E, K, chunk, x_cached)
+            u_held = expected_union_hot(curve, E, K, chunk, min(1.0, x_cached + x_a))
+            beyond = max(0.0, u_all - u_held) / (u_all - u_cached) if u_all - u_cached > 1e-12 else 0.0
+            link_ms = rank_b / (rt.h2d_gbps * GB) * MS
+            pack_ms = full_b * beyond / (rt.nvme_gbps * GB) * MS
+            # As a decode step's fetch (terms._fetch_term): the pack read and the link's copies of the rows already
+            # in RAM overlap (the store reads ahead while the link copies), so the slower path sets the time, a
+            # roofline at the factors in hand (the fit re-linearises). The pack holds every TP shard of a row: a
+            # miss reads the whole row.
+            via_link = link_ms * linear_value(link, calib.value(link, None))
+            via_pack = (pack_ms * linear_value("link.nvme_read_eff", calib.value("link.nvme_read_eff", None))
+                        + beyond * via_link)
+            if beyond > 0 and via_pack > via_link:
+                stream.add("link.nvme_read_eff", pack_ms)
+                stream.add(link, beyond * link_ms)
+                stream.note += (f"; {full_b * beyond / GB:.1f} GB ({beyond:.0%} of the rows) from NVMe at "
+                                f"{rt.nvme_gbps:.1f} GB/s, the pack path the slower")
+            else:
+                stream.add(link, link_ms)
+                if beyond > 0:
+                    stream.note += (f"; {full_b * beyond / GB:.1f} GB ({beyond:.0%} of the rows) from NVMe at "
+                                    f"{rt.nvme_gbps:.1f} GB/s, overlapped with the link")
         # Streaming overlaps the chunk's compute; only the excess over it adds time.
         busy = terms[0]
         if stream.ms(calib, hw) > busy.ms(calib, hw):
