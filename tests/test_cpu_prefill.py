@@ -234,6 +234,13 @@ def test_probe_records_the_dense_gemm_and_attention_rates(monkeypatch):
             raise ImportError("No module named 'torch'")
         return real_import(name, *args, **kwargs)
 
+    # a stand-in torch (the GPU probe tests' double: no CPU ops) measures nothing and raises nothing
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    stub = HostInfo(ram_gib=8.0)
+    assert "not measured" in profile_probe.measure_cpu_dense(stub)["dense"] and stub.cpu_gemm_gflops is None
     monkeypatch.setattr(builtins, "__import__", no_torch)
     bare = HostInfo(ram_gib=8.0)
     assert "not measured" in profile_probe.measure_cpu_dense(bare)["dense"]

@@ -172,7 +172,10 @@ def measure_cpu_dense(host: Any, quick: bool = True) -> dict[str, Any]:
     except ImportError as e:
         return {"dense": f"not measured: {e}"}
     secs = 0.2 if quick else 1.0
-    threads = torch.get_num_threads()
+    try:
+        threads = torch.get_num_threads()
+    except AttributeError as e:  # a stand-in torch (a CUDA-only shim, a test double): nothing to time
+        return {"dense": f"not measured: {e}"}
     torch.set_num_threads(1)
     try:
         m, k, n = CPU_GEMM_SHAPE
@@ -184,7 +187,7 @@ def measure_cpu_dense(host: Any, quick: bool = True) -> dict[str, Any]:
         # causal: query i reads i + 1 keys, QK^T and PV 2 FLOPs per multiply-add each
         attn = _timed_rate(lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=True),
                            4.0 * h * d * s * (s + 1) / 2, secs)
-    except RuntimeError as e:  # a torch build without bf16 CPU kernels: the rates stay unmeasured
+    except (RuntimeError, AttributeError) as e:  # a torch without bf16 CPU kernels: the rates stay unmeasured
         return {"dense": f"not measured: {e}"}
     finally:
         torch.set_num_threads(threads)
