@@ -11,8 +11,9 @@ ratios, and the machine's load average before and after each round (os.getloadav
 2-core VM the load is part of the figure: read the ratio next to it.
 
 Prefill is predicted twice: by the plan (`moetplan run` derives the CPU kernels' ISA from the CPU's flags and takes
-their per-core rates from hwdb/calibration/gpu_compute.yaml) and with the rates `moetplan probe` measures on this
-machine (hw/profile_probe.measure_cpu_prefill, measured here after the rounds), so both sources are judged.
+their per-core rates, and the dense GEMM and attention rates for that ISA, from hwdb/calibration/gpu_compute.yaml) and
+with the rates `moetplan probe` measures on this machine (hw/profile_probe.measure_cpu_prefill and measure_cpu_dense,
+measured here after the rounds), so both sources are judged.
 """
 from __future__ import annotations
 
@@ -65,16 +66,18 @@ def predict_with_probed_rates(plan: dict[str, Any]) -> dict[str, Any]:
     from moetplan.cost_model import predict
     from moetplan.cost_model.calibration import load_calibration
     from moetplan.cost_model.prefill import prefill_run
-    from moetplan.hw.profile_probe import measure_cpu_prefill
+    from moetplan.hw.profile_probe import measure_cpu_dense, measure_cpu_prefill
 
     p = Plan.model_validate(plan)
     detail = measure_cpu_prefill(p.hardware.host, quick=False)
+    detail["dense"] = measure_cpu_dense(p.hardware.host, quick=False)
     h = p.hardware.host
     pr = predict(p.model, p.hardware, p.placement)
     calib = load_calibration(p.hardware)
     run = prefill_run(p.model, p.hardware, p.placement, calib)
     return {"host": {k: getattr(h, k) for k in ("cpu_kernel_isa", "cpu_expert_prefill_gflops",
-                                                 "cpu_expert_scalar_gflops")},
+                                                 "cpu_expert_scalar_gflops", "cpu_gemm_gflops", "cpu_gemm_dtype",
+                                                 "cpu_attention_gflops")},
             "probe_detail": detail, "prefill_tok_s": pr.prefill_tok_s, "prefill_prompt_tokens": pr.prefill_prompt_tokens,
             "prefill_terms": [{"name": t.name, "ms": round(t.ms(calib, p.hardware), 2), "note": t.note}
                               for t in run.terms]}

@@ -34,9 +34,10 @@ TINY_MOE_PY = {
 
 
 def cpu_hw(cores: int = 2, isa: str | None = "avx512", vec: float | None = 150.0, sca: float | None = 2.7,
-           dram: float = 35.0) -> HardwareProfile:
+           dram: float = 35.0, gemm: float | None = None, attn: float | None = None) -> HardwareProfile:
     return HardwareProfile(gpus=[], host=HostInfo(ram_gib=24, cores=cores, dram_gbps=dram, cpu_kernel_isa=isa,
-                                                  cpu_expert_prefill_gflops=vec, cpu_expert_scalar_gflops=sca))
+                                                  cpu_expert_prefill_gflops=vec, cpu_expert_scalar_gflops=sca,
+                                                  cpu_gemm_gflops=gemm, cpu_attention_gflops=attn))
 
 
 def expert_ms(model: Any, hw: HardwareProfile, prompt: int = 2048) -> tuple[float, dict[str, float]]:
@@ -107,6 +108,46 @@ def test_unprobed_rates_fall_back_to_the_per_core_table_and_say_so():
     assert "probe" in probed.cpu_kernel_source
 
 
+def compute_ms(model: Any, hw: HardwareProfile) -> float:
+    return expert_ms(model, hw)[1][COMPUTE]
+
+
+def test_cpu_dense_gemms_and_attention_take_their_own_measured_rates():
+    model = toy_model()
+    fast_dram = dict(dram=1e5)  # the compute term, not the weight-read floor, is the chunk's
+    base = compute_ms(model, cpu_hw(gemm=100.0, attn=40.0, **fast_dram))
+    both = compute_ms(model, cpu_hw(gemm=200.0, attn=80.0, **fast_dram))
+    gemm2 = compute_ms(model, cpu_hw(gemm=200.0, attn=40.0, **fast_dram))
+    attn2 = compute_ms(model, cpu_hw(gemm=100.0, attn=80.0, **fast_dram))
+    assert both == pytest.approx(base / 2)
+    # a 2x GEMM rate halves the GEMM share exactly; the rest is attention at its own rate
+    gemm_part, attn_part = 2 * (base - gemm2), 2 * (base - attn2)
+    assert gemm_part > 0 and attn_part > 0 and gemm_part + attn_part == pytest.approx(base)
+    # the compute term is what the rates say, no discount: the cpu family's compute_eff is 1
+    assert load_calibration(cpu_hw(), user=False).value("family.compute_eff", cpu_hw()) == 1.0
+    # 5 host cores leave 4 to the worker: 4x one core's rates
+    assert compute_ms(model, cpu_hw(cores=5, gemm=100.0, attn=40.0, **fast_dram)) == pytest.approx(base / 4)
+    # decode's roofline divides by the same GEMM rate
+    assert cpu_rates(cpu_hw(gemm=123.0, attn=40.0)).tflops == pytest.approx(0.123)
+
+
+def test_unprobed_dense_rates_come_from_the_per_isa_table_and_say_so():
+    from moetplan import hwdb
+
+    table = hwdb.calibration_table("gpu_compute.yaml")["cpu"]["dense_gflops_per_core"]
+    for isa in ("avx512", "avx2", "scalar"):
+        rt = cpu_rates(cpu_hw(cores=3, isa=isa))
+        assert rt.cpu_gemm_gflops == pytest.approx(2 * table[isa]["gemm"])
+        assert rt.cpu_attention_gflops == pytest.approx(2 * table[isa]["attention"])
+        assert "not probed" in rt.tflops_source and isa in rt.tflops_source
+    assert table["avx512"]["gemm"] > table["avx2"]["gemm"] > table["scalar"]["gemm"]
+    # no ISA known: the AVX2 row, as for the expert kernels
+    assert cpu_rates(cpu_hw(isa=None)).cpu_gemm_gflops == pytest.approx(table["avx2"]["gemm"])
+    probed = cpu_rates(cpu_hw(gemm=210.0, attn=50.0))
+    assert (probed.cpu_gemm_gflops, probed.cpu_attention_gflops) == (210.0, 50.0)
+    assert "probe" in probed.tflops_source
+
+
 def test_gpu_prefill_has_no_cpu_expert_term():
     model, hw = toy_model(), toy_hw()
     run = prefill_run(model, hw, Placement(), load_calibration(hw, user=False), prompt_tokens=2048)
@@ -170,3 +211,37 @@ def test_probe_records_the_prefill_rates(cpu_mod, monkeypatch):
     bare = HostInfo(ram_gib=8.0)
     assert "no C++ compiler" in profile_probe.measure_cpu_prefill(bare)["prefill"]
     assert bare.cpu_expert_prefill_gflops is None and bare.cpu_kernel_isa is None
+
+
+def test_probe_records_the_dense_gemm_and_attention_rates(monkeypatch):
+    import builtins
+
+    from moetplan.hw import profile_probe
+
+    monkeypatch.setattr(profile_probe, "CPU_GEMM_SHAPE", (64, 256, 256))  # small: a quick test
+    monkeypatch.setattr(profile_probe, "CPU_ATTENTION_SHAPE", (2, 64, 128))
+    host = HostInfo(ram_gib=8.0)
+    detail = profile_probe.measure_cpu_dense(host, quick=True)
+    assert host.cpu_gemm_gflops and host.cpu_gemm_gflops > 0 and host.cpu_gemm_dtype == "bf16"
+    assert host.cpu_attention_gflops and host.cpu_attention_gflops > 0
+    assert all(host.sources[k] == "measured" for k in ("cpu_gemm_gflops", "cpu_gemm_dtype",
+                                                       "cpu_attention_gflops"))
+    assert detail["threads"] == 1 and detail["gemm_shape"] == [64, 256, 256]
+    real_import = builtins.__import__
+
+    def no_torch(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "torch":
+            raise ImportError("No module named 'torch'")
+        return real_import(name, *args, **kwargs)
+
+    # a stand-in torch (the GPU probe tests' double: no CPU ops) measures nothing and raises nothing
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    stub = HostInfo(ram_gib=8.0)
+    assert "not measured" in profile_probe.measure_cpu_dense(stub)["dense"] and stub.cpu_gemm_gflops is None
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    bare = HostInfo(ram_gib=8.0)
+    assert "not measured" in profile_probe.measure_cpu_dense(bare)["dense"]
+    assert bare.cpu_gemm_gflops is None and bare.cpu_attention_gflops is None and not bare.sources

@@ -50,3 +50,14 @@ def test_table_marks_sources_and_lists_warnings():
 def test_table_for_a_loaded_profile_without_details():
     out = _text()
     assert "memlock limit" in out and "unlimited" in out and "(hard" not in out
+
+
+def test_table_shows_the_cpu_dense_rates_with_their_dtype():
+    p = _profile()
+    p.host.cpu_gemm_gflops, p.host.cpu_gemm_dtype, p.host.cpu_attention_gflops = 205.0, "bf16", 44.5
+    p.host.sources.update(cpu_gemm_gflops="measured", cpu_attention_gflops="measured")
+    con = Console(record=True, width=220, color_system=None)
+    render_profile(p, console=con)
+    out = con.export_text()
+    assert "dense GEMM at prefill (1 core)" in out and "205.0 GFLOP/s M  (bf16)" in out
+    assert "causal attention at prefill (1 core)" in out and "44.5 GFLOP/s M" in out

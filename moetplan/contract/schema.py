@@ -96,6 +96,15 @@ class HostInfo(_Model):
     cpu_expert_scalar_gflops: float | None = Field(
         None, description="GFLOP/s of the CPU kernels' scalar loop at prefill batch on one core (rows shorter than "
         "one vector block, remainders); None: not measured")
+    # The rest of a CPU prefill chunk (cost_model/prefill.py): the dense layers' GEMMs (projections, shared experts,
+    # LM head) and attention, at rates measured with torch on one thread in the dtype vLLM's CPU backend computes
+    # them in (the checkpoint's bf16: vLLM keeps bf16 on every x86 CPU, emulated where AVX512-BF16/AMX are absent).
+    cpu_gemm_gflops: float | None = Field(
+        None, description="GFLOP/s of a dense GEMM (prefill-sized, cpu_gemm_dtype) on one core (a worker's cores "
+        "multiply it); None: not measured (no torch)")
+    cpu_gemm_dtype: str | None = Field(None, description="The dtype cpu_gemm_gflops was measured in (bf16)")
+    cpu_attention_gflops: float | None = Field(
+        None, description="GFLOP/s of causal prefill attention (QK^T and PV FLOPs) on one core; None: not measured")
     sources: dict[str, ValueSource] = Field(default_factory=dict)
 
 

@@ -47,6 +47,9 @@ class Rates:
     cpu_vector_gflops: float = 0.0
     cpu_scalar_gflops: float = 0.0
     cpu_kernel_source: str = ""
+    # The CPU backend only: GFLOP/s of the dense GEMMs and of causal attention on the worker's cores (cpu_rates).
+    cpu_gemm_gflops: float = 0.0
+    cpu_attention_gflops: float = 0.0
 
 
 def rank_gpus(hw: HardwareProfile, placement: Placement) -> list[GPUInfo]:
@@ -122,7 +125,6 @@ def cpu_rates(hw: HardwareProfile) -> Rates:
     host_cores = hw.host.cores or int(cpu.get("default_cores", 4))
     # The worker computes on its bound cores: the host's less the one(s) vLLM leaves to its scheduler.
     cores = max(1, host_cores - int(cpu.get("vllm_reserved_cores", 1)))
-    tflops = cores * float(cpu.get("gflops_per_core", 50.0)) / 1e3
     nv, nv_src = nvme_gbps(hw)
     h = hw.host
     # The expert kernels' measured rates; where the probe did not measure them, per-core table values x cores.
@@ -133,11 +135,20 @@ def cpu_rates(hw: HardwareProfile) -> Rates:
     isa_src = h.sources.get("cpu_kernel_isa", "measured") if h.cpu_kernel_isa else "default"
     src = (f"{cores} worker core(s) x " + ("the probe's per-core rates" if measured else
                                            "gpu_compute.yaml's per-core rates (not probed)") + f", ISA {isa_src}")
+    # Dense GEMMs and attention: the probe's per-core rates, else the table's for this ISA (an ISA the table lacks
+    # takes the AVX2 row, the least the kernels vectorise).
+    table = cpu.get("dense_gflops_per_core") or {}
+    row = table.get(isa) or table.get("avx2") or {}
+    gemm = cores * (h.cpu_gemm_gflops or float(row.get("gemm", 45.0)))
+    attn = cores * (h.cpu_attention_gflops or float(row.get("attention", 22.0)))
+    dense_measured = bool(h.cpu_gemm_gflops and h.cpu_attention_gflops)
+    dense_src = (f"{cores} worker core(s) of {host_cores} x " + (
+        f"the probe's per-core {h.cpu_gemm_dtype or 'bf16'} rates" if dense_measured
+        else f"gpu_compute.yaml's per-core {isa} rates (not probed)"))
     return Rates(mem_bw_gbps=dram, h2d_gbps=dram, h2d_source=dram_src, pcie_gbps=dram, nvme_gbps=nv,
-                 nvme_source=nv_src, tflops=tflops,
-                 tflops_source=f"estimated ({cores} worker core(s) of {host_cores} x gflops_per_core)",
+                 nvme_source=nv_src, tflops=gemm / 1e3, tflops_source=dense_src,
                  host_ram_gib=hw.host.ram_available_gib or hw.host.ram_gib, cpu_isa=isa, cpu_vector_gflops=vec,
-                 cpu_scalar_gflops=sca, cpu_kernel_source=src)
+                 cpu_scalar_gflops=sca, cpu_kernel_source=src, cpu_gemm_gflops=gemm, cpu_attention_gflops=attn)
 
 
 def rates(hw: HardwareProfile, placement: Placement) -> Rates:

@@ -138,10 +138,17 @@ def prefill_run(model: ModelSpec, hw: HardwareProfile, placement: Placement, cal
     cpu = not hw.gpus
     # On the CPU backend the routed experts are their own term (the expert kernels, below), not GEMM FLOPs.
     flops = dense_flops + attn_flops + (0.0 if cpu else expert_flops)
-    compute = TermSpec(COMPUTE, note=(
-        f"{flops / 1e9:.3g} GFLOP at {rt.tflops * 1e3:.3g} GFLOPs ({rt.tflops_source}); dense GEMMs and attention"
-        if cpu else f"{flops / 1e12:.1f} TFLOP/rank at {rt.tflops:.0f} TFLOPs ({rt.tflops_source})"))
-    compute.add("family.compute_eff", flops / (rt.tflops * 1e12) * MS)
+    if cpu:
+        # GEMMs and attention each at their own measured rate (the probe's, else gpu_compute.yaml's per ISA):
+        # attention runs at a fraction of a GEMM's rate on a CPU, so one rate for both misprices either.
+        compute = TermSpec(COMPUTE, note=(
+            f"dense GEMMs {dense_flops / 1e9:.3g} GFLOP at {rt.cpu_gemm_gflops:.3g} GFLOP/s, attention "
+            f"{attn_flops / 1e9:.3g} GFLOP at {rt.cpu_attention_gflops:.3g} GFLOP/s ({rt.tflops_source})"))
+        compute.add("family.compute_eff", (dense_flops / rt.cpu_gemm_gflops + attn_flops / rt.cpu_attention_gflops)
+                    / 1e9 * MS)
+    else:
+        compute = TermSpec(COMPUTE, note=f"{flops / 1e12:.1f} TFLOP/rank at {rt.tflops:.0f} TFLOPs ({rt.tflops_source})")
+        compute.add("family.compute_eff", flops / (rt.tflops * 1e12) * MS)
 
     # Weights each chunk must read at least once.
     union = expected_union(curve, E, K, chunk)

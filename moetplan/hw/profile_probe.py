@@ -142,10 +142,68 @@ def measure_cpu_prefill(host: Any, quick: bool = True) -> dict[str, Any]:
             "prefill_scalar_us_per_pair": round(sca["us_per_pair"], 2)}
 
 
+# The dense half of a CPU prefill chunk: one GEMM of a prefill chunk's tokens through a projection, and causal
+# attention over a chunk, both in bf16 on one thread (torch.nn.functional.linear and scaled_dot_product_attention;
+# vLLM's CPU backend runs its linears through oneDNN like torch's bf16 linear, and attention through its own CPU
+# kernel, which a torch-profiler trace of tiny-moe-py's prefill here put at ~58 GFLOP/s a core against torch's
+# 40-50). Sizes: a 512-token chunk through a 2048 x 2048 projection, 8 heads of 128 over 1,024 tokens.
+CPU_GEMM_SHAPE = (512, 2048, 2048)  # tokens, in features, out features
+CPU_ATTENTION_SHAPE = (8, 128, 1024)  # heads, head dim, tokens (causal)
+
+
+def _timed_rate(fn: Any, flops: float, min_seconds: float) -> float:
+    """GFLOP/s of `fn` (one warm-up call: oneDNN builds its primitive on the first)."""
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= min_seconds:
+            return flops * n / dt / 1e9
+
+
+def measure_cpu_dense(host: Any, quick: bool = True) -> dict[str, Any]:
+    """host.cpu_gemm_gflops / cpu_gemm_dtype / cpu_attention_gflops: the CPU's dense GEMM and causal-attention rate
+    on one core, in bf16 (what vLLM's CPU backend computes a bf16 checkpoint's dense layers in); the cost model
+    multiplies them by the worker's cores. Leaves the host untouched without torch; returns what it measured."""
+    try:
+        import torch
+    except ImportError as e:
+        return {"dense": f"not measured: {e}"}
+    secs = 0.2 if quick else 1.0
+    try:
+        threads = torch.get_num_threads()
+    except AttributeError as e:  # a stand-in torch (a CUDA-only shim, a test double): nothing to time
+        return {"dense": f"not measured: {e}"}
+    torch.set_num_threads(1)
+    try:
+        m, k, n = CPU_GEMM_SHAPE
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        w = torch.randn(n, k, dtype=torch.bfloat16)
+        gemm = _timed_rate(lambda: torch.nn.functional.linear(x, w), 2.0 * m * k * n, secs)
+        h, d, s = CPU_ATTENTION_SHAPE
+        q, kk, v = (torch.randn(1, h, s, d, dtype=torch.bfloat16) for _ in range(3))
+        # causal: query i reads i + 1 keys, QK^T and PV 2 FLOPs per multiply-add each
+        attn = _timed_rate(lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=True),
+                           4.0 * h * d * s * (s + 1) / 2, secs)
+    except (RuntimeError, AttributeError) as e:  # a torch without bf16 CPU kernels: the rates stay unmeasured
+        return {"dense": f"not measured: {e}"}
+    finally:
+        torch.set_num_threads(threads)
+    host.cpu_gemm_gflops = _sig(gemm)
+    host.cpu_gemm_dtype = "bf16"
+    host.cpu_attention_gflops = _sig(attn)
+    for key in ("cpu_gemm_gflops", "cpu_gemm_dtype", "cpu_attention_gflops"):
+        host.sources[key] = "measured"
+    return {"gemm_shape": list(CPU_GEMM_SHAPE), "attention_shape": list(CPU_ATTENTION_SHAPE), "threads": 1}
+
+
 def run_probe(pack_dir: str | os.PathLike[str] | None = None, quick: bool = True, progress: bool = True,
               measure_storage: bool = True, measure_cpu: bool = True) -> ProbeResult:
     """Probe everything; storage problems the user must fix (unwritable --pack-dir) raise UsageError.
-    `measure_cpu`: the CPU kernels' expert rate (builds them on first use, ~35 s of CPU once per install)."""
+    `measure_cpu`: the CPU kernels' expert rate (builds them on first use, ~35 s of CPU once per install) and the
+    dense GEMM / attention rates (under a second in quick mode)."""
     t0 = time.perf_counter()
     details: dict[str, Any] = {}
     with _status(progress, "querying GPUs and host"):
@@ -175,6 +233,8 @@ def run_probe(pack_dir: str | os.PathLike[str] | None = None, quick: bool = True
     if measure_cpu:
         with _status(progress, "measuring the CPU kernels' expert rate"):
             measure_cpu_experts(profile, quick, details)
+        with _status(progress, "measuring the CPU's dense GEMM and attention rates"):
+            details["cpu_dense"] = measure_cpu_dense(profile.host, quick)
         phase_s["cpu_experts"] = round(time.perf_counter() - t0 - sum(phase_s.values()), 2)
     if profile.gpus:
         _measure_transfers(profile, quick, progress, details)

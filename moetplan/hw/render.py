@@ -101,6 +101,12 @@ def host_table(profile: HardwareProfile, details: dict[str, Any] | None = None) 
                                                                        s.get("cpu_expert_prefill_gflops"), _gflops))
     t.add_row("2-bit experts at prefill, scalar loop (1 core)", _cell(h.cpu_expert_scalar_gflops,
                                                                        s.get("cpu_expert_scalar_gflops"), _gflops))
+    gemm = _cell(h.cpu_gemm_gflops, s.get("cpu_gemm_gflops"), _gflops)
+    if h.cpu_gemm_dtype:
+        gemm.append(f"  ({h.cpu_gemm_dtype})", style="dim")
+    t.add_row("dense GEMM at prefill (1 core)", gemm)
+    t.add_row("causal attention at prefill (1 core)", _cell(h.cpu_attention_gflops, s.get("cpu_attention_gflops"),
+                                                              _gflops))
     return t
 
 
