@@ -192,40 +192,38 @@ def moe_cpu(mod: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
 
 
 
-def measure_expert_throughput(layout: RowLayout, threads: int | None = None, min_seconds: float = 0.3,
-                              pool_bytes: int = 256 << 20) -> dict[str, float]:
-    """This host's rate for a missed expert computed on the CPU at batch 1 (what `moetplan probe` records next
-    to the pinned H2D rate): GB/s of 2-bit rows and experts per second, one expert per call, rows rotating
-    through `pool_bytes` so they come from DRAM; the best of 5 windows of min_seconds / 5. Raises
-    CpuKernelBuildError without the kernels."""
-    import time
-
-    mod = get_module()
-    if mod is None:
-        raise CpuKernelBuildError(f"CPU kernels unavailable: {fallback_reason()}")
-    rows = max(2, pool_bytes // layout.stride)
-    # The kernels' time does not depend on the code values (table lookups): a constant pattern fills fast.
+def _timing_pool(layout: RowLayout, rows: int) -> torch.Tensor:
+    # The kernels' time does not depend on the code values (table lookups): a constant pattern fills fast, and
+    # scales of 127 keep every product finite.
     pool = torch.full((rows, layout.stride), 0x1B, dtype=torch.uint8)
     for off, size in ((layout.w13_s_off, layout.w13_s_size), (layout.w2_s_off, layout.w2_s_size)):
         pool[:, off:off + size] = 127
-    x = torch.randn(1, layout.hidden, generator=torch.Generator().manual_seed(0))
-    w = torch.ones(1, 1)
-    slot_of = torch.arange(rows)
+    return pool
+
+
+def _forward(mod: Any, layout: RowLayout, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
+             slot_of: torch.Tensor, isa: int) -> torch.Tensor:
+    """The extension's op on 2-bit rows only (no FP4 reserve), as the timings call it."""
+    return mod.moe_forward_cpu(x, ids, w, pool, slot_of, torch.empty(0, dtype=torch.uint8),
+                               torch.empty(0, dtype=torch.int64), _offsets(layout), [0, 0, 0, 0],
+                               layout.inter_per_rank, math.nan, isa, PLANES_W13, PLANES_W2)
+
+
+def _best_window(call: Any, threads: int | None, min_seconds: float) -> tuple[int, float, int]:
+    """(calls, seconds, threads) of the fastest of 5 windows of at least min_seconds / 5 and 2 calls each, on
+    `threads` torch threads (None: as set): on a shared machine other jobs take the cores from some windows."""
+    import time
+
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    # The best of 5 windows: on a shared machine other jobs take the cores from some of them.
     windows: list[tuple[int, float]] = []
-    calls = 0
     try:
         for _ in range(5):
             n, t0 = 0, time.perf_counter()
             while True:
-                ids = torch.tensor([[calls % rows]])
-                mod.moe_forward_cpu(x, ids, w, pool, slot_of, torch.empty(0, dtype=torch.uint8),
-                                    torch.empty(0, dtype=torch.int64), _offsets(layout), [0, 0, 0, 0],
-                                    layout.inter_per_rank, math.nan, int(mod.best_isa()), PLANES_W13, PLANES_W2)
-                n, calls = n + 1, calls + 1
+                call()
+                n += 1
                 dt = time.perf_counter() - t0
                 if dt >= min_seconds / 5 and n >= 2:
                     break
@@ -233,8 +231,32 @@ def measure_expert_throughput(layout: RowLayout, threads: int | None = None, min
     finally:
         torch.set_num_threads(old)
     n, dt = max(windows, key=lambda nd: nd[0] / nd[1])
+    return n, dt, threads or old
+
+
+def measure_expert_throughput(layout: RowLayout, threads: int | None = None, min_seconds: float = 0.3,
+                              pool_bytes: int = 256 << 20) -> dict[str, float]:
+    """This host's rate for a missed expert computed on the CPU at batch 1 (what `moetplan probe` records next
+    to the pinned H2D rate): GB/s of 2-bit rows and experts per second, one expert per call, rows rotating
+    through `pool_bytes` so they come from DRAM; the best of 5 windows of min_seconds / 5. Raises
+    CpuKernelBuildError without the kernels."""
+    mod = get_module()
+    if mod is None:
+        raise CpuKernelBuildError(f"CPU kernels unavailable: {fallback_reason()}")
+    rows = max(2, pool_bytes // layout.stride)
+    pool = _timing_pool(layout, rows)
+    x = torch.randn(1, layout.hidden, generator=torch.Generator().manual_seed(0))
+    w = torch.ones(1, 1)
+    slot_of = torch.arange(rows)
+    calls = [0]
+
+    def call() -> None:
+        _forward(mod, layout, x, torch.tensor([[calls[0] % rows]]), w, pool, slot_of, int(mod.best_isa()))
+        calls[0] += 1
+
+    n, dt, used = _best_window(call, threads, min_seconds)
     row = layout.w13_q_size + layout.w13_s_size + layout.w2_q_size + layout.w2_s_size
-    return {"gbps": n * row / dt / 1e9, "experts_per_s": n / dt, "threads": float(threads or old)}
+    return {"gbps": n * row / dt / 1e9, "experts_per_s": n / dt, "threads": float(used)}
 
 
 def measure_prefill_rate(layout: RowLayout, isa: str | None = None, tokens_per_expert: int = 64, experts: int = 4,
@@ -245,44 +267,26 @@ def measure_prefill_rate(layout: RowLayout, isa: str | None = None, tokens_per_e
     expert math (6 x hidden x inter per token-expert pair: gate, up and down) and the time per pair; the best of 5
     windows of min_seconds / 5 (a shared machine takes the cores from some of them). Raises CpuKernelBuildError
     without the kernels."""
-    import time
-
     mod = get_module()
     if mod is None:
         raise CpuKernelBuildError(f"CPU kernels unavailable: {fallback_reason()}")
     if tokens_per_expert < 1 or experts < 1:
         raise UsageError(f"tokens_per_expert={tokens_per_expert}, experts={experts}: both must be >= 1")
-    pool = torch.full((experts, layout.stride), 0x1B, dtype=torch.uint8)
-    for off, size in ((layout.w13_s_off, layout.w13_s_size), (layout.w2_s_off, layout.w2_s_size)):
-        pool[:, off:off + size] = 127
+    pool = _timing_pool(layout, experts)
     T = tokens_per_expert * experts
     x = torch.randn(T, layout.hidden, generator=torch.Generator().manual_seed(0))
     ids = torch.arange(T).remainder(experts).view(T, 1)
     w = torch.ones(T, 1)
     slot_of = torch.arange(experts)
     code = isa_code(mod, isa)
-    old = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    windows: list[tuple[int, float]] = []
-    try:
-        for _ in range(5):
-            n, t0 = 0, time.perf_counter()
-            while True:
-                mod.moe_forward_cpu(x, ids, w, pool, slot_of, torch.empty(0, dtype=torch.uint8),
-                                    torch.empty(0, dtype=torch.int64), _offsets(layout), [0, 0, 0, 0],
-                                    layout.inter_per_rank, math.nan, code, PLANES_W13, PLANES_W2)
-                n += 1
-                dt = time.perf_counter() - t0
-                if dt >= min_seconds / 5 and n >= 2:
-                    break
-            windows.append((n, dt))
-    finally:
-        torch.set_num_threads(old)
-    n, dt = max(windows, key=lambda nd: nd[0] / nd[1])
+
+    def call() -> None:
+        _forward(mod, layout, x, ids, w, pool, slot_of, code)
+
+    n, dt, used = _best_window(call, threads, min_seconds)
     per_pair = dt / (n * T)
     flops = 6.0 * layout.hidden * layout.inter_per_rank
-    return {"gflops": flops / per_pair / 1e9, "us_per_pair": per_pair * 1e6, "threads": float(threads or old)}
+    return {"gflops": flops / per_pair / 1e9, "us_per_pair": per_pair * 1e6, "threads": float(used)}
 
 
 __all__ = ["ISAS", "PLANES_W13", "PLANES_W2", "CpuKernelBuildError", "best_isa", "build", "build_key", "fallback_reason",
