@@ -134,8 +134,12 @@ def test_cpu_dense_gemms_and_attention_take_their_own_measured_rates():
 def test_unprobed_dense_rates_come_from_the_per_isa_table_and_say_so():
     from moetplan import hwdb
 
+    from moetplan.contract.vocab import CPU_ISAS
+
     table = hwdb.calibration_table("gpu_compute.yaml")["cpu"]["dense_gflops_per_core"]
-    for isa in ("avx512", "avx2", "scalar"):
+    # every loop the kernels have is in the table and in the vector-block rule, and nothing else
+    assert set(table) == set(CPU_ISAS) == set(CPU_VECTOR_BLOCK)
+    for isa in CPU_ISAS:
         rt = cpu_rates(cpu_hw(cores=3, isa=isa))
         assert rt.cpu_gemm_gflops == pytest.approx(2 * table[isa]["gemm"])
         assert rt.cpu_attention_gflops == pytest.approx(2 * table[isa]["attention"])

@@ -7,11 +7,9 @@ from typing import List, Optional
 
 import typer
 
-from moetplan.cli.common import SERVING_HELP as _SERVING_HELP
-from moetplan.cli.common import STRICT_HELP, fail
+from moetplan.cli.common import SERVING_HELP, STRICT_HELP, fail
 from moetplan.cli.common import out as console
 from moetplan.contract import OBJECTIVES, MoetplanError
-
 
 
 def plan_cmd(
@@ -32,9 +30,9 @@ def plan_cmd(
     plot: Optional[str] = typer.Option(None, "--plot", help="write the context vs decode Pareto plot (PNG)"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="write plan.json"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
-    tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser", help=_SERVING_HELP),
-    reasoning_parser: Optional[str] = typer.Option(None, "--reasoning-parser", help=_SERVING_HELP),
-    tokenizer_mode: Optional[str] = typer.Option(None, "--tokenizer-mode", help=_SERVING_HELP),
+    tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser", help=SERVING_HELP),
+    reasoning_parser: Optional[str] = typer.Option(None, "--reasoning-parser", help=SERVING_HELP),
+    tokenizer_mode: Optional[str] = typer.Option(None, "--tokenizer-mode", help=SERVING_HELP),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="a Jinja chat template file"),
     tool_strict_level: Optional[str] = typer.Option(None, "--tool-strict-level", help=STRICT_HELP),
 ) -> None:

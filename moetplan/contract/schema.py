@@ -18,7 +18,8 @@ from moetplan.contract.errors import UsageError
 from moetplan.contract.runtime import Gate, RuntimeKnobs, RuntimeSection, runtime_section
 from moetplan.contract.sizing import rows_in
 from moetplan.contract.units import GIB, parse_tokens
-from moetplan.contract.vocab import ExpertFormat, ExpertTier, MoeGraphs, Objective, ToolStrictLevel, ValueSource
+from moetplan.contract.vocab import CpuIsa, ExpertFormat, ExpertTier, MoeGraphs, Objective, ToolStrictLevel, \
+    ValueSource
 
 SCHEMA_VERSION = "1.0"
 
@@ -87,7 +88,7 @@ class HostInfo(_Model):
     # What a prefill chunk costs on the CPU backend (cost_model/prefill.py): every token-expert pair runs through
     # the CPU kernels, compute-bound; their vector loop takes whole blocks of a row's weights, the rest of a row
     # (and every row shorter than a block) runs the scalar loop, about 50x slower.
-    cpu_kernel_isa: str | None = Field(
+    cpu_kernel_isa: CpuIsa | None = Field(
         None, description="The CPU kernels' instruction set here (avx512, avx2 or scalar): it sets how many of an "
         "expert row's weights the vector loop takes; None: not measured")
     cpu_expert_prefill_gflops: float | None = Field(

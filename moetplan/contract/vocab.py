@@ -40,6 +40,8 @@ MoeGraphs = Literal["replay", "split"]
 # request marks strict), "function" (every call's envelope: a known tool name, JSON arguments), "parameter" (also
 # every call's arguments to the tool's JSON schema, as if every tool were strict).
 ToolStrictLevel = Literal["auto", "function", "parameter"]
+# The CPU expert kernels' loops (csrc/cpu/moe_cpu.cpp), in the extension's ISA code order (its codes are the indices).
+CpuIsa = Literal["scalar", "avx2", "avx512"]
 
 EXPERT_TIERS: tuple[ExpertTier, ...] = get_args(ExpertTier)
 EXPERT_FORMATS: tuple[ExpertFormat, ...] = get_args(ExpertFormat)
@@ -55,6 +57,7 @@ ROW_FORMATS: tuple[RowFormat, ...] = get_args(RowFormat)
 ZERO_MODES: tuple[ZeroMode, ...] = get_args(ZeroMode)
 MOE_GRAPHS: tuple[MoeGraphs, ...] = get_args(MoeGraphs)
 TOOL_STRICT_LEVELS: tuple[ToolStrictLevel, ...] = get_args(ToolStrictLevel)
+CPU_ISAS: tuple[CpuIsa, ...] = get_args(CpuIsa)
 
 
 def check_choice(what: str, value: Any, allowed: tuple[Any, ...], why: str = "") -> None:
@@ -66,7 +69,7 @@ def check_choice(what: str, value: Any, allowed: tuple[Any, ...], why: str = "")
 
 __all__ = [
     "DECODE_KERNELS", "DECODE_RINGS", "DecodeKernel", "DecodeRing", "EXPERT_FORMATS", "EXPERT_TIERS", "ExpertFormat",
-    "MOE_GRAPHS", "MoeGraphs", "TOOL_STRICT_LEVELS", "ToolStrictLevel",
+    "MOE_GRAPHS", "MoeGraphs", "TOOL_STRICT_LEVELS", "ToolStrictLevel", "CPU_ISAS", "CpuIsa",
     "ExpertTier", "OBJECTIVES", "Objective", "PREFILL_KERNELS", "PROMOTERS", "PrefillKernel", "Promoter", "ROUTERS",
     "ROW_FORMATS", "Router", "RowFormat", "VALUE_SOURCES", "ValueSource", "WEIGHT_SOURCES", "WeightSource",
     "ZERO_MODES", "ZeroMode",

@@ -88,7 +88,7 @@ def layer_split(misses: float, ratio: float) -> tuple[float, float]:
 # runs paired 512-weight chunks then 256-weight blocks, rows_avx2 128-weight blocks, i.e. WPB x V); the rest of a row,
 # and every row shorter than one block, runs the scalar loop (tail_scalar). A row is K weights long: hidden for the
 # gate and up rows, the intermediate size for the down rows.
-CPU_VECTOR_BLOCK = {"avx512": 256, "avx2": 128, "scalar": 0}
+CPU_VECTOR_BLOCK: dict[str, int] = {"avx512": 256, "avx2": 128, "scalar": 0}
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Any
 from moetplan import hwdb
 from moetplan.contract.errors import UsageError
 from moetplan.contract import GPUInfo, HardwareProfile, Placement
+from moetplan.contract.vocab import CpuIsa
 
 GB = 1e9
 
@@ -43,7 +44,7 @@ class Rates:
     host_ram_gib: float
     # The CPU backend only (cpu_rates): the expert kernels at prefill batch, GFLOP/s of their vector and scalar
     # loops and the ISA that sets which weights of a row the vector loop takes (cost_model/cpu_compute.py).
-    cpu_isa: str | None = None
+    cpu_isa: CpuIsa | None = None
     cpu_vector_gflops: float = 0.0
     cpu_scalar_gflops: float = 0.0
     cpu_kernel_source: str = ""
@@ -119,28 +120,26 @@ def bf16_tflops(gpu: GPUInfo) -> tuple[float, str]:
 def cpu_rates(hw: HardwareProfile) -> Rates:
     """A host without GPUs (vLLM's CPU backend): one rank whose "device memory" is DRAM and whose compute is the
     cores' vector units. Experts are always resident there, so the link rates only matter for prefill streaming."""
-    cpu = _tables()["gpu_compute.yaml"].get("cpu") or {}
-    dram = hw.host.dram_gbps or float(cpu.get("default_dram_gbps", 20.0))
+    cpu = _tables()["gpu_compute.yaml"]["cpu"]  # the fallbacks live there, once
+    dram = hw.host.dram_gbps or float(cpu["default_dram_gbps"])
     dram_src = hw.host.sources.get("dram_gbps", "measured") if hw.host.dram_gbps else "default (no DRAM figure)"
-    host_cores = hw.host.cores or int(cpu.get("default_cores", 4))
+    host_cores = hw.host.cores or int(cpu["default_cores"])
     # The worker computes on its bound cores: the host's less the one(s) vLLM leaves to its scheduler.
-    cores = max(1, host_cores - int(cpu.get("vllm_reserved_cores", 1)))
+    cores = max(1, host_cores - int(cpu["vllm_reserved_cores"]))
     nv, nv_src = nvme_gbps(hw)
     h = hw.host
     # The expert kernels' measured rates; where the probe did not measure them, per-core table values x cores.
     measured = bool(h.cpu_expert_prefill_gflops and h.cpu_expert_scalar_gflops)
-    vec = cores * (h.cpu_expert_prefill_gflops or float(cpu.get("expert_vector_gflops_per_core", 150.0)))
-    sca = cores * (h.cpu_expert_scalar_gflops or float(cpu.get("expert_scalar_gflops_per_core", 2.7)))
-    isa = h.cpu_kernel_isa or str(cpu.get("default_kernel_isa", "avx2"))
+    vec = cores * (h.cpu_expert_prefill_gflops or float(cpu["expert_vector_gflops_per_core"]))
+    sca = cores * (h.cpu_expert_scalar_gflops or float(cpu["expert_scalar_gflops_per_core"]))
+    isa: CpuIsa = h.cpu_kernel_isa or cpu["default_kernel_isa"]
     isa_src = h.sources.get("cpu_kernel_isa", "measured") if h.cpu_kernel_isa else "default"
     src = (f"{cores} worker core(s) x " + ("the probe's per-core rates" if measured else
                                            "gpu_compute.yaml's per-core rates (not probed)") + f", ISA {isa_src}")
-    # Dense GEMMs and attention: the probe's per-core rates, else the table's for this ISA (an ISA the table lacks
-    # takes the AVX2 row, the least the kernels vectorise).
-    table = cpu.get("dense_gflops_per_core") or {}
-    row = table.get(isa) or table.get("avx2") or {}
-    gemm = cores * (h.cpu_gemm_gflops or float(row.get("gemm", 45.0)))
-    attn = cores * (h.cpu_attention_gflops or float(row.get("attention", 22.0)))
+    # Dense GEMMs and attention: the probe's per-core rates, else the table's for this ISA.
+    row = cpu["dense_gflops_per_core"][isa]
+    gemm = cores * (h.cpu_gemm_gflops or float(row["gemm"]))
+    attn = cores * (h.cpu_attention_gflops or float(row["attention"]))
     dense_measured = bool(h.cpu_gemm_gflops and h.cpu_attention_gflops)
     dense_src = (f"{cores} worker core(s) of {host_cores} x " + (
         f"the probe's per-core {h.cpu_gemm_dtype or 'bf16'} rates" if dense_measured

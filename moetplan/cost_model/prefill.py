@@ -99,8 +99,10 @@ def cpu_expert_term(model: ModelSpec, rt: Rates, calib: Calibration, hw: Hardwar
     """The CPU backend's routed experts in prefill: `pairs` token-expert pairs through the CPU expert kernels, each
     at its measured time at prefill batch (rates: the probe's, else per-core defaults), or reading the chunks'
     routed rows (`read_bytes`) from DRAM where that is longer. The kernel time is measured, not a fitted factor."""
-    pc = expert_pair_cost(model.hidden_size, model.moe_intermediate_size, rt.cpu_isa or "avx2",
-                          rt.cpu_vector_gflops, rt.cpu_scalar_gflops)
+    if rt.cpu_isa is None:
+        raise ValueError("CPU expert term without the CPU rates (cost_model.hardware.cpu_rates sets the ISA)")
+    pc = expert_pair_cost(model.hidden_size, model.moe_intermediate_size, rt.cpu_isa, rt.cpu_vector_gflops,
+                          rt.cpu_scalar_gflops)
     kernel_ms = pairs * pc.seconds * MS
     t = TermSpec(CPU_EXPERTS, note=f"{pairs:,.0f} pairs x {pc.seconds * 1e6:.2f} us ({rt.cpu_isa}: "
                  f"{1 - pc.scalar_share:.0%} of the math in the vector loop at {rt.cpu_vector_gflops:.1f} GFLOP/s, "

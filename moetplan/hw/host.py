@@ -15,6 +15,7 @@ from pathlib import Path
 
 from moetplan.contract.machine import cpu_model  # noqa: F401 (re-used by the probe)
 from moetplan.contract import HostInfo
+from moetplan.contract.vocab import CpuIsa
 
 GIB = 1024**3
 MIB = 1024**2
@@ -120,13 +121,13 @@ def measure_dram_gbps(nbytes: int = DRAM_TEST_BYTES, repeats: int = 3) -> float 
 
 # What csrc/cpu/moe_cpu.cpp's best_isa() asks of the CPU for each of its loops (GCC's __builtin_cpu_supports names
 # as /proc/cpuinfo spells them), best first: the ISA decides which weights of an expert row its vector loop takes.
-CPU_KERNEL_ISA_FLAGS: tuple[tuple[str, tuple[str, ...]], ...] = (
+CPU_KERNEL_ISA_FLAGS: tuple[tuple[CpuIsa, tuple[str, ...]], ...] = (
     ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi")),
     ("avx2", ("avx2", "fma", "bmi2")),
 )
 
 
-def cpu_kernel_isa(path: str = "/proc/cpuinfo") -> str | None:
+def cpu_kernel_isa(path: str = "/proc/cpuinfo") -> CpuIsa | None:
     """The loop the CPU expert kernels pick on this CPU, read from its flags without building them; None where
     /proc/cpuinfo is unreadable (not Linux)."""
     try:

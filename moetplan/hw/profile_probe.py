@@ -80,19 +80,27 @@ def _sig(x: float, digits: int = 3) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def _cpu_kernels() -> tuple[Any, Any, str | None]:
+    """(the cpu_kernels module, its built extension, None), or (None, None, why not measured)."""
+    try:
+        from moetplan.runtime.op import cpu_kernels
+    except (ImportError, AttributeError) as e:  # no torch, or a stand-in (a CUDA-only shim): nothing runs here
+        return None, None, f"not measured: {e}"
+    mod = cpu_kernels.get_module()
+    if mod is None:
+        return None, None, f"not measured: {cpu_kernels.fallback_reason()}"
+    return cpu_kernels, mod, None
+
+
 def measure_cpu_experts(profile: HardwareProfile, quick: bool, details: dict[str, Any]) -> None:
     """host.cpu_expert_gbps: the CPU kernels' rate for a missed expert at batch 1, all cores (issue 39: the cost
     model splits a tiered step's misses between this and the host link). Absent where the kernels do not build."""
-    try:
-        from moetplan.contract.layout import RowLayout
-        from moetplan.runtime.op import cpu_kernels
-    except (ImportError, AttributeError) as e:  # no torch, or a stand-in (a CUDA-only shim): nothing runs here
-        details["cpu_experts"] = f"not measured: {e}"
+    cpu_kernels, mod, why = _cpu_kernels()
+    if why:
+        details["cpu_experts"] = why
         return
-    mod = cpu_kernels.get_module()
-    if mod is None:
-        details["cpu_experts"] = f"not measured: {cpu_kernels.fallback_reason()}"
-        return
+    from moetplan.contract.layout import RowLayout
+
     lay = RowLayout.for_expert(*CPU_PROBE_EXPERT, 1, "2bit")
     r = cpu_kernels.measure_expert_throughput(lay, min_seconds=0.3 if quick else 1.0,
                                               pool_bytes=(256 if quick else 1024) << 20)
@@ -118,14 +126,11 @@ def measure_cpu_prefill(host: Any, quick: bool = True) -> dict[str, Any]:
     """host.cpu_kernel_isa, cpu_expert_prefill_gflops and cpu_expert_scalar_gflops: what one token-expert pair of
     a prefill chunk costs on the CPU kernels (cost_model/prefill.py prices the CPU backend's prefill with them).
     Leaves the host untouched where the kernels do not build; returns what it measured, for the details."""
-    try:
-        from moetplan.contract.layout import RowLayout
-        from moetplan.runtime.op import cpu_kernels
-    except ImportError as e:
-        return {"prefill": f"not measured: {e}"}
-    mod = cpu_kernels.get_module()
-    if mod is None:
-        return {"prefill": f"not measured: {cpu_kernels.fallback_reason()}"}
+    cpu_kernels, mod, why = _cpu_kernels()
+    if why:
+        return {"prefill": why}
+    from moetplan.contract.layout import RowLayout
+
     secs = 0.3 if quick else 1.0
     vec = cpu_kernels.measure_prefill_rate(RowLayout.for_expert(*CPU_PREFILL_VECTOR_EXPERT, 1, "2bit"),
                                            tokens_per_expert=64, threads=1, min_seconds=secs)
@@ -151,46 +156,35 @@ CPU_GEMM_SHAPE = (512, 2048, 2048)  # tokens, in features, out features
 CPU_ATTENTION_SHAPE = (8, 128, 1024)  # heads, head dim, tokens (causal)
 
 
-def _timed_rate(fn: Any, flops: float, min_seconds: float) -> float:
-    """GFLOP/s of `fn` (one warm-up call: oneDNN builds its primitive on the first)."""
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        dt = time.perf_counter() - t0
-        if dt >= min_seconds:
-            return flops * n / dt / 1e9
-
-
 def measure_cpu_dense(host: Any, quick: bool = True) -> dict[str, Any]:
     """host.cpu_gemm_gflops / cpu_gemm_dtype / cpu_attention_gflops: the CPU's dense GEMM and causal-attention rate
     on one core, in bf16 (what vLLM's CPU backend computes a bf16 checkpoint's dense layers in); the cost model
     multiplies them by the worker's cores. Leaves the host untouched without torch; returns what it measured."""
     try:
         import torch
-    except ImportError as e:
+
+        from moetplan.runtime.op.cpu_kernels import best_window
+    except (ImportError, AttributeError) as e:  # no torch, or a stand-in (a CUDA-only shim, a test double)
         return {"dense": f"not measured: {e}"}
     secs = 0.2 if quick else 1.0
-    try:
-        threads = torch.get_num_threads()
-    except AttributeError as e:  # a stand-in torch (a CUDA-only shim, a test double): nothing to time
-        return {"dense": f"not measured: {e}"}
-    torch.set_num_threads(1)
+
+    def rate(fn: Any, flops: float) -> float:
+        fn()  # oneDNN builds its primitive on the first call
+        n, dt, _ = best_window(fn, 1, secs)
+        return flops * n / dt / 1e9
+
     try:
         m, k, n = CPU_GEMM_SHAPE
         x = torch.randn(m, k, dtype=torch.bfloat16)
         w = torch.randn(n, k, dtype=torch.bfloat16)
-        gemm = _timed_rate(lambda: torch.nn.functional.linear(x, w), 2.0 * m * k * n, secs)
+        gemm = rate(lambda: torch.nn.functional.linear(x, w), 2.0 * m * k * n)
         h, d, s = CPU_ATTENTION_SHAPE
         q, kk, v = (torch.randn(1, h, s, d, dtype=torch.bfloat16) for _ in range(3))
         # causal: query i reads i + 1 keys, QK^T and PV 2 FLOPs per multiply-add each
-        attn = _timed_rate(lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=True),
-                           4.0 * h * d * s * (s + 1) / 2, secs)
+        attn = rate(lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=True),
+                    4.0 * h * d * s * (s + 1) / 2)
     except (RuntimeError, AttributeError) as e:  # a torch without bf16 CPU kernels: the rates stay unmeasured
         return {"dense": f"not measured: {e}"}
-    finally:
-        torch.set_num_threads(threads)
     host.cpu_gemm_gflops = _sig(gemm)
     host.cpu_gemm_dtype = "bf16"
     host.cpu_attention_gflops = _sig(attn)

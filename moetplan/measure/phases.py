@@ -297,8 +297,7 @@ class _Bench:
     async def sized_prompt(self, n_tokens: int) -> tuple[str, int, int | None]:
         """A random-words prompt of at most `n_tokens` tokens by the server's tokenizer (/tokenize), as close
         below as a few counts get it: (text, words, its token count or None where the server cannot count)."""
-        text, words, count = await self.fit_to_tokens("words", n_tokens, lambda w: probes.random_words(self.rng, w))
-        return text, words, count
+        return await self.fit_to_tokens("words", n_tokens, lambda w: probes.random_words(self.rng, w))
 
     async def fit_to_tokens(self, kind: str, n_tokens: int, make: Callable[[int], T],
                             prompt: Callable[[T], str] = str) -> tuple[T, int, int | None]:

@@ -20,6 +20,7 @@ import torch
 
 from moetplan.contract.errors import MoetplanError, UsageError
 from moetplan.contract.layout import RowLayout
+from moetplan.contract.vocab import CPU_ISAS
 from moetplan.runtime.op import kernels
 from moetplan.runtime.op.reference import ResidencyError, missing_message
 
@@ -27,7 +28,7 @@ log = logging.getLogger("moetplan.kernels")
 
 EXT_NAME = "moetplan_moe_cpu"
 SOURCE = "moe_cpu.cpp"
-ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512")  # the extension's ISA codes are the indices
+ISAS = CPU_ISAS  # the extension's ISA codes are the indices
 # int8 activation planes per stage (docs/CPU_KERNELS.md, "Tolerance"): one (q8_0, as llama.cpp: ~1e-2 relative to
 # the reference) costs half the dot-product instructions of two (float32-class, ~5e-5). Two for the w2 stage alone
 # buys little (its error comes mostly from x's plane), so both stages take one.
@@ -209,7 +210,7 @@ def _forward(mod: Any, layout: RowLayout, x: torch.Tensor, ids: torch.Tensor, w:
                                layout.inter_per_rank, math.nan, isa, PLANES_W13, PLANES_W2)
 
 
-def _best_window(call: Any, threads: int | None, min_seconds: float) -> tuple[int, float, int]:
+def best_window(call: Any, threads: int | None, min_seconds: float) -> tuple[int, float, int]:
     """(calls, seconds, threads) of the fastest of 5 windows of at least min_seconds / 5 and 2 calls each, on
     `threads` torch threads (None: as set): on a shared machine other jobs take the cores from some windows."""
     import time
@@ -254,7 +255,7 @@ def measure_expert_throughput(layout: RowLayout, threads: int | None = None, min
         _forward(mod, layout, x, torch.tensor([[calls[0] % rows]]), w, pool, slot_of, int(mod.best_isa()))
         calls[0] += 1
 
-    n, dt, used = _best_window(call, threads, min_seconds)
+    n, dt, used = best_window(call, threads, min_seconds)
     row = layout.w13_q_size + layout.w13_s_size + layout.w2_q_size + layout.w2_s_size
     return {"gbps": n * row / dt / 1e9, "experts_per_s": n / dt, "threads": float(used)}
 
@@ -283,11 +284,11 @@ def measure_prefill_rate(layout: RowLayout, isa: str | None = None, tokens_per_e
     def call() -> None:
         _forward(mod, layout, x, ids, w, pool, slot_of, code)
 
-    n, dt, used = _best_window(call, threads, min_seconds)
+    n, dt, used = best_window(call, threads, min_seconds)
     per_pair = dt / (n * T)
     flops = 6.0 * layout.hidden * layout.inter_per_rank
     return {"gflops": flops / per_pair / 1e9, "us_per_pair": per_pair * 1e6, "threads": float(used)}
 
 
 __all__ = ["ISAS", "PLANES_W13", "PLANES_W2", "CpuKernelBuildError", "best_isa", "build", "build_key", "fallback_reason",
-           "get_module", "isa_code", "measure_expert_throughput", "measure_prefill_rate", "moe_cpu", "shape_ok"]
+           "best_window", "get_module", "isa_code", "measure_expert_throughput", "measure_prefill_rate", "moe_cpu", "shape_ok"]
